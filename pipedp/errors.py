@@ -1,0 +1,37 @@
+"""Errors pipedp raises. Each message names the problem and how to fix it."""
+
+
+class PipeDPError(Exception):
+    """Base class of every error pipedp raises on purpose."""
+
+
+class UnsupportedModelError(PipeDPError, ValueError):
+    """The model has a layer or structure DP pipelining cannot handle."""
+
+
+class PartitionError(PipeDPError, ValueError):
+    """The model cannot be split into the requested stages."""
+
+
+class BatchError(PipeDPError, ValueError):
+    """A batch (or what loss_fn returns for it) has the wrong shape or type."""
+
+
+class ConfigMismatchError(PipeDPError, RuntimeError):
+    """Ranks disagree on the configuration of the run."""
+
+
+class RankFailedError(PipeDPError, RuntimeError):
+    """A rank of a multi-process run raised; the message names the rank and the cause."""
+
+
+class TransportError(PipeDPError, RuntimeError):
+    """A message between stages was not what the receiver expected."""
+
+
+class PrivacyBudgetExceeded(PipeDPError, RuntimeError):
+    """The next step would spend more privacy than max_epsilon allows."""
+
+
+class CheckpointError(PipeDPError, RuntimeError):
+    """A checkpoint is missing, truncated or does not match the run."""

@@ -1,0 +1,159 @@
+"""PipelineDPTrainer: DP-SGD on a micro-batched pipeline, equal to Opacus on one device."""
+from __future__ import annotations
+
+import math
+from typing import Callable, List, Optional, Sequence, Union
+
+import torch
+import torch.nn as nn
+from opacus.accountants import create_accountant
+
+import schedules
+
+from .errors import PipeDPError
+from .microbatch import check_batch, make_pass, microbatch_size_for, plan_passes, replica_rows
+from .partition import Balance, model_blocks, partition
+from .privacy import add_noise
+from .runtime import InProcessRuntime
+from .stage import Stage
+from .validation import validate_model
+
+OptimizerFactory = Callable[[List[nn.Parameter]], torch.optim.Optimizer]
+
+
+def _default_optimizer(params):
+    return torch.optim.SGD(params, lr=0.1)
+
+
+class PipelineDPTrainer:
+    """DP-SGD with the model split into ``stages`` pipeline stages.
+
+    Each ``step(inputs, targets)`` is one DP-SGD step on one logical batch: per-sample
+    gradients of ``loss_fn`` (which returns per-sample losses, shape [n]) are clipped to
+    ``max_grad_norm`` with their norm taken over *all* stages, summed, noised with
+    N(0, (noise_multiplier * max_grad_norm)^2), divided by ``expected_batch_size``, and
+    given to one optimizer per stage.
+
+    With torch.distributed initialised and world size > 1 (or ``transport="distributed"``),
+    each rank runs one stage of one data-parallel replica; otherwise every stage runs in
+    this process.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+        optimizer: OptimizerFactory = _default_optimizer,
+        *,
+        stages: int = 2,
+        microbatches: int = 4,
+        schedule: str = "1f1b",
+        noise_multiplier: float = 1.0,
+        max_grad_norm: float = 1.0,
+        expected_batch_size: int,
+        sample_rate: Optional[float] = None,
+        grad_mode: str = "ghost",
+        seed: int = 0,
+        accountant: str = "prv",
+        microbatch_size: Optional[int] = None,
+        balance: Balance = "params",
+        replicas: int = 1,
+        transport: str = "auto",
+        secure_mode: bool = False,
+    ):
+        if expected_batch_size is None or expected_batch_size <= 0:
+            raise ValueError(f"expected_batch_size must be > 0, got {expected_batch_size}")
+        if max_grad_norm <= 0:
+            raise ValueError(f"max_grad_norm must be > 0, got {max_grad_norm}")
+        if noise_multiplier < 0:
+            raise ValueError(f"noise_multiplier must be >= 0, got {noise_multiplier}")
+        if sample_rate is not None and not 0 < sample_rate <= 1:
+            raise ValueError(f"sample_rate must be in (0, 1], got {sample_rate}")
+        if microbatch_size is not None and microbatch_size < 1:
+            raise ValueError(f"microbatch_size must be >= 1, got {microbatch_size}")
+        if replicas < 1:
+            raise ValueError(f"replicas must be >= 1, got {replicas}")
+        if secure_mode:
+            from .secure import require_secure_mode
+
+            require_secure_mode()
+        self.schedule = schedules.build(schedule, stages, microbatches)
+        schedules.validate(self.schedule)
+        validate_model(model)
+        self.model = model
+        self.stages, self.microbatches, self.replicas = stages, microbatches, replicas
+        self.noise_multiplier, self.max_grad_norm = float(noise_multiplier), float(max_grad_norm)
+        self.expected_batch_size, self.sample_rate = expected_batch_size, sample_rate
+        self.microbatch_size, self.seed, self.secure_mode = microbatch_size, seed, secure_mode
+        self.grad_mode = grad_mode
+        self.accountant = create_accountant(mechanism=accountant)
+        self.steps_taken = 0
+
+        stage_blocks = partition(model_blocks(model), stages, balance)
+        self.runtime = self._make_runtime(transport, stage_blocks, loss_fn, grad_mode)
+        self.optimizers = [optimizer(stage.parameters) for stage in self.runtime.local_stages]
+
+    def _make_runtime(self, transport, stage_blocks, loss_fn, grad_mode):
+        import torch.distributed as dist
+
+        distributed = transport == "distributed" or (
+            transport == "auto" and dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+        )
+        if transport not in ("auto", "distributed", "inprocess"):
+            raise ValueError(f"unknown transport {transport!r}: use 'auto', 'inprocess' or 'distributed'")
+        if distributed:
+            from .distributed import DistributedRuntime
+
+            return DistributedRuntime.create(self, stage_blocks, loss_fn, grad_mode)
+        if self.replicas != 1:
+            raise ValueError("replicas > 1 needs one process per (stage, replica): launch with torchrun")
+        stages = [
+            Stage(i, len(stage_blocks), blocks, loss_fn, grad_mode) for i, blocks in enumerate(stage_blocks)
+        ]
+        return InProcessRuntime(stages, self.schedule, self.max_grad_norm)
+
+    # ---- one DP-SGD step ---------------------------------------------------------------------
+    def step(self, inputs: torch.Tensor, targets: torch.Tensor) -> float:
+        """One DP-SGD step on a logical batch of any size >= 0; returns its mean loss
+        (NaN for an empty batch, whose update is noise only)."""
+        n = check_batch(inputs, targets)
+        rows = replica_rows(n, self.replicas, self.runtime.replica)
+        inputs, targets = inputs[rows], targets[rows]
+        local_n = inputs.shape[0]
+        loss_sum = torch.zeros((), dtype=torch.float64)
+        for part in plan_passes(local_n, self.microbatches, self.microbatch_size):
+            size = microbatch_size_for(part.stop - part.start, self.microbatches, self.microbatch_size)
+            batch = make_pass(inputs[part], targets[part], self.microbatches, size)
+            loss_sum = loss_sum + self.runtime.run_pass(batch)
+        self._apply_update()
+        if self.sample_rate is not None:
+            self.accountant.step(noise_multiplier=self.noise_multiplier, sample_rate=self.sample_rate)
+        self.steps_taken += 1
+        total = float(self.runtime.total(loss_sum))
+        return total / n if n else math.nan
+
+    def _apply_update(self) -> None:
+        std = self.noise_multiplier * self.max_grad_norm
+        for stage, opt in zip(self.runtime.local_stages, self.optimizers):
+            grads = self.runtime.sum_over_replicas(stage.take_clipped_sum())
+            # the same (seed, step, stage) noise on every replica: added once, replicas stay equal
+            grads = add_noise(grads, std, self.seed, self.steps_taken, stage.index, self.secure_mode)
+            for p, g in zip(stage.parameters, grads):
+                p.grad = (g / self.expected_batch_size).to(p.dtype)
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+
+    # ---- state and privacy --------------------------------------------------------------------
+    def state_dict(self) -> Optional[dict]:
+        """The whole model's state dict with its original names (see README for ranks)."""
+        return self.runtime.gather_state() if self.runtime.is_distributed else self.model.state_dict()
+
+    def epsilon(self, delta: float = 1e-5) -> float:
+        if self.sample_rate is None:
+            raise PipeDPError(
+                "epsilon() needs the Poisson sample rate: pass sample_rate=q (expected batch size / "
+                "dataset size) to PipelineDPTrainer"
+            )
+        if self.steps_taken == 0:
+            return 0.0
+        return float(self.accountant.get_epsilon(delta=delta))

@@ -1,0 +1,77 @@
+"""Typed pipeline actions and their text form.
+
+An action is one unit of work on one stage: ``Action(stage=1, kind=F, microbatch=3)``
+prints as ``"1F3"``. A schedule is, for each stage, the ordered list of its actions.
+Everything here is plain data: no torch, no processes.
+"""
+from __future__ import annotations
+
+import enum
+import re
+from dataclasses import dataclass
+from typing import Dict, List, Optional
+
+
+class Kind(enum.Enum):
+    F = "F"  # forward of one micro-batch, capturing what per-sample gradients need
+    B = "B"  # backward to the stage input only, plus this stage's per-sample squared norms
+    W = "W"  # clipped weight gradient, from stored (activations, clip * output-grads)
+    SEND_F = "SEND_F"  # send the forward activation to the next stage
+    RECV_F = "RECV_F"  # receive the forward activation from the previous stage
+    SEND_B = "SEND_B"  # send the input gradient to the previous stage
+    RECV_B = "RECV_B"  # receive the output gradient from the next stage
+    NORM_REDUCE = "NORM_REDUCE"  # sum one micro-batch's per-sample norms over all stages
+
+
+COMPUTE_KINDS = frozenset({Kind.F, Kind.B, Kind.W})
+COMM_KINDS = frozenset({Kind.SEND_F, Kind.RECV_F, Kind.SEND_B, Kind.RECV_B})
+
+_TEXT = re.compile(r"^(\d+)(SEND_F|RECV_F|SEND_B|RECV_B|NORM_REDUCE|F|B|W)(\d+)$")
+
+
+@dataclass(frozen=True, order=True)
+class Action:
+    stage: int
+    kind: Kind
+    microbatch: int
+
+    def __str__(self) -> str:
+        return f"{self.stage}{self.kind.value}{self.microbatch}"
+
+    @staticmethod
+    def parse(text: str) -> "Action":
+        match = _TEXT.match(text.strip())
+        if not match:
+            raise ValueError(
+                f"cannot parse action {text!r}: expected STAGE KIND MICROBATCH, e.g. '1F3' or '0SEND_B2'"
+            )
+        return Action(int(match.group(1)), Kind(match.group(2)), int(match.group(3)))
+
+
+@dataclass(frozen=True)
+class Schedule:
+    """A named per-stage list of actions for ``stages`` stages and ``microbatches`` micro-batches."""
+
+    name: str
+    stages: int
+    microbatches: int
+    actions: Dict[int, List[Action]]
+
+    def for_stage(self, stage: int) -> List[Action]:
+        return self.actions[stage]
+
+    def to_text(self) -> str:
+        return "\n".join(
+            f"stage {s}: " + " ".join(str(a) for a in self.actions[s]) for s in range(self.stages)
+        )
+
+    @staticmethod
+    def from_text(name: str, text: str, microbatches: Optional[int] = None) -> "Schedule":
+        actions: Dict[int, List[Action]] = {}
+        for line in text.strip().splitlines():
+            head, _, body = line.partition(":")
+            stage = int(head.replace("stage", "").strip())
+            actions[stage] = [Action.parse(tok) for tok in body.split()]
+        if microbatches is None:
+            microbatches = 1 + max((a.microbatch for acts in actions.values() for a in acts), default=0)
+        return Schedule(name, len(actions), microbatches, actions)

@@ -1,0 +1,105 @@
+"""Schedule builders: GPipe and 1F1B, with DP actions (per-micro-batch norm reduce, W pass).
+
+Each stage's list holds, per micro-batch ``j``: RECV_F, F, SEND_F (forward), RECV_B, B,
+SEND_B (backward to the input), NORM_REDUCE (sum of the per-sample squared norms over the
+stages, a collective that every stage issues in micro-batch order) and W (the clipped
+weight gradient, which needs the reduced norms).
+
+Where W goes: stage 0 is the last to finish B(j), so the reduced norms of j are ready on
+stage k at about the time it finishes B(j + k). Placing W(j) right after B(j + k) keeps the
+stored captures of stage k bounded by about k + 1 micro-batches and never stalls on the
+collective in the steady state. Any placement after NORM_REDUCE(j) is correct; this one
+is fast.
+"""
+from __future__ import annotations
+
+from typing import Callable, Dict, List
+
+from .actions import Action, Kind, Schedule
+
+
+def _forward(stage: int, stages: int, mb: int) -> List[Action]:
+    acts = []
+    if stage > 0:
+        acts.append(Action(stage, Kind.RECV_F, mb))
+    acts.append(Action(stage, Kind.F, mb))
+    if stage < stages - 1:
+        acts.append(Action(stage, Kind.SEND_F, mb))
+    return acts
+
+
+def _backward(stage: int, stages: int, mb: int) -> List[Action]:
+    acts = []
+    if stage < stages - 1:
+        acts.append(Action(stage, Kind.RECV_B, mb))
+    acts.append(Action(stage, Kind.B, mb))
+    if stage > 0:
+        acts.append(Action(stage, Kind.SEND_B, mb))
+    acts.append(Action(stage, Kind.NORM_REDUCE, mb))
+    return acts
+
+
+def _with_weight_passes(stage: int, microbatches: int, backward_order: List[List[Action]]) -> List[Action]:
+    """Insert W(j) after the backward block of micro-batch j + stage (or at the end)."""
+    lag = stage
+    out: List[Action] = []
+    next_w = 0
+    for block in backward_order:
+        out.extend(block)
+        b_mb = next(a.microbatch for a in block if a.kind is Kind.B) if any(a.kind is Kind.B for a in block) else None
+        if b_mb is None:
+            continue
+        while next_w < microbatches and next_w + lag <= b_mb:
+            out.append(Action(stage, Kind.W, next_w))
+            next_w += 1
+    out.extend(Action(stage, Kind.W, j) for j in range(next_w, microbatches))
+    return out
+
+
+def _check_sizes(stages: int, microbatches: int) -> None:
+    if stages < 1:
+        raise ValueError(f"stages must be >= 1, got {stages}")
+    if microbatches < 1:
+        raise ValueError(f"microbatches must be >= 1, got {microbatches}")
+
+
+def gpipe(stages: int, microbatches: int) -> Schedule:
+    """All forwards, then all backwards (GPipe): every stage holds all m micro-batches."""
+    _check_sizes(stages, microbatches)
+    actions: Dict[int, List[Action]] = {}
+    for s in range(stages):
+        blocks = [_forward(s, stages, j) for j in range(microbatches)]
+        blocks += [_backward(s, stages, j) for j in range(microbatches)]
+        actions[s] = _with_weight_passes(s, microbatches, blocks)
+    return Schedule("gpipe", stages, microbatches, actions)
+
+
+def one_f_one_b(stages: int, microbatches: int) -> Schedule:
+    """1F1B: stage s warms up with (stages - s) forwards, then alternates B and F, then drains.
+
+    Stage s holds at most stages - s micro-batches' autograd graphs at once.
+    """
+    _check_sizes(stages, microbatches)
+    actions: Dict[int, List[Action]] = {}
+    for s in range(stages):
+        warmup = min(stages - s, microbatches)
+        blocks = [_forward(s, stages, j) for j in range(warmup)]
+        next_f, next_b = warmup, 0
+        while next_b < microbatches:
+            blocks.append(_backward(s, stages, next_b))
+            next_b += 1
+            if next_f < microbatches:
+                blocks.append(_forward(s, stages, next_f))
+                next_f += 1
+        actions[s] = _with_weight_passes(s, microbatches, blocks)
+    return Schedule("1f1b", stages, microbatches, actions)
+
+
+BUILDERS: Dict[str, Callable[[int, int], Schedule]] = {"gpipe": gpipe, "1f1b": one_f_one_b}
+
+
+def build(name: str, stages: int, microbatches: int) -> Schedule:
+    key = name.lower().replace("-", "").replace("_", "")
+    if key not in BUILDERS:
+        raise ValueError(f"unknown schedule {name!r}: choose one of {sorted(BUILDERS)}")
+    return BUILDERS[key](stages, microbatches)

@@ -1,0 +1,75 @@
+"""Independent oracles: Opacus on one device, and a loop of batch-size-1 backward passes.
+
+Neither uses any pipedp code: they take the unsplit model and compute the DP-SGD update
+the way a user of Opacus (or a textbook) would.
+"""
+from __future__ import annotations
+
+import copy
+import warnings
+from typing import Callable, Dict
+
+import torch
+import torch.nn as nn
+from torch.utils.data import DataLoader, TensorDataset
+
+
+def opacus_step(
+    model: nn.Module, x: torch.Tensor, y: torch.Tensor, *, token_model: bool, mode: str, max_grad_norm: float, lr: float
+) -> Dict[str, torch.Tensor]:
+    """State dict after one Opacus DP-SGD step (noise 0, flat clipping, loss_reduction='mean')."""
+    from opacus import PrivacyEngine
+
+    m = copy.deepcopy(model)
+    opt = torch.optim.SGD(m.parameters(), lr=lr)
+    loader = DataLoader(TensorDataset(x, y), batch_size=len(x))
+    criterion = nn.CrossEntropyLoss()
+    engine = PrivacyEngine()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        if mode == "ghost":
+            m, opt, dp_criterion, _ = engine.make_private(
+                module=m, optimizer=opt, data_loader=loader, criterion=criterion, noise_multiplier=0.0,
+                max_grad_norm=max_grad_norm, poisson_sampling=False, grad_sample_mode="ghost",
+            )
+            out = m(x)
+            if token_model:
+                loss = dp_criterion(out.reshape(-1, out.shape[-1]), y.reshape(-1), shape=out.shape)
+            else:
+                loss = dp_criterion(out, y)
+        else:
+            m, opt, _ = engine.make_private(
+                module=m, optimizer=opt, data_loader=loader, noise_multiplier=0.0,
+                max_grad_norm=max_grad_norm, poisson_sampling=False, grad_sample_mode="hooks",
+            )
+            out = m(x)
+            loss = criterion(out.reshape(-1, out.shape[-1]), y.reshape(-1)) if token_model else criterion(out, y)
+        assert opt.expected_batch_size == len(x)
+        loss.backward()
+        opt.step()
+    return {k.replace("_module.", ""): v.detach().clone() for k, v in m.state_dict().items()}
+
+
+def loop_clipped_sum(
+    model: nn.Module, loss_fn: Callable, x: torch.Tensor, y: torch.Tensor, max_grad_norm: float
+) -> Dict[str, torch.Tensor]:
+    """sum_i clip(grad of sample i alone), one batch-size-1 backward pass per sample."""
+    params = dict(model.named_parameters())
+    total = {k: torch.zeros_like(p) for k, p in params.items()}
+    for i in range(len(x)):
+        model.zero_grad(set_to_none=True)
+        loss = loss_fn(model(x[i : i + 1]), y[i : i + 1]).sum()
+        loss.backward()
+        norm = torch.sqrt(sum((p.grad.double() ** 2).sum() for p in params.values() if p.grad is not None))
+        factor = min(1.0, max_grad_norm / (float(norm) + 1e-6))
+        for k, p in params.items():
+            if p.grad is not None:
+                total[k] += factor * p.grad
+    model.zero_grad(set_to_none=True)
+    return total
+
+
+def max_relative_error(got: Dict[str, torch.Tensor], want: Dict[str, torch.Tensor]) -> float:
+    assert set(got) == set(want), f"state dict keys differ: {set(got) ^ set(want)}"
+    scale = max(float(v.abs().max()) for v in want.values())
+    return max(float((got[k].to(want[k].dtype) - want[k]).abs().max()) for k in want) / scale
