@@ -1,0 +1,65 @@
+import itertools
+
+import pytest
+import torch.nn as nn
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from pipedp.errors import PartitionError, UnsupportedModelError
+from pipedp.partition import Block, balanced_split, model_blocks, partition, uniform_split
+
+
+def brute_force_best(costs, stages):
+    n = len(costs)
+    best = float("inf")
+    for cuts in itertools.combinations(range(1, n), stages - 1):
+        bounds = (0,) + cuts + (n,)
+        best = min(best, max(sum(costs[a:b]) for a, b in zip(bounds, bounds[1:])))
+    return best
+
+
+@given(costs=st.lists(st.integers(0, 50), min_size=1, max_size=9), data=st.data())
+@settings(max_examples=100, deadline=None)
+def test_balanced_split_is_optimal_and_contiguous(costs, data):
+    stages = data.draw(st.integers(1, len(costs)))
+    ranges = balanced_split(costs, stages)
+    assert [i for r in ranges for i in r] == list(range(len(costs)))
+    assert all(len(r) >= 1 for r in ranges)
+    assert max(sum(costs[i] for i in r) for r in ranges) == brute_force_best(costs, stages)
+
+
+def test_uniform_split():
+    assert [len(r) for r in uniform_split(7, 3)] == [3, 2, 2]
+
+
+def test_more_stages_than_blocks():
+    with pytest.raises(PartitionError, match="cannot split 3 blocks into 4 stages"):
+        uniform_split(3, 4)
+
+
+def test_params_balance_puts_the_heavy_block_alone():
+    model = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2), nn.Linear(100, 100), nn.Linear(2, 2))
+    stages = partition(model_blocks(model), 2, "params")
+    assert [b.name for b in stages[1]] == ["2", "3"] or [b.name for b in stages[0]] == ["0", "1", "2"]
+    assert [b.name for b in stages[0]] == ["0", "1"]
+
+
+def test_tied_weights_across_stages_are_refused():
+    a, b = nn.Embedding(10, 4), nn.Linear(4, 10, bias=False)
+    b.weight = a.weight
+    model = nn.Sequential(a, nn.Tanh(), b)
+    with pytest.raises(PartitionError, match="tied weights"):
+        partition(model_blocks(model), 2, "uniform")
+
+
+def test_unknown_model_without_split_points():
+    class Opaque(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(2, 2)
+
+        def forward(self, x):
+            return self.lin(x)
+
+    with pytest.raises(UnsupportedModelError, match="Opaque"):
+        model_blocks(Opaque())
