@@ -24,6 +24,11 @@ class ConfigMismatchError(PipeDPError, RuntimeError):
 class RankFailedError(PipeDPError, RuntimeError):
     """A rank of a multi-process run raised; the message names the rank and the cause."""
 
+    def __init__(self, message: str, rank=None, exitcodes=None):
+        super().__init__(message)
+        self.rank = rank
+        self.exitcodes = exitcodes or []
+
 
 class TransportError(PipeDPError, RuntimeError):
     """A message between stages was not what the receiver expected."""

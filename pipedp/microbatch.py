@@ -23,6 +23,10 @@ class PassBatch:
     masks: List[torch.Tensor]  # float, 1 for a real row, 0 for padding
     real_rows: int
 
+    def to(self, device) -> "PassBatch":
+        move = lambda ts: [t.to(device) for t in ts]  # noqa: E731
+        return PassBatch(move(self.inputs), move(self.targets), move(self.masks), self.real_rows)
+
 
 def check_batch(inputs, targets) -> int:
     if not isinstance(inputs, torch.Tensor) or not isinstance(targets, torch.Tensor):

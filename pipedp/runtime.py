@@ -26,6 +26,9 @@ class InProcessRuntime:
             for stage in stages
         ]
 
+    def check_same_batch(self, n: int) -> None:
+        """Only one process: nothing to compare."""
+
     def run_pass(self, batch: PassBatch) -> torch.Tensor:
         for e in self.executors:
             e.start_pass(batch)

@@ -117,6 +117,7 @@ class PipelineDPTrainer:
         """One DP-SGD step on a logical batch of any size >= 0; returns its mean loss
         (NaN for an empty batch, whose update is noise only)."""
         n = check_batch(inputs, targets)
+        self.runtime.check_same_batch(n)
         rows = replica_rows(n, self.replicas, self.runtime.replica)
         inputs, targets = inputs[rows], targets[rows]
         local_n = inputs.shape[0]

@@ -1,0 +1,160 @@
+"""The multi-process runtime: one process per (stage, replica), over torch.distributed.
+
+Ranks form a stages x replicas mesh: rank = replica * stages + stage. The pipeline group
+of a replica holds its stages (P2P and the per-sample norm all-reduce); the data-parallel
+group of a stage holds that stage on every replica (sum of clipped gradients). Groups are
+explicit objects held here, never globals.
+"""
+from __future__ import annotations
+
+import hashlib
+import os
+from dataclasses import dataclass
+from typing import Dict, List, Optional
+
+import torch
+import torch.distributed as dist
+
+from .errors import BatchError, ConfigMismatchError
+from .executor import Executor
+from .microbatch import PassBatch
+from .stage import Stage
+from .dist_transport import DistTransport
+
+
+@dataclass(frozen=True)
+class Mesh:
+    stages: int
+    replicas: int
+    rank: int
+
+    @property
+    def stage(self) -> int:
+        return self.rank % self.stages
+
+    @property
+    def replica(self) -> int:
+        return self.rank // self.stages
+
+    def pipeline_ranks(self, replica: int) -> List[int]:
+        return [replica * self.stages + s for s in range(self.stages)]
+
+    def data_parallel_ranks(self, stage: int) -> List[int]:
+        return [r * self.stages + stage for r in range(self.replicas)]
+
+
+def _model_signature(model: torch.nn.Module) -> str:
+    text = ";".join(f"{n}:{tuple(p.shape)}:{p.dtype}" for n, p in model.named_parameters())
+    return hashlib.sha1(text.encode()).hexdigest()[:12]
+
+
+def _checksum(stage: Stage) -> float:
+    with torch.no_grad():
+        return float(sum(p.double().sum() for p in stage.parameters)) if stage.parameters else 0.0
+
+
+def _device_for_backend() -> torch.device:
+    if dist.get_backend() == "nccl":
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", dist.get_rank() % torch.cuda.device_count())))
+    return torch.device("cpu")
+
+
+class DistributedRuntime:
+    is_distributed = True
+
+    def __init__(self, mesh: Mesh, stage: Stage, executor: Executor, dp_group, device, model):
+        self.mesh, self.device, self.model = mesh, device, model
+        self.replicas, self.replica = mesh.replicas, mesh.replica
+        self.local_stages = [stage]
+        self.executor = executor
+        self.dp_group = dp_group
+
+    @classmethod
+    def create(cls, trainer, stage_blocks, loss_fn, grad_mode) -> "DistributedRuntime":
+        world, rank = dist.get_world_size(), dist.get_rank()
+        config = {
+            "world size": world, "stages": trainer.stages, "replicas": trainer.replicas,
+            "schedule": trainer.schedule.name, "microbatches": trainer.microbatches,
+            "microbatch_size": trainer.microbatch_size, "grad_mode": grad_mode,
+            "noise_multiplier": trainer.noise_multiplier, "max_grad_norm": trainer.max_grad_norm,
+            "expected_batch_size": trainer.expected_batch_size, "sample_rate": trainer.sample_rate,
+            "seed": trainer.seed, "model signature": _model_signature(trainer.model),
+        }
+        configs: List[Optional[Dict]] = [None] * world
+        dist.all_gather_object(configs, config)  # before any check that could make one rank leave early
+        mismatches = [
+            f"rank {r} has {key}={cfg[key]!r} but rank 0 has {configs[0][key]!r}"
+            for r, cfg in enumerate(configs) for key in config if cfg[key] != configs[0][key]
+        ]
+        if mismatches:
+            raise ConfigMismatchError("ranks disagree on the configuration:\n  " + "\n  ".join(mismatches))
+        if world != trainer.stages * trainer.replicas:
+            raise ConfigMismatchError(
+                f"world size {world} != stages {trainer.stages} x replicas {trainer.replicas}: launch "
+                f"torchrun --nproc_per_node {trainer.stages * trainer.replicas} (or fix stages/replicas)"
+            )
+        mesh = Mesh(trainer.stages, trainer.replicas, rank)
+        # every rank creates every group, in the same order (torch.distributed requires it)
+        pipeline_groups = [dist.new_group(mesh.pipeline_ranks(r)) for r in range(mesh.replicas)]
+        dp_groups = [dist.new_group(mesh.data_parallel_ranks(s)) for s in range(mesh.stages)]
+        device = _device_for_backend()
+        for s, blocks in enumerate(stage_blocks):
+            for b in blocks:  # keep only this rank's stage; free the rest
+                b.module.to(device if s == mesh.stage else "meta")
+        stage = Stage(mesh.stage, mesh.stages, stage_blocks[mesh.stage], loss_fn, grad_mode)
+        checksums: List[Optional[float]] = [None] * world
+        dist.all_gather_object(checksums, (mesh.stage, _checksum(stage)))
+        for r, (s, value) in enumerate(checksums):
+            if s == mesh.stage and value != _checksum(stage):
+                raise ConfigMismatchError(
+                    f"ranks {rank} and {r} hold stage {s} with different weights: build the model from the "
+                    "same seed (torch.manual_seed before constructing it) or load the same checkpoint on every rank"
+                )
+        pipeline = mesh.pipeline_ranks(mesh.replica)
+        transport = DistTransport(
+            mesh.stage,
+            pipeline[mesh.stage - 1] if mesh.stage > 0 else None,
+            pipeline[mesh.stage + 1] if mesh.stage < mesh.stages - 1 else None,
+            pipeline_groups[mesh.replica],
+            device,
+        )
+        executor = Executor(stage, transport, trainer.schedule.for_stage(mesh.stage), trainer.max_grad_norm)
+        return cls(mesh, stage, executor, dp_groups[mesh.stage], device, trainer.model)
+
+    def check_same_batch(self, n: int) -> None:
+        sizes = torch.tensor([n, -n], dtype=torch.int64)
+        dist.all_reduce(sizes, op=dist.ReduceOp.MAX)
+        if int(sizes[0]) != n or int(-sizes[1]) != n:
+            raise BatchError(
+                f"ranks got different logical batches (rank {self.mesh.rank} has {n} rows, others between "
+                f"{int(-sizes[1])} and {int(sizes[0])}): every rank must call step() with the same batch"
+            )
+
+    def run_pass(self, batch: PassBatch) -> torch.Tensor:
+        self.executor.start_pass(batch.to(self.device))
+        self.executor.run()
+        return self.executor.loss_sum.cpu()
+
+    def sum_over_replicas(self, grads: List[torch.Tensor]) -> List[torch.Tensor]:
+        if self.replicas == 1 or not grads:
+            return grads
+        flat = torch.cat([g.reshape(-1) for g in grads])
+        dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=self.dp_group)
+        return [chunk.view_as(g) for chunk, g in zip(flat.split([g.numel() for g in grads]), grads)]
+
+    def total(self, value: torch.Tensor) -> torch.Tensor:
+        value = value.to(self.device, torch.float64).clone()
+        dist.all_reduce(value, op=dist.ReduceOp.SUM)
+        return value.cpu()
+
+    def gather_state(self) -> Optional[dict]:
+        """The whole model's state dict on rank 0 (CPU tensors); None on the other ranks."""
+        mine = {k: v.detach().cpu() for k, v in self.local_stages[0].named_state().items()} if self.replica == 0 else {}
+        parts: List[Optional[dict]] = [None] * dist.get_world_size()
+        dist.all_gather_object(parts, mine)
+        if dist.get_rank() != 0:
+            return None
+        merged = {}
+        for part in parts:
+            merged.update(part)
+        return {k: merged[k] for k in self.model.state_dict().keys() if k in merged}
