@@ -7,7 +7,6 @@ explicit objects held here, never globals.
 """
 from __future__ import annotations
 
-import hashlib
 import os
 from dataclasses import dataclass
 from typing import Dict, List, Optional
@@ -18,6 +17,7 @@ import torch.distributed as dist
 from .errors import BatchError, ConfigMismatchError
 from .executor import Executor
 from .microbatch import PassBatch
+from .partition import model_signature
 from .stage import Stage
 from .dist_transport import DistTransport
 
@@ -43,11 +43,6 @@ class Mesh:
         return [r * self.stages + stage for r in range(self.replicas)]
 
 
-def _model_signature(model: torch.nn.Module) -> str:
-    text = ";".join(f"{n}:{tuple(p.shape)}:{p.dtype}" for n, p in model.named_parameters())
-    return hashlib.sha1(text.encode()).hexdigest()[:12]
-
-
 def _checksum(stage: Stage) -> float:
     with torch.no_grad():
         return float(sum(p.double().sum() for p in stage.parameters)) if stage.parameters else 0.0
@@ -64,6 +59,7 @@ class DistributedRuntime:
 
     def __init__(self, mesh: Mesh, stage: Stage, executor: Executor, dp_group, device, model):
         self.mesh, self.device, self.model = mesh, device, model
+        self.rank = mesh.rank
         self.replicas, self.replica = mesh.replicas, mesh.replica
         self.local_stages = [stage]
         self.executor = executor
@@ -78,7 +74,7 @@ class DistributedRuntime:
             "microbatch_size": trainer.microbatch_size, "grad_mode": grad_mode,
             "noise_multiplier": trainer.noise_multiplier, "max_grad_norm": trainer.max_grad_norm,
             "expected_batch_size": trainer.expected_batch_size, "sample_rate": trainer.sample_rate,
-            "seed": trainer.seed, "model signature": _model_signature(trainer.model),
+            "seed": trainer.seed, "model signature": model_signature(trainer.model),
         }
         configs: List[Optional[Dict]] = [None] * world
         dist.all_gather_object(configs, config)  # before any check that could make one rank leave early
@@ -146,6 +142,11 @@ class DistributedRuntime:
         value = value.to(self.device, torch.float64).clone()
         dist.all_reduce(value, op=dist.ReduceOp.SUM)
         return value.cpu()
+
+    def all_gather(self, obj) -> list:
+        out: List = [None] * dist.get_world_size()
+        dist.all_gather_object(out, obj)
+        return out
 
     def gather_state(self) -> Optional[dict]:
         """The whole model's state dict on rank 0 (CPU tensors); None on the other ranks."""

@@ -34,6 +34,14 @@ def model_blocks(model: nn.Module) -> List[Block]:
     return blocks
 
 
+def model_signature(model: nn.Module) -> str:
+    """A short fingerprint of the parameter names, shapes and dtypes (not values)."""
+    import hashlib
+
+    text = ";".join(f"{n}:{tuple(p.shape)}:{p.dtype}" for n, p in model.named_parameters())
+    return hashlib.sha1(text.encode()).hexdigest()[:12]
+
+
 def uniform_split(num_blocks: int, stages: int) -> List[range]:
     """Contiguous ranges of as-equal-as-possible block counts (earlier stages get the extra)."""
     _check_counts(num_blocks, stages)

@@ -1,9 +1,9 @@
 """The DP arithmetic of a step: clip factors, Gaussian noise, Opacus scaling.
 
-Noise comes from Opacus's own generator function (including its secure-mode fix), drawn
-from a torch.Generator seeded by (seed, step, stage) so that every stage's noise is
-independent, every run with the same seed is reproducible, and a resumed run draws the
-same noise as one that never stopped.
+Noise comes from Opacus's own generator function, drawn from a torch.Generator seeded by
+(seed, step, stage) so that every stage's noise is independent, every run with the same
+seed is reproducible, and a resumed run draws the same noise as one that never stopped.
+In secure mode it comes from the OS CSPRNG instead (see secure.py).
 """
 from __future__ import annotations
 
@@ -36,6 +36,10 @@ def add_noise(
     """grads + N(0, std^2) elementwise, the stage's parameters in order."""
     if std == 0 or not grads:
         return grads
+    if secure_mode:
+        from .secure import secure_gaussian_like
+
+        return [g + secure_gaussian_like(g, std) for g in grads]
     generator = torch.Generator(device=grads[0].device)
     generator.manual_seed(noise_seed(seed, step, stage))
-    return [g + _generate_noise(std=std, reference=g, generator=generator, secure_mode=secure_mode) for g in grads]
+    return [g + _generate_noise(std=std, reference=g, generator=generator) for g in grads]

@@ -16,6 +16,7 @@ from .transport import InProcessHub
 class InProcessRuntime:
     replicas = 1
     replica = 0
+    rank = 0
     is_distributed = False
 
     def __init__(self, stages: Sequence[Stage], schedule: Schedule, max_grad_norm: float):
@@ -41,3 +42,6 @@ class InProcessRuntime:
 
     def total(self, value: torch.Tensor) -> torch.Tensor:
         return value
+
+    def all_gather(self, obj) -> list:
+        return [obj]

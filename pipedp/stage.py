@@ -67,6 +67,11 @@ class Stage:
                 out[f"{b.name}.{k}"] = v
         return out
 
+    def load_named_state(self, state: Dict[str, torch.Tensor]) -> None:
+        for b in self.blocks:
+            prefix = f"{b.name}."
+            b.module.load_state_dict({k[len(prefix):]: v for k, v in state.items() if k.startswith(prefix)})
+
     # ---- F -------------------------------------------------------------------------------
     def forward(self, mb: int, x: torch.Tensor, targets=None) -> torch.Tensor:
         size = x.shape[0]

@@ -10,7 +10,8 @@ from opacus.accountants import create_accountant
 
 import schedules
 
-from .errors import PipeDPError
+from .accounting import calibrate_noise, steps_within_budget
+from .errors import PipeDPError, PrivacyBudgetExceeded
 from .microbatch import check_batch, make_pass, microbatch_size_for, plan_passes, replica_rows
 from .partition import Balance, model_blocks, partition
 from .privacy import add_noise
@@ -60,6 +61,11 @@ class PipelineDPTrainer:
         replicas: int = 1,
         transport: str = "auto",
         secure_mode: bool = False,
+        target_epsilon: Optional[float] = None,
+        delta: float = 1e-5,
+        total_steps: Optional[int] = None,
+        epochs: Optional[float] = None,
+        max_epsilon: Optional[float] = None,
     ):
         if expected_batch_size is None or expected_batch_size <= 0:
             raise ValueError(f"expected_batch_size must be > 0, got {expected_batch_size}")
@@ -86,8 +92,15 @@ class PipelineDPTrainer:
         self.expected_batch_size, self.sample_rate = expected_batch_size, sample_rate
         self.microbatch_size, self.seed, self.secure_mode = microbatch_size, seed, secure_mode
         self.grad_mode = grad_mode
+        self.accountant_name = accountant
         self.accountant = create_accountant(mechanism=accountant)
+        self.delta, self.max_epsilon = delta, max_epsilon
         self.steps_taken = 0
+        if target_epsilon is not None:
+            self.noise_multiplier = calibrate_noise(target_epsilon, delta, sample_rate, total_steps, epochs, accountant)
+        if max_epsilon is not None and sample_rate is None:
+            raise PipeDPError("max_epsilon needs sample_rate (the Poisson rate) to account the privacy spent")
+        self._budget = None
 
         stage_blocks = partition(model_blocks(model), stages, balance)
         self.runtime = self._make_runtime(transport, stage_blocks, loss_fn, grad_mode)
@@ -117,6 +130,7 @@ class PipelineDPTrainer:
         """One DP-SGD step on a logical batch of any size >= 0; returns its mean loss
         (NaN for an empty batch, whose update is noise only)."""
         n = check_batch(inputs, targets)
+        self.check_budget()
         self.runtime.check_same_batch(n)
         rows = replica_rows(n, self.replicas, self.runtime.replica)
         inputs, targets = inputs[rows], targets[rows]
@@ -136,9 +150,10 @@ class PipelineDPTrainer:
     def _apply_update(self) -> None:
         std = self.noise_multiplier * self.max_grad_norm
         for stage, opt in zip(self.runtime.local_stages, self.optimizers):
-            grads = self.runtime.sum_over_replicas(stage.take_clipped_sum())
-            # the same (seed, step, stage) noise on every replica: added once, replicas stay equal
-            grads = add_noise(grads, std, self.seed, self.steps_taken, stage.index, self.secure_mode)
+            grads = stage.take_clipped_sum()
+            if self.runtime.replica == 0:  # noise once, before the sum over replicas
+                grads = add_noise(grads, std, self.seed, self.steps_taken, stage.index, self.secure_mode)
+            grads = self.runtime.sum_over_replicas(grads)
             for p, g in zip(stage.parameters, grads):
                 p.grad = (g / self.expected_batch_size).to(p.dtype)
             opt.step()
@@ -149,12 +164,46 @@ class PipelineDPTrainer:
         """The whole model's state dict with its original names (see README for ranks)."""
         return self.runtime.gather_state() if self.runtime.is_distributed else self.model.state_dict()
 
+    def check_budget(self) -> None:
+        """Raise PrivacyBudgetExceeded if one more step would spend more than max_epsilon."""
+        if self.max_epsilon is None:
+            return
+        if self._budget is None:
+            self._budget = steps_within_budget(
+                self.max_epsilon, self.delta, self.noise_multiplier, self.sample_rate, self.accountant_name
+            )
+        if self.steps_taken + 1 > self._budget:
+            raise PrivacyBudgetExceeded(
+                f"step {self.steps_taken + 1} would exceed max_epsilon={self.max_epsilon} at delta={self.delta}: "
+                f"{self.steps_taken} steps spent epsilon {self.epsilon(self.delta):.4f} and the budget allows "
+                f"{self._budget} steps at noise_multiplier={self.noise_multiplier:.4f}, sample_rate={self.sample_rate}"
+            )
+
+    # ---- the training loop and checkpoints (see loop.py) -----------------------------------------
+    def fit(self, dataset, **kwargs):
+        """Poisson-sampled DP training over ``dataset``; see pipedp.loop.fit for the arguments."""
+        from .loop import fit
+
+        return fit(self, dataset, **kwargs)
+
+    def save_checkpoint(self, directory: str) -> None:
+        from .loop import save_checkpoint
+
+        save_checkpoint(self, directory)
+
+    def load_checkpoint(self, directory: str) -> None:
+        from .loop import load_checkpoint
+
+        load_checkpoint(self, directory)
+
     def epsilon(self, delta: float = 1e-5) -> float:
         if self.sample_rate is None:
             raise PipeDPError(
                 "epsilon() needs the Poisson sample rate: pass sample_rate=q (expected batch size / "
                 "dataset size) to PipelineDPTrainer"
             )
-        if self.steps_taken == 0:
+        if not self.accountant.history:
             return 0.0
+        if any(sigma == 0 for sigma, _, _ in self.accountant.history):
+            return math.inf  # a step without noise has no finite privacy guarantee
         return float(self.accountant.get_epsilon(delta=delta))

@@ -1,0 +1,60 @@
+"""Privacy accounting helpers on top of Opacus's accountants (prv, rdp, gdp)."""
+from __future__ import annotations
+
+from typing import Optional
+
+from opacus.accountants import create_accountant
+from opacus.accountants.utils import get_noise_multiplier
+
+from .errors import PipeDPError
+
+
+def epsilon_after(steps: int, noise_multiplier: float, sample_rate: float, delta: float, accountant: str) -> float:
+    if steps == 0:
+        return 0.0
+    acc = create_accountant(mechanism=accountant)
+    acc.history = [(noise_multiplier, sample_rate, steps)]
+    return float(acc.get_epsilon(delta=delta))
+
+
+def steps_within_budget(
+    max_epsilon: float, delta: float, noise_multiplier: float, sample_rate: float, accountant: str, limit: int = 10**8
+) -> int:
+    """The largest number of steps whose epsilon stays <= max_epsilon (epsilon grows with steps)."""
+    if noise_multiplier == 0:
+        return 0
+    if epsilon_after(1, noise_multiplier, sample_rate, delta, accountant) > max_epsilon:
+        return 0
+    low, high = 1, 2
+    while high < limit and epsilon_after(high, noise_multiplier, sample_rate, delta, accountant) <= max_epsilon:
+        low, high = high, high * 2
+    while high - low > 1:
+        mid = (low + high) // 2
+        if epsilon_after(mid, noise_multiplier, sample_rate, delta, accountant) <= max_epsilon:
+            low = mid
+        else:
+            high = mid
+    return low
+
+
+def calibrate_noise(
+    target_epsilon: float, delta: float, sample_rate: Optional[float], steps: Optional[int],
+    epochs: Optional[float], accountant: str,
+) -> float:
+    """Opacus's get_noise_multiplier, with errors that say what to change."""
+    if sample_rate is None:
+        raise PipeDPError("target_epsilon needs sample_rate (the Poisson rate) to calibrate the noise")
+    if (steps is None) == (epochs is None):
+        raise PipeDPError("target_epsilon needs exactly one of total_steps or epochs to calibrate the noise")
+    if steps is None:
+        steps = int(epochs / sample_rate)
+    try:
+        return float(get_noise_multiplier(
+            target_epsilon=target_epsilon, target_delta=delta, sample_rate=sample_rate, steps=steps,
+            accountant=accountant,
+        ))
+    except ValueError as exc:
+        raise PipeDPError(
+            f"target epsilon {target_epsilon} at delta {delta} cannot be met with sample rate {sample_rate} over "
+            f"{steps} steps ({exc}): raise the target epsilon, lower the sample rate, or train fewer steps"
+        ) from exc
