@@ -1,6 +1,7 @@
 """Privacy accounting helpers on top of Opacus's accountants (prv, rdp, gdp)."""
 from __future__ import annotations
 
+import warnings
 from typing import Optional
 
 from opacus.accountants import create_accountant
@@ -49,10 +50,12 @@ def calibrate_noise(
     if steps is None:
         steps = int(epochs / sample_rate)
     try:
-        return float(get_noise_multiplier(
-            target_epsilon=target_epsilon, target_delta=delta, sample_rate=sample_rate, steps=steps,
-            accountant=accountant,
-        ))
+        with warnings.catch_warnings():  # the RDP search warns about its alpha grid at the extremes
+            warnings.simplefilter("ignore")
+            return float(get_noise_multiplier(
+                target_epsilon=target_epsilon, target_delta=delta, sample_rate=sample_rate, steps=steps,
+                accountant=accountant,
+            ))
     except ValueError as exc:
         raise PipeDPError(
             f"target epsilon {target_epsilon} at delta {delta} cannot be met with sample rate {sample_rate} over "

@@ -96,6 +96,7 @@ class PipelineDPTrainer:
         self.accountant = create_accountant(mechanism=accountant)
         self.delta, self.max_epsilon = delta, max_epsilon
         self.steps_taken = 0
+        self.last_batch_size = 0
         if target_epsilon is not None:
             self.noise_multiplier = calibrate_noise(target_epsilon, delta, sample_rate, total_steps, epochs, accountant)
         if max_epsilon is not None and sample_rate is None:
@@ -130,6 +131,7 @@ class PipelineDPTrainer:
         """One DP-SGD step on a logical batch of any size >= 0; returns its mean loss
         (NaN for an empty batch, whose update is noise only)."""
         n = check_batch(inputs, targets)
+        self.last_batch_size = n
         self.check_budget()
         self.runtime.check_same_batch(n)
         rows = replica_rows(n, self.replicas, self.runtime.replica)

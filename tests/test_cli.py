@@ -1,0 +1,54 @@
+"""Drive the CLI the way a user does: as a subprocess."""
+import os
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def pipedp(*args, timeout=240, cwd=None):
+    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    return subprocess.run([sys.executable, "-m", "pipedp.cli", *args], capture_output=True, text=True,
+                          timeout=timeout, cwd=cwd or ROOT, env=env)
+
+
+@pytest.mark.dist
+def test_default_train_finishes_prints_epsilon_checkpoints_and_resumes(tmp_path):
+    ckpt = str(tmp_path / "ckpt")
+    first = pipedp("train", "--steps", "4", "--checkpoint-dir", ckpt, "--no-progress")
+    assert first.returncode == 0, first.stderr
+    assert "launching 2 processes" in first.stdout
+    assert "done: 4 steps" in first.stdout and "epsilon" in first.stdout
+    assert open(os.path.join(ckpt, "latest")).read() == "step-00000004"
+    again = pipedp("train", "--steps", "6", "--checkpoint-dir", ckpt, "--resume", "--no-progress")
+    assert again.returncode == 0, again.stderr
+    assert "resumed from step 4" in again.stdout and "done: 6 steps" in again.stdout
+    assert open(os.path.join(ckpt, "latest")).read() == "step-00000006"
+
+
+def test_schedule_show():
+    out = pipedp("schedule", "show", "1f1b", "--stages", "2", "--microbatches", "4")
+    assert out.returncode == 0, out.stderr
+    assert "stage 0 | F0" in out.stdout and "bubble" in out.stdout and "peak in-flight per stage [2, 1]" in out.stdout
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["train", "--stages", "0"], "--stages: must be >= 1, got 0"),
+        (["train", "--model", "/no/such/model"], "'/no/such/model' is neither 'tiny-gpt' nor a local folder"),
+        (["train", "--data", "/no/such/file.txt"], "dataset '/no/such/file.txt' does not exist"),
+        (["train", "--target-epsilon", "0.0000001", "--sample-rate", "1", "--steps", "1000000",
+          "--accountant", "rdp"], "cannot be met"),
+        (["schedule", "show", "zb", "--stages", "2", "--microbatches", "2"], "unknown schedule 'zb'"),
+    ],
+)
+def test_bad_arguments_give_one_clear_line(args, message):
+    out = pipedp(*args)
+    assert out.returncode != 0
+    lines = [line for line in out.stderr.strip().splitlines() if line.strip()]
+    assert len(lines) == 1, out.stderr
+    assert lines[0].startswith("pipedp: error:") and message in lines[0], lines[0]
+    assert "Traceback" not in out.stderr
