@@ -30,7 +30,7 @@ def find_units(named_modules: Iterator[Tuple[str, nn.Module]]) -> Dict[str, nn.M
     units = {}
     for name, module in named_modules:
         if any(p.requires_grad for p in module.parameters(recurse=False)):
-            units[name] = module
+            units[name if name not in units else f"{name}#{len(units)}"] = module
     return units
 
 

@@ -16,11 +16,14 @@ from .errors import PartitionError, UnsupportedModelError
 
 @dataclass(frozen=True)
 class Block:
-    name: str  # prefix of this block's parameters in the model's state dict
+    name: str  # prefix of this block's state-dict keys in the model's state dict ("" for none)
     module: nn.Module
 
+    def qualified(self, key: str) -> str:
+        return f"{self.name}.{key}" if self.name else key
 
-def model_blocks(model: nn.Module) -> List[Block]:
+
+def model_blocks(model: nn.Module, untie_weights: bool = False) -> List[Block]:
     if hasattr(model, "pipeline_blocks"):
         blocks = [Block(name, module) for name, module in model.pipeline_blocks()]
     elif isinstance(model, nn.Sequential):
@@ -28,7 +31,7 @@ def model_blocks(model: nn.Module) -> List[Block]:
     else:
         from .adapters import adapt  # Hugging Face and other known architectures
 
-        blocks = adapt(model)
+        blocks = adapt(model, untie_weights)
     if not blocks:
         raise UnsupportedModelError(f"{type(model).__name__} has no blocks to split")
     return blocks
@@ -133,10 +136,10 @@ def check_no_shared_parameters(stage_blocks: Sequence[Sequence[Block]]) -> None:
     for s, blocks in enumerate(stage_blocks):
         for b in blocks:
             for pname, p in b.module.named_parameters():
-                first = owner.setdefault(id(p), (s, f"{b.name}.{pname}"))
+                first = owner.setdefault(id(p), (s, b.qualified(pname)))
                 if first[0] != s:
                     raise PartitionError(
-                        f"parameter {first[1]} (stage {first[0]}) is the same tensor as {b.name}.{pname} "
+                        f"parameter {first[1]} (stage {first[0]}) is the same tensor as {b.qualified(pname)} "
                         f"(stage {s}): tied weights across stages would be clipped with the wrong per-sample "
                         f"norm. Untie them (e.g. untie_weights=True for Hugging Face models, or give each "
                         f"its own copy), or choose a split that keeps both on one stage."

@@ -50,7 +50,7 @@ class Stage:
         self.loss_fn = loss_fn
         self.grad_mode = grad_mode
         self.units = find_units(
-            (f"{b.name}.{n}" if n else b.name, m) for b in self.blocks for n, m in b.module.named_modules()
+            (b.qualified(n) if n else b.name or type(m).__name__, m) for b in self.blocks for n, m in b.module.named_modules()
         )
         self.parameters: List[nn.Parameter] = _unique(
             p for b in self.blocks for p in b.module.parameters() if p.requires_grad
@@ -64,13 +64,13 @@ class Stage:
         out = {}
         for b in self.blocks:
             for k, v in b.module.state_dict().items():
-                out[f"{b.name}.{k}"] = v
+                out[b.qualified(k)] = v
         return out
 
     def load_named_state(self, state: Dict[str, torch.Tensor]) -> None:
         for b in self.blocks:
-            prefix = f"{b.name}."
-            b.module.load_state_dict({k[len(prefix):]: v for k, v in state.items() if k.startswith(prefix)})
+            own = {k: b.qualified(k) for k in b.module.state_dict().keys()}
+            b.module.load_state_dict({k: state[q] for k, q in own.items()})
 
     # ---- F -------------------------------------------------------------------------------
     def forward(self, mb: int, x: torch.Tensor, targets=None) -> torch.Tensor:

@@ -58,6 +58,7 @@ class PipelineDPTrainer:
         accountant: str = "prv",
         microbatch_size: Optional[int] = None,
         balance: Balance = "params",
+        untie_weights: bool = False,
         replicas: int = 1,
         transport: str = "auto",
         secure_mode: bool = False,
@@ -103,7 +104,7 @@ class PipelineDPTrainer:
             raise PipeDPError("max_epsilon needs sample_rate (the Poisson rate) to account the privacy spent")
         self._budget = None
 
-        stage_blocks = partition(model_blocks(model), stages, balance)
+        stage_blocks = partition(model_blocks(model, untie_weights), stages, balance)
         self.runtime = self._make_runtime(transport, stage_blocks, loss_fn, grad_mode)
         self.optimizers = [optimizer(stage.parameters) for stage in self.runtime.local_stages]
 

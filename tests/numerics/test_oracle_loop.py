@@ -96,3 +96,16 @@ def test_random_shapes_match_loop(n, stages, microbatches, width, schedule, mode
         model, class_loss, x, y, 0.2, stages=stages, microbatches=microbatches, schedule=schedule, grad_mode=mode
     )
     assert max_relative_error(got, want) < 1e-8
+
+
+@pytest.mark.parametrize("mode", ["ghost", "materialize"])
+def test_embedding_padding_idx_gets_no_gradient(mode):
+    """Opacus 1.6's embedding samplers ignore padding_idx; the loop oracle (autograd) does not."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Embedding(6, 4, padding_idx=0), nn.Flatten(), nn.Linear(12, 3)).double()
+    x = torch.tensor([[0, 1, 2], [3, 0, 0], [4, 5, 1], [0, 0, 0]])
+    y = torch.tensor([0, 1, 2, 1])
+    want = loop_clipped_sum(copy.deepcopy(model), class_loss, x, y, 0.1)
+    got = pipedp_clipped_sum(model, class_loss, x, y, 0.1, stages=2, microbatches=2, grad_mode=mode)
+    assert max_relative_error(got, want) < 1e-10
+    assert got["0.weight"][0].abs().max() == 0

@@ -1,0 +1,117 @@
+"""Hugging Face GPT-2 and Llama: split forward equals the whole model; DP step equals the
+batch-size-1 loop oracle; tied weights; checkpoints loaded stage by stage from the meta device."""
+import copy
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM  # noqa: E402
+
+from oracles import loop_clipped_sum, max_relative_error  # noqa: E402
+from pipedp import PartitionError, PipelineDPTrainer  # noqa: E402
+from pipedp.hf import build_on_meta, load_pipeline_stage, resident_parameter_bytes  # noqa: E402
+from pipedp.models import token_loss  # noqa: E402
+from pipedp.partition import model_blocks, partition  # noqa: E402
+
+VOCAB, SEQ = 40, 8
+
+
+def gpt2():
+    torch.manual_seed(0)
+    cfg = GPT2Config(vocab_size=VOCAB, n_positions=16, n_embd=16, n_layer=4, n_head=2, resid_pdrop=0.0,
+                     embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0)
+    return GPT2LMHeadModel(cfg).double()
+
+
+def llama():
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=VOCAB, hidden_size=16, intermediate_size=32, num_hidden_layers=4,
+                      num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=32,
+                      bos_token_id=0, eos_token_id=0, pad_token_id=0)
+    return LlamaForCausalLM(cfg).double()
+
+
+def batch(n=7, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, VOCAB, (n, SEQ), generator=g), torch.randint(0, VOCAB, (n, SEQ), generator=g)
+
+
+@pytest.mark.parametrize("build", [gpt2, llama])
+@pytest.mark.parametrize("stages", [2, 4])
+def test_split_forward_equals_whole_model(build, stages):
+    model = build()
+    x, y = batch()
+    whole = model(x).logits
+    blocks = partition(model_blocks(model, untie_weights=True), stages, "params")
+    out = x
+    for stage in blocks:
+        for b in stage:
+            out = b.module(out)
+    assert torch.allclose(out, whole, rtol=0, atol=1e-12)
+    assert torch.allclose(token_loss(out, y), token_loss(whole, y), atol=1e-12)
+
+
+@pytest.mark.parametrize("build", [gpt2, llama])
+@pytest.mark.parametrize("stages", [2, 4])
+@pytest.mark.parametrize("mode", ["ghost", "materialize"])
+def test_dp_step_matches_the_loop_oracle(build, stages, mode):
+    model = build()
+    x, y = batch()
+    trainer = PipelineDPTrainer(model, token_loss, lambda p: torch.optim.SGD(p, lr=1.0), stages=stages,
+                                microbatches=3, noise_multiplier=0.0, max_grad_norm=0.3, expected_batch_size=1,
+                                grad_mode=mode, untie_weights=True)
+    before = {k: v.detach().clone() for k, v in model.named_parameters()}
+    oracle_model = copy.deepcopy(model)  # untied by the trainer: the oracle trains the same untied model
+    want = loop_clipped_sum(oracle_model, lambda out, t: token_loss(out.logits, t), x, y, 0.3)
+    trainer.step(x, y)
+    got = {k: before[k] - p.detach() for k, p in model.named_parameters()}
+    assert max_relative_error(got, want) < 1e-8
+
+
+def test_gpt2_tied_weights_on_one_stage_match_the_loop_oracle():
+    model = gpt2()
+    assert model.lm_head.weight is model.transformer.wte.weight
+    x, y = batch()
+    want = loop_clipped_sum(copy.deepcopy(model), lambda out, t: token_loss(out.logits, t), x, y, 0.3)
+    before = {k: v.detach().clone() for k, v in model.named_parameters()}
+    PipelineDPTrainer(model, token_loss, lambda p: torch.optim.SGD(p, lr=1.0), stages=1, microbatches=2,
+                      noise_multiplier=0.0, max_grad_norm=0.3, expected_batch_size=1).step(x, y)
+    got = {k: before[k] - p.detach() for k, p in model.named_parameters()}
+    assert max_relative_error(got, want) < 1e-8
+
+
+def test_tied_weights_across_stages_need_untie():
+    with pytest.raises(PartitionError, match="tied weights.*untie_weights=True"):
+        PipelineDPTrainer(gpt2(), token_loss, stages=2, expected_batch_size=4)
+
+
+@pytest.mark.parametrize("build", [gpt2, llama])
+def test_checkpoint_loads_stage_by_stage(build, tmp_path):
+    model = build().float()
+    model.config.tie_word_embeddings = False if build is llama else True
+    # sharded safetensors with an index file
+    model.save_pretrained(tmp_path, max_shard_size="20KB")
+    assert (tmp_path / "model.safetensors.index.json").exists()
+    whole = type(model).from_pretrained(tmp_path)
+    stages = 2
+    total = resident_parameter_bytes(whole)
+    blocks_meta = partition(model_blocks(build_on_meta(str(tmp_path)), untie_weights=True), stages, "params")
+    shares = [sum(p.numel() * 4 for b in s for p in b.module.parameters()) for s in blocks_meta]
+    for stage in range(stages):
+        part = load_pipeline_stage(str(tmp_path), stages, stage, untie_weights=True)
+        resident = resident_parameter_bytes(part)
+        assert resident == shares[stage] and resident < 0.8 * total
+        loaded = {k: v for k, v in part.state_dict().items() if not v.is_meta}
+        for k, v in loaded.items():
+            want = whole.state_dict()[k if k in whole.state_dict() else "transformer.wte.weight"]
+            assert torch.equal(v, want), k
+    # every stage materialised, the pipelined model gives the whole model's logits
+    x, _ = batch()
+    blocks = [partition(model_blocks(load_pipeline_stage(str(tmp_path), stages, s, untie_weights=True),
+                                     untie_weights=True), stages, "params")[s] for s in range(stages)]
+    out = x
+    for stage in blocks:
+        for b in stage:
+            out = b.module(out)
+    assert torch.allclose(out, whole(x).logits, atol=1e-5)
