@@ -2,8 +2,9 @@
 
 Mark the split points with ``torch.distributed.pipelining.pipe_split()`` inside forward (or
 give a ``split_spec``), then wrap: ``SplitModel(model, example_input)``. pipedp captures
-the graph with ``pipeline()`` and uses each captured stage module as one block. A stage
-boundary must carry exactly one tensor: anything else is refused with the construct named.
+the graph with ``pipeline()`` and uses each captured stage module as one block; its
+parameters are the model's own tensors, under the model's own names. A stage boundary
+must carry exactly one tensor: anything else is refused with the construct named.
 """
 from __future__ import annotations
 
@@ -55,20 +56,5 @@ def captured_blocks(model: nn.Module) -> Optional[List[Block]]:
                 f"({', '.join(n.name for n in inputs)}): only one tensor may cross a split point; move the "
                 "split so that skip connections and extra inputs stay inside one stage"
             )
-    return [Block(f"submod_{i}", _StageBlock(stage)) for i, stage in enumerate(stages)]
-
-
-class _StageBlock(nn.Module):
-    def __init__(self, gm: nn.Module):
-        super().__init__()
-        self.gm = gm
-
-    def forward(self, x):
-        out = self.gm(x)
-        if isinstance(out, (tuple, list)):
-            if len(out) != 1:
-                raise UnsupportedModelError(
-                    f"a captured stage returns {len(out)} tensors: only one tensor may cross a split point"
-                )
-            out = out[0]
-        return out
+    # the captured stage modules keep the model's own qualified names (a.weight, layers.0.fc.bias, ...)
+    return [Block("model", stage) for stage in stages]

@@ -7,7 +7,7 @@ where each block takes the previous block's output tensor.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, List, Sequence, Union
+from typing import Callable, List, Optional, Sequence, Union
 
 import torch.nn as nn
 
@@ -106,25 +106,34 @@ def parameter_costs(blocks: Sequence[Block]) -> List[float]:
 Balance = Union[str, Sequence[float], Callable[[Sequence[Block]], Sequence[float]]]
 
 
-def partition(blocks: Sequence[Block], stages: int, balance: Balance = "params") -> List[List[Block]]:
-    """Group blocks into stages: "uniform" (block counts), "params" (parameter counts),
-    a list of per-block costs, or a function of the blocks returning such a list."""
+def block_costs(blocks: Sequence[Block], balance: Balance) -> List[float]:
+    """The per-block costs a balance rule stands for ("uniform" counts every block as 1)."""
+    if balance == "uniform":
+        return [1.0] * len(blocks)
+    if balance == "params":
+        costs = parameter_costs(blocks)
+        return costs if sum(costs) > 0 else [1.0] * len(blocks)
+    if callable(balance):
+        costs = list(balance(blocks))
+    elif isinstance(balance, str):
+        raise PartitionError(f"unknown balance {balance!r}: use 'uniform', 'params', a list of block costs, "
+                             "or pipedp.balance.measured_costs(sample_input)")
+    else:
+        costs = list(balance)
+    if len(costs) != len(blocks):
+        raise PartitionError(f"got {len(costs)} block costs for {len(blocks)} blocks")
+    return costs
+
+
+def partition(
+    blocks: Sequence[Block], stages: int, balance: Balance = "params", costs: Optional[Sequence[float]] = None
+) -> List[List[Block]]:
+    """Group blocks into stages: "uniform" (block counts), "params" (parameter counts), a list of
+    per-block costs, or a function of the blocks returning such a list (e.g. measured_costs)."""
     if balance == "uniform":
         ranges = uniform_split(len(blocks), stages)
     else:
-        if balance == "params":
-            costs = parameter_costs(blocks)
-            if sum(costs) == 0:
-                costs = [1.0] * len(blocks)
-        elif callable(balance):
-            costs = list(balance(blocks))
-        elif isinstance(balance, str):
-            raise PartitionError(f"unknown balance {balance!r}: use 'uniform', 'params' or a list of block costs")
-        else:
-            costs = list(balance)
-        if len(costs) != len(blocks):
-            raise PartitionError(f"got {len(costs)} block costs for {len(blocks)} blocks")
-        ranges = balanced_split(costs, stages)
+        ranges = balanced_split(costs if costs is not None else block_costs(blocks, balance), stages)
     stage_blocks = [[blocks[i] for i in r] for r in ranges]
     check_no_shared_parameters(stage_blocks)
     return stage_blocks

@@ -82,6 +82,8 @@ class Stage:
             out = x
             for b in self.blocks:
                 out = b.module(out)
+                if isinstance(out, tuple) and len(out) == 1:  # captured graphs return 1-tuples
+                    out = out[0]
         state.calls = self.capture.pop(mb)
         if self.is_last:
             losses = self.loss_fn(out, targets)

@@ -13,7 +13,8 @@ import schedules
 from .accounting import calibrate_noise, steps_within_budget
 from .errors import PipeDPError, PrivacyBudgetExceeded
 from .microbatch import check_batch, make_pass, microbatch_size_for, plan_passes, replica_rows
-from .partition import Balance, model_blocks, partition
+from .balance import report
+from .partition import Balance, block_costs, model_blocks, partition
 from .privacy import add_noise
 from .runtime import InProcessRuntime
 from .stage import Stage
@@ -104,7 +105,10 @@ class PipelineDPTrainer:
             raise PipeDPError("max_epsilon needs sample_rate (the Poisson rate) to account the privacy spent")
         self._budget = None
 
-        stage_blocks = partition(model_blocks(model, untie_weights), stages, balance)
+        blocks = model_blocks(model, untie_weights)
+        costs = block_costs(blocks, balance)
+        stage_blocks = partition(blocks, stages, balance, costs)
+        self.partition_report = report(stage_blocks, costs)
         self.runtime = self._make_runtime(transport, stage_blocks, loss_fn, grad_mode)
         self.optimizers = [optimizer(stage.parameters) for stage in self.runtime.local_stages]
 

@@ -1,6 +1,7 @@
 import itertools
 
 import pytest
+import torch
 import torch.nn as nn
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -63,3 +64,38 @@ def test_unknown_model_without_split_points():
 
     with pytest.raises(UnsupportedModelError, match="Opaque"):
         model_blocks(Opaque())
+
+
+class Repeated(nn.Module):
+    """Few parameters, much compute: one small layer applied many times."""
+
+    def __init__(self, times):
+        super().__init__()
+        self.lin, self.times = nn.Linear(32, 32), times
+
+    def forward(self, x):
+        for _ in range(self.times):
+            x = torch.tanh(self.lin(x))
+        return x
+
+
+def test_measured_cost_split_beats_uniform_in_the_simulator():
+    from pipedp.balance import measured_costs, report
+    from schedules import Kind, build, simulate
+
+    torch.manual_seed(0)
+    model = nn.Sequential(Repeated(24), Repeated(24), *[nn.Linear(32, 32) for _ in range(6)])
+    blocks = model_blocks(model)
+    costs = measured_costs(torch.randn(16, 32), repeats=3)(blocks)
+    assert costs[0] > 5 * costs[-1]  # the repeated blocks really are heavier
+
+    def makespan(stage_blocks):
+        stage_costs = report(stage_blocks, costs).stage_costs
+        table = [{Kind.F: c, Kind.B: c, Kind.W: c} for c in stage_costs]
+        return simulate(build("1f1b", 2, 8), table).makespan
+
+    uniform = partition(blocks, 2, "uniform")
+    measured = partition(blocks, 2, costs)
+    assert [len(s) for s in uniform] == [4, 4]
+    assert report(measured, costs).imbalance < report(uniform, costs).imbalance
+    assert makespan(measured) < makespan(uniform)
