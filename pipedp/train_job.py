@@ -64,15 +64,18 @@ def load_dataset(job: Job):
     return x, y, tok.vocab_size
 
 
-def build_model(job: Job, vocab_size: Optional[int], rank_stage: Optional[int] = None):
+def build_model(job: Job, vocab_size: Optional[int], rank: int):
     if job.model == "tiny-gpt":
         from .models import GPTConfig, tiny_gpt
 
         torch.manual_seed(job.seed)
         return tiny_gpt(GPTConfig(vocab_size=vocab_size, seq_len=job.seq_len, d_model=64, n_heads=4, n_layers=4))
-    from .hf import load_local_model
+    from .hf import load_local_model, load_pipeline_stage
 
-    return load_local_model(job.model)
+    if job.inprocess:
+        return load_local_model(job.model)
+    # each rank reads only its own stage's tensors from the checkpoint
+    return load_pipeline_stage(job.model, job.stages, rank % job.stages, untie_weights=True)
 
 
 def resolve(args) -> Job:
@@ -128,7 +131,7 @@ def train_rank(rank: int, job: Job) -> dict:
     if not lead:
         warnings.filterwarnings("ignore")
     x, y, vocab = load_dataset(job)
-    model = build_model(job, vocab)
+    model = build_model(job, vocab, rank)
     from .models import token_loss
 
     trainer = PipelineDPTrainer(
@@ -138,6 +141,7 @@ def train_rank(rank: int, job: Job) -> dict:
         expected_batch_size=job.expected_batch_size, sample_rate=job.sample_rate, grad_mode=job.grad_mode,
         seed=job.seed, accountant=job.accountant, microbatch_size=job.microbatch_size, replicas=job.replicas,
         transport="inprocess" if job.inprocess else "auto", delta=job.delta, max_epsilon=job.max_epsilon,
+        untie_weights=job.model != "tiny-gpt",  # HF heads tied to embeddings sit on another stage
     )
     start_step = 0
     if job.resume and job.checkpoint_dir and os.path.exists(os.path.join(job.checkpoint_dir, "latest")):

@@ -52,3 +52,25 @@ def test_bad_arguments_give_one_clear_line(args, message):
     assert len(lines) == 1, out.stderr
     assert lines[0].startswith("pipedp: error:") and message in lines[0], lines[0]
     assert "Traceback" not in out.stderr
+
+
+@pytest.mark.dist
+def test_train_a_local_hugging_face_model_on_a_jsonl_dataset(tmp_path):
+    transformers = pytest.importorskip("transformers")
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    chars = sorted(set("abcdefghijklmnopqrstuvwxyz .,"))
+    tok = Tokenizer(models.WordLevel({c: i for i, c in enumerate(["[UNK]"] + chars)}, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Split("", "isolated")
+    fast = transformers.PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="[UNK]")
+    cfg = transformers.GPT2Config(vocab_size=len(chars) + 1, n_positions=32, n_embd=16, n_layer=2, n_head=2,
+                                  bos_token_id=0, eos_token_id=0)
+    folder = tmp_path / "tiny-gpt2"
+    transformers.GPT2LMHeadModel(cfg).save_pretrained(folder)
+    fast.save_pretrained(folder)
+    data = tmp_path / "data.jsonl"
+    data.write_text("\n".join('{"text": "the cat sat on the mat, the dog sat on the log."}' for _ in range(60)))
+    out = pipedp("train", "--model", str(folder), "--data", str(data), "--steps", "3", "--seq-len", "16",
+                 "--batch-size", "8", "--checkpoint-dir", str(tmp_path / "ck"), "--no-progress")
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "done: 3 steps" in out.stdout and "epsilon" in out.stdout
