@@ -6,10 +6,10 @@ stages, a collective that every stage issues in micro-batch order) and W (the cl
 weight gradient, which needs the reduced norms).
 
 Where W goes: stage 0 is the last to finish B(j), so the reduced norms of j are ready on
-stage k at about the time it finishes B(j + k). Placing W(j) right after B(j + k) keeps the
-stored captures of stage k bounded by about k + 1 micro-batches and never stalls on the
-collective in the steady state. Any placement after NORM_REDUCE(j) is correct; this one
-is fast.
+stage k at about the time it finishes B(j + k). Placing W(j) right after B(j + k + 1) keeps
+the stored captures of stage k bounded by about k + 2 micro-batches, and leaves one
+backward's time for the collective's latency, so W does not stall on it in the steady
+state. Any placement after NORM_REDUCE(j) is correct; this one is fast.
 """
 from __future__ import annotations
 

@@ -1,0 +1,154 @@
+"""One training step per contender, built the same way from the same preset and batch.
+
+Single process (all cores): plain PyTorch, Opacus hooks, Opacus ghost clipping.
+One process per stage (one core each): torch.distributed.pipelining GPipe / 1F1B (no DP),
+the naive split (stages in separate processes, the whole batch as one micro-batch, per-sample
+gradients materialised: pipedp with microbatches=1, gpipe, materialize — the same work a
+device_map split with Opacus hooks does, minus its bugs), and pipedp.
+"""
+from __future__ import annotations
+
+import statistics
+import time
+import warnings
+from typing import Callable, Dict, List
+
+import torch
+import torch.distributed as dist
+
+from .memory import PeakMemory
+from .presets import Preset
+
+LR = 1e-3
+
+
+def _timed(step: Callable[[], None], warmup: int, reps: int, sync: Callable[[], None] = lambda: None) -> List[float]:
+    for _ in range(warmup):
+        step()
+    times = []
+    for _ in range(reps):
+        sync()
+        start = time.perf_counter()
+        step()
+        sync()
+        times.append(time.perf_counter() - start)
+    return times
+
+
+# ---- single process --------------------------------------------------------------------------
+def single_process(name: str, preset: Preset, batch: int, warmup: int, reps: int) -> Dict:
+    x, y = preset.make_batch(batch, 0)
+    with PeakMemory() as mem:
+        torch.manual_seed(0)
+        model = preset.build()
+        opt = torch.optim.SGD(model.parameters(), lr=LR)
+        if name == "plain":
+            def step():
+                opt.zero_grad(set_to_none=True)
+                preset.mean_loss(model(x), y).backward()
+                opt.step()
+        else:
+            step = _opacus_step(name, preset, model, opt, x, y)
+        times = _timed(step, warmup, reps)
+    return {"name": name, "seconds": statistics.median(times), "peak_mib": [mem.peak_mib], "batch": batch}
+
+
+def _opacus_step(name, preset, model, opt, x, y):
+    from opacus import PrivacyEngine
+    from torch.utils.data import DataLoader, TensorDataset
+
+    warnings.filterwarnings("ignore")
+    loader = DataLoader(TensorDataset(x, y), batch_size=len(x))
+    engine = PrivacyEngine()
+    criterion = torch.nn.CrossEntropyLoss()
+    token = x.dim() == 2 and not x.is_floating_point()
+    if name == "opacus-ghost":
+        model, opt, dp_loss, _ = engine.make_private(
+            module=model, optimizer=opt, data_loader=loader, criterion=criterion, noise_multiplier=1.0,
+            max_grad_norm=1.0, poisson_sampling=False, grad_sample_mode="ghost")
+
+        def step():
+            opt.zero_grad(set_to_none=True)
+            out = model(x)
+            loss = dp_loss(out.reshape(-1, out.shape[-1]), y.reshape(-1), shape=out.shape) if token else dp_loss(out, y)
+            loss.backward()
+            opt.step()
+    else:
+        model, opt, _ = engine.make_private(module=model, optimizer=opt, data_loader=loader, noise_multiplier=1.0,
+                                            max_grad_norm=1.0, poisson_sampling=False)
+
+        def step():
+            opt.zero_grad(set_to_none=True)
+            preset.mean_loss(model(x), y).backward()
+            opt.step()
+    return step
+
+
+# ---- one process per stage -------------------------------------------------------------------
+def torch_pipeline(schedule: str, microbatches: int, preset: Preset, batch: int, stages: int, warmup: int, reps: int):
+    from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+
+    from pipedp.partition import model_blocks, partition
+
+    rank = dist.get_rank()
+    x, y = preset.make_batch(batch, 0)
+    with PeakMemory() as mem:
+        torch.manual_seed(0)
+        model = preset.build()
+        blocks = partition(model_blocks(model), stages, "params")[rank]
+        for s, others in enumerate(partition(model_blocks(model), stages, "params")):
+            if s != rank:
+                for b in others:
+                    b.module.to("meta")
+        module = torch.nn.Sequential(*[b.module for b in blocks])
+        stage = PipelineStage(module, rank, stages, torch.device("cpu"))
+        cls = Schedule1F1B if schedule == "1f1b" else ScheduleGPipe
+        sched = cls(stage, n_microbatches=microbatches, loss_fn=preset.mean_loss)
+        opt = torch.optim.SGD(module.parameters(), lr=LR)
+
+        def step():
+            opt.zero_grad(set_to_none=True)
+            if rank == 0:
+                sched.step(x)
+            elif rank == stages - 1:
+                sched.step(target=y, losses=[])
+            else:
+                sched.step()
+            opt.step()
+
+        times = _timed(step, warmup, reps, dist.barrier)
+    return {"seconds": statistics.median(times), "peak_mib": mem.peak_mib}
+
+
+def pipedp_pipeline(schedule: str, mode: str, microbatches: int, preset: Preset, batch: int, stages: int,
+                    warmup: int, reps: int):
+    from pipedp import PipelineDPTrainer
+
+    x, y = preset.make_batch(batch, 0)
+    with PeakMemory() as mem:
+        torch.manual_seed(0)
+        trainer = PipelineDPTrainer(
+            preset.build(), preset.loss, lambda p: torch.optim.SGD(p, lr=LR), stages=stages,
+            microbatches=microbatches, schedule=schedule, grad_mode=mode, noise_multiplier=1.0, max_grad_norm=1.0,
+            expected_batch_size=batch,
+        )
+        times = _timed(lambda: trainer.step(x, y), warmup, reps, dist.barrier)
+    return {"seconds": statistics.median(times), "peak_mib": mem.peak_mib}
+
+
+def run_multiprocess(rank: int, plan: List[Dict], preset_name: str, batch: int, stages: int, warmup: int, reps: int):
+    """Runs every multi-process contender of the plan in turn on this rank."""
+    from .presets import PRESETS
+
+    warnings.filterwarnings("ignore")
+    preset = PRESETS[preset_name]
+    results = []
+    for item in plan:
+        if item["kind"] == "torch":
+            r = torch_pipeline(item["schedule"], item["microbatches"], preset, batch, stages, warmup, reps)
+        else:
+            r = pipedp_pipeline(item["schedule"], item["mode"], item["microbatches"], preset, batch, stages, warmup, reps)
+        gathered: List = [None] * dist.get_world_size()
+        dist.all_gather_object(gathered, r)
+        results.append(dict(item, seconds=gathered[0]["seconds"], peak_mib=[g["peak_mib"] for g in gathered]))
+    return results

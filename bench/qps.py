@@ -1,0 +1,89 @@
+"""QPS and memory, side by side: Opacus, plain PyTorch, the naive split, torch pipelining, pipedp.
+
+    python -m bench.qps                      # default: GPT preset, 2 stages, batch 32, m in {1,2,4,8,16}
+    python -m bench.qps --preset gpt-long    # long sequences: ghost vs materialise
+    python -m bench.qps --quick              # seconds; what the smoke test runs
+
+Prints a markdown table, writes JSON and a PNG plot (QPS vs micro-batches; peak memory per stage).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import time
+
+import torch
+
+from pipedp.launch import launch
+
+from .contenders import run_multiprocess, single_process
+from .presets import PRESETS
+from .report import markdown, plot, ratios
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(prog="python -m bench.qps", description=__doc__.splitlines()[0])
+    p.add_argument("--preset", default="gpt", choices=sorted(PRESETS))
+    p.add_argument("--stages", type=int, default=2)
+    p.add_argument("--batch", type=int, default=32)
+    p.add_argument("--microbatches", default="1,2,4,8,16")
+    p.add_argument("--schedules", default="gpipe,1f1b")
+    p.add_argument("--modes", default="ghost,materialize")
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--reps", type=int, default=5)
+    p.add_argument("--out", default="bench/results", help="folder for the JSON and the PNG")
+    p.add_argument("--quick", action="store_true", help="tiny preset, m in {1,2}, 1 rep (smoke test)")
+    args = p.parse_args(argv)
+    if args.quick:
+        args.preset, args.batch, args.microbatches, args.warmup, args.reps = "tiny", 8, "1,2", 1, 1
+    return args
+
+
+def main(argv=None) -> dict:
+    args = parse_args(argv)
+    mbs = [int(m) for m in args.microbatches.split(",")]
+    schedules, modes = args.schedules.split(","), args.modes.split(",")
+    for m in mbs:
+        if args.batch % m:
+            raise SystemExit(f"--batch {args.batch} must divide by every micro-batch count (torch pipelining needs it)")
+    preset = PRESETS[args.preset]
+    start = time.perf_counter()
+    torch.set_num_threads(args.stages)  # one process gets the cores the pipeline's processes get
+    singles = [single_process(n, preset, args.batch, args.warmup, args.reps)
+               for n in ("plain", "opacus-hooks", "opacus-ghost")]
+    plan = [{"kind": "naive", "name": "naive-split", "schedule": "gpipe", "mode": "materialize", "microbatches": 1}]
+    for s in schedules:
+        # torch's Schedule1F1B refuses fewer micro-batches than stages
+        plan += [{"kind": "torch", "name": f"torch-{s}", "schedule": s, "microbatches": m} for m in mbs
+                 if not (s == "1f1b" and m < args.stages)]
+        for mode in modes:
+            plan += [{"kind": "pipedp", "name": f"pipedp-{s}-{mode}", "schedule": s, "mode": mode, "microbatches": m}
+                     for m in mbs]
+    multi = launch(run_multiprocess, args.stages, (plan, args.preset, args.batch, args.stages, args.warmup, args.reps),
+                   timeout_s=3600, threads=1)[0]
+    rows = singles + multi
+    for r in rows:
+        r["qps"] = args.batch / r["seconds"]
+    result = {
+        "command": "python -m bench.qps " + " ".join(os.sys.argv[1:]),
+        "machine": f"{platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}",
+        "preset": preset.note, "stages": args.stages, "batch": args.batch, "reps": args.reps,
+        "rows": rows, "ratios": ratios(rows, args.stages), "seconds": time.perf_counter() - start,
+    }
+    os.makedirs(args.out, exist_ok=True)
+    base = os.path.join(args.out, f"qps-{args.preset}-p{args.stages}")
+    with open(base + ".json", "w") as f:
+        json.dump(result, f, indent=1)
+    print(markdown(result))
+    try:
+        plot(result, base + ".png")
+        print(f"\nwrote {base}.json and {base}.png")
+    except ImportError:
+        print(f"\nwrote {base}.json (no PNG: pip install matplotlib)")
+    return result
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,59 @@
+"""pytest-benchmark micro-benchmarks (not run in CI):
+
+    pytest bench/test_bench_norms.py --benchmark-enable --benchmark-group-by=param:width
+
+Ghost vs materialised per-sample norms of one Linear across sequence length and width
+(ghost needs [n, T, T] Gram matrices, materialising [n, out, in] gradients: the crossover
+is near T^2 = in * out), and the clip + noise pass of a stage.
+"""
+import pytest
+import torch
+import torch.nn as nn
+
+from pipedp.per_sample import clipped_grad_sum, ghost_squared_norms, per_sample_grads
+from pipedp.privacy import add_noise, clip_factors
+
+BATCH = 16
+
+
+@pytest.mark.parametrize("width", [32, 128, 512])
+@pytest.mark.parametrize("seq", [16, 64, 256])
+@pytest.mark.parametrize("mode", ["ghost", "materialize"])
+def test_linear_norms(benchmark, mode, seq, width):
+    torch.manual_seed(0)
+    layer = nn.Linear(width, width)
+    a, g = torch.randn(BATCH, seq, width), torch.randn(BATCH, seq, width)
+    benchmark.extra_info.update(crossover="ghost cheaper" if seq * seq <= width * width else "materialize cheaper")
+
+    if mode == "ghost":
+        from pipedp.per_sample import NORM_SAMPLERS
+
+        def run():  # force ghost, even where pipedp would choose to materialise
+            return NORM_SAMPLERS[nn.Linear](layer, [a], g)
+    else:
+        def run():
+            return {p: x.reshape(BATCH, -1).pow(2).sum(1) for p, x in per_sample_grads(layer, [a], g).items()}
+
+    benchmark(run)
+
+
+@pytest.mark.parametrize("width", [128, 512])
+def test_clip_and_noise_pass(benchmark, width):
+    torch.manual_seed(0)
+    layer = nn.Linear(width, width)
+    a, g = torch.randn(BATCH, 64, width), torch.randn(BATCH, 64, width)
+    norms = torch.rand(BATCH, dtype=torch.float64) * 4
+
+    def run():
+        c = clip_factors(norms, 1.0, torch.ones(BATCH)).to(g.dtype).reshape(-1, 1, 1)
+        grads = clipped_grad_sum(layer, [a], g * c)
+        return add_noise(list(grads.values()), 1.0, seed=0, step=0, stage=0)
+
+    benchmark(run)
+
+
+def test_pipedp_picks_the_cheaper_mode():
+    layer = nn.Linear(32, 32)
+    short, long = torch.randn(2, 8, 32), torch.randn(2, 256, 32)
+    assert ghost_squared_norms(layer, [short], torch.randn(2, 8, 32)) is not None  # 64 <= 1024: ghost
+    assert ghost_squared_norms(layer, [long], torch.randn(2, 256, 32)) is None  # 65536 > 1024: materialise
