@@ -1,0 +1,6 @@
+"""`python -m pipedp ...` is the `pipedp` command."""
+import sys
+
+from .cli import main
+
+sys.exit(main())
