@@ -144,11 +144,15 @@ def train_rank(rank: int, job: Job) -> dict:
         untie_weights=job.model != "tiny-gpt",  # HF heads tied to embeddings sit on another stage
     )
     start_step = 0
-    if job.resume and job.checkpoint_dir and os.path.exists(os.path.join(job.checkpoint_dir, "latest")):
+    has_checkpoint = job.checkpoint_dir and os.path.exists(os.path.join(job.checkpoint_dir, "latest"))
+    if job.resume and has_checkpoint:
         trainer.load_checkpoint(job.checkpoint_dir)
         start_step = trainer.steps_taken
         if lead:
             print(f"resumed from step {start_step} in {job.checkpoint_dir}", flush=True)
+    elif has_checkpoint and lead:
+        print(f"{job.checkpoint_dir} already holds a checkpoint: starting afresh and overwriting it "
+              "(pass --resume to continue it instead)", flush=True)
     bar = tqdm(total=job.steps, initial=start_step, disable=not (lead and job.progress), desc="DP training",
                unit="step", dynamic_ncols=True)
     state = {"samples": 0, "first_loss": None, "eps": 0.0}
@@ -208,6 +212,7 @@ def run(args) -> int:
         job.inprocess = True
         train_rank(0, job)
         return 0
-    print(f"pipedp: launching {world} processes ({job.stages} stages x {job.replicas} replicas, gloo)", flush=True)
+    print(f"pipedp: launching {world} processes ({job.stages} stages x {job.replicas} replica"
+          f"{'s' if job.replicas > 1 else ''}, gloo)", flush=True)
     launch(train_rank, world, (job,), timeout_s=24 * 3600, threads=job.threads)
     return 0

@@ -28,10 +28,12 @@ def test_default_train_finishes_prints_epsilon_checkpoints_and_resumes(tmp_path)
     assert open(os.path.join(ckpt, "latest")).read() == "step-00000006"
 
 
-def test_schedule_show():
-    out = pipedp("schedule", "show", "1f1b", "--stages", "2", "--microbatches", "4")
+def test_schedule_show(tmp_path):
+    png = tmp_path / "timeline.png"
+    out = pipedp("schedule", "show", "1f1b", "--stages", "2", "--microbatches", "4", "--png", str(png))
     assert out.returncode == 0, out.stderr
     assert "stage 0 | F0" in out.stdout and "bubble" in out.stdout and "peak in-flight per stage [2, 1]" in out.stdout
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
 @pytest.mark.parametrize(
