@@ -45,12 +45,12 @@ def _encode(value: Any) -> bytes:
     return buf.getvalue()
 
 
-def _worker(rank, world, port, fn, args, results, threads, timeout_s, backend):
+def _worker(rank, world, port, fn, args, results, threads, op_timeout_s, backend):
     torch.set_num_threads(threads)
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     try:
-        init_from_env(backend, timeout_s)
+        init_from_env(backend, op_timeout_s)
         value = fn(rank, *args)
         results.put((rank, "ok", _encode(value)))
         dist.barrier()
@@ -65,14 +65,18 @@ def _worker(rank, world, port, fn, args, results, threads, timeout_s, backend):
 
 def launch(
     fn: Callable, nprocs: int, args: tuple = (), timeout_s: float = 600.0, threads: int = 1,
-    grace_s: float = 3.0, backend: str = "gloo",
+    grace_s: float = 3.0, backend: str = "gloo", op_timeout_s: float = 600.0,
 ) -> List[Any]:
-    """Run fn(rank, *args) on nprocs processes; return the per-rank results in rank order."""
+    """Run fn(rank, *args) on nprocs processes; return the per-rank results in rank order.
+
+    ``timeout_s`` bounds the whole run; ``op_timeout_s`` bounds any one collective or receive.
+    """
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     port = free_port()
     procs = [
-        ctx.Process(target=_worker, args=(r, nprocs, port, fn, args, results, threads, timeout_s, backend), daemon=True)
+        ctx.Process(target=_worker, args=(r, nprocs, port, fn, args, results, threads, min(timeout_s, op_timeout_s), backend),
+                    daemon=True)
         for r in range(nprocs)
     ]
     for p in procs:

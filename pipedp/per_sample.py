@@ -109,6 +109,11 @@ def _gram(x: torch.Tensor) -> torch.Tensor:
     return torch.bmm(x, x.transpose(1, 2))
 
 
+def gram_norms(a3: torch.Tensor, g3: torch.Tensor) -> torch.Tensor:
+    """Per-sample ||sum_t g_t a_t^T||^2 for [n, T, in] inputs and [n, T, out] output grads."""
+    return (_gram(g3) * _gram(a3)).sum((1, 2)).clamp(min=0)
+
+
 def _linear_ghost(unit, a, g) -> Optional[Dict[nn.Parameter, torch.Tensor]]:
     n = g.shape[0]
     g3 = g.reshape(n, -1, g.shape[-1])
@@ -121,7 +126,7 @@ def _linear_ghost(unit, a, g) -> Optional[Dict[nn.Parameter, torch.Tensor]]:
         if tokens == 1:
             out[unit.weight] = g3[:, 0].pow(2).sum(1) * a3[:, 0].pow(2).sum(1)
         else:
-            out[unit.weight] = (_gram(g3) * _gram(a3)).sum((1, 2)).clamp(min=0)
+            out[unit.weight] = gram_norms(a3, g3)
     if unit.bias is not None and unit.bias.requires_grad:
         out[unit.bias] = g3.sum(1).pow(2).sum(1)
     return out

@@ -143,6 +143,8 @@ def train_rank(rank: int, job: Job) -> dict:
         transport="inprocess" if job.inprocess else "auto", delta=job.delta, max_epsilon=job.max_epsilon,
         untie_weights=job.model != "tiny-gpt",  # HF heads tied to embeddings sit on another stage
     )
+    if lead:
+        print(f"partition: {trainer.partition_report}", flush=True)
     start_step = 0
     has_checkpoint = job.checkpoint_dir and os.path.exists(os.path.join(job.checkpoint_dir, "latest"))
     if job.resume and has_checkpoint:

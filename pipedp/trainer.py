@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import math
-from typing import Callable, List, Optional, Sequence, Union
+from typing import Callable, List, Optional
 
 import torch
 import torch.nn as nn
@@ -11,9 +11,9 @@ from opacus.accountants import create_accountant
 import schedules
 
 from .accounting import calibrate_noise, steps_within_budget
+from .balance import report
 from .errors import PipeDPError, PrivacyBudgetExceeded
 from .microbatch import check_batch, make_pass, microbatch_size_for, plan_passes, replica_rows
-from .balance import report
 from .partition import Balance, block_costs, model_blocks, partition
 from .privacy import add_noise
 from .runtime import InProcessRuntime
