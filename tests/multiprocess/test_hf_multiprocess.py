@@ -1,0 +1,36 @@
+"""A Llama checkpoint loaded stage by stage in real processes: each rank holds only its share."""
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
+
+from oracles import max_relative_error  # noqa: E402
+from pipedp import PipelineDPTrainer  # noqa: E402
+from pipedp.hf import resident_parameter_bytes  # noqa: E402
+from pipedp.launch import launch  # noqa: E402
+from pipedp.models import token_loss  # noqa: E402
+
+pytestmark = pytest.mark.dist
+
+
+def test_llama_stage_loading_in_processes_equals_whole_model(tmp_path):
+    from workers import hf_stage_step
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=40, hidden_size=16, intermediate_size=32, num_hidden_layers=4, num_attention_heads=2,
+                      num_key_value_heads=1, max_position_embeddings=32, bos_token_id=0, eos_token_id=0)
+    LlamaForCausalLM(cfg).save_pretrained(tmp_path, max_shard_size="20KB")
+    results = launch(hf_stage_step, 2, (str(tmp_path), 2), timeout_s=300)
+    whole = LlamaForCausalLM.from_pretrained(tmp_path)
+    total = resident_parameter_bytes(whole)
+    residents = [r for r, _ in results]
+    assert sum(residents) == total and max(residents) < 0.75 * total, (residents, total)
+    # the same step on the whole model in one process
+    trainer = PipelineDPTrainer(whole, token_loss, lambda p: torch.optim.SGD(p, lr=0.5), stages=2, microbatches=2,
+                                noise_multiplier=0.0, max_grad_norm=0.05, expected_batch_size=6, untie_weights=True,
+                                transport="inprocess")
+    g = torch.Generator().manual_seed(3)
+    x = torch.randint(0, 40, (6, 8), generator=g)
+    trainer.step(x, torch.randint(0, 40, (6, 8), generator=g))
+    assert max_relative_error(results[0][1], trainer.state_dict()) < 1e-6

@@ -1,0 +1,102 @@
+"""Functions run on each rank by the multi-process tests (importable by spawned children)."""
+import torch
+
+from pipedp import PipelineDPTrainer
+from pipedp.models import GPTConfig, tiny_gpt, token_loss
+
+CFG = GPTConfig(vocab_size=32, seq_len=8, d_model=16, n_heads=2, n_layers=3)
+LR, CLIP = 0.5, 0.05
+
+
+def make_model():
+    torch.manual_seed(7)
+    return tiny_gpt(CFG).double()
+
+
+def make_batch(n, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randint(0, CFG.vocab_size, (n, CFG.seq_len), generator=g)
+    y = torch.randint(0, CFG.vocab_size, (n, CFG.seq_len), generator=g)
+    return x, y
+
+
+def make_trainer(model, **kw):
+    args = dict(noise_multiplier=0.0, max_grad_norm=CLIP, expected_batch_size=13, seed=0)
+    args.update(kw)
+    return PipelineDPTrainer(model, token_loss, lambda p: torch.optim.SGD(p, lr=LR), **args)
+
+
+def parity(rank, configs, n):
+    """One step per configuration; rank 0 returns the gathered state dicts."""
+    x, y = make_batch(n)
+    out = []
+    for cfg in configs:
+        trainer = make_trainer(make_model(), expected_batch_size=n, **cfg)
+        trainer.step(x, y)
+        out.append(trainer.state_dict())
+    return out
+
+
+def noisy_run(rank, steps, cfg):
+    """A few noisy steps on changing batch sizes; rank 0 returns the final state dict."""
+    trainer = make_trainer(make_model(), noise_multiplier=1.0, **cfg)
+    for step in range(steps):
+        trainer.step(*make_batch(9 + 3 * step, seed=step))
+    return trainer.state_dict()
+
+
+def failing(rank, fail_rank, at_call):
+    calls = {"n": 0}
+
+    def loss(out, y):
+        calls["n"] += 1
+        if rank == fail_rank and calls["n"] == at_call:
+            raise ValueError("boom: a bad batch on purpose")
+        return token_loss(out, y)
+
+    trainer = PipelineDPTrainer(make_model(), loss, stages=2, microbatches=2, noise_multiplier=0.0,
+                                expected_batch_size=8)
+    for step in range(3):
+        trainer.step(*make_batch(8, seed=step))
+    return "finished"
+
+
+def mismatched(rank):
+    make_trainer(make_model(), stages=2, microbatches=4 if rank == 0 else 8)
+    return "constructed"
+
+
+def fit_run(rank, steps, checkpoint_dir, resume, die_at_step=None):
+    """Poisson-sampled noisy training; optionally rank 1 dies right after step ``die_at_step``."""
+    x, y = make_batch(120, seed=42)
+    trainer = make_trainer(make_model(), stages=2, microbatches=2, noise_multiplier=1.0, sample_rate=0.08,
+                           expected_batch_size=10, accountant="rdp")
+
+    def maybe_die(step, loss, _):
+        if rank == 1 and step == die_at_step:
+            raise RuntimeError(f"killed after step {step}")
+
+    trainer.fit((x, y), steps=steps, checkpoint_dir=checkpoint_dir, checkpoint_every=2, resume=resume,
+                callback=maybe_die)
+    return trainer.state_dict(), trainer.epsilon(1e-5)
+
+
+def hf_stage_step(rank, folder, stages):
+    """Each rank materialises only its stage from the checkpoint, then one DP step."""
+    from pipedp.hf import load_pipeline_stage, resident_parameter_bytes
+
+    model = load_pipeline_stage(folder, stages, rank % stages, untie_weights=True)
+    resident = resident_parameter_bytes(model)
+    trainer = PipelineDPTrainer(model, token_loss, lambda p: torch.optim.SGD(p, lr=0.5), stages=stages,
+                                microbatches=2, noise_multiplier=0.0, max_grad_norm=0.05, expected_batch_size=6,
+                                untie_weights=True)
+    g = torch.Generator().manual_seed(3)
+    x = torch.randint(0, 40, (6, 8), generator=g)
+    trainer.step(x, torch.randint(0, 40, (6, 8), generator=g))
+    return resident, trainer.state_dict()
+
+
+def mismatched_batch(rank):
+    trainer = make_trainer(make_model(), stages=2, microbatches=2)
+    trainer.step(*make_batch(8 if rank == 0 else 9))
+    return "stepped"
