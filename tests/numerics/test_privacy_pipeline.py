@@ -166,5 +166,6 @@ def test_secure_mode_noise_has_the_right_std_and_is_not_reproducible():
 
     a, b = noise(secure_mode=True, noise_multiplier=2.0), noise(secure_mode=True, noise_multiplier=2.0)
     expected = 0.2 * 2.0 * 0.5 / 10  # lr * sigma * C / expected batch size (first step: no momentum yet)
-    assert a.std().item() == pytest.approx(expected, rel=0.1)
+    # 484 coordinates: the sample std has a relative standard error of 3.2%; 15% is 4.7 of them
+    assert a.std().item() == pytest.approx(expected, rel=0.15)
     assert not torch.equal(a, b)
