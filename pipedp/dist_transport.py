@@ -4,11 +4,15 @@ Every message is a small int64 header (micro-batch id, dtype, shape) followed by
 payload. The receiver allocates from the header and checks the micro-batch id, so a
 message of another shape can never land in a stale buffer (on gloo a smaller message
 into a larger buffer succeeds silently), and an out-of-order message is an error, not a
-wrong gradient. Sends are non-blocking (isend) and completed at the end of the pass, so
-1F1B's crossing sends between neighbours cannot deadlock.
+wrong gradient. Sends are non-blocking (isend) and completed at the end of the pass.
+Activations and gradients travel on two separate process groups (two communicators):
+in 1F1B neighbours send to each other at the same time, and on NCCL, where the operations
+of one communicator run in order on one stream, one shared channel could block a send
+behind a receive that waits for it.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import List
 
 import torch
@@ -24,6 +28,15 @@ _CHANNEL = {Kind.SEND_F: 0, Kind.RECV_F: 0, Kind.SEND_B: 1, Kind.RECV_B: 1}
 _NAMES = {0: "activation", 1: "gradient"}
 
 
+@dataclass
+class PipelineGroups:
+    """The process groups of one pipeline (one replica's stages)."""
+
+    activations: object  # forward P2P
+    gradients: object  # backward P2P
+    norms: object  # the per-sample norm all-reduce
+
+
 class _Reduction:
     def __init__(self, work, tensor: torch.Tensor):
         self.work, self.tensor = work, tensor
@@ -34,10 +47,11 @@ class _Reduction:
 
 
 class DistTransport:
-    def __init__(self, stage: int, prev_rank, next_rank, pipeline_group, device: torch.device):
+    def __init__(self, stage: int, prev_rank, next_rank, groups: "PipelineGroups", device: torch.device):
         self.stage = stage
         self.peer = {Kind.SEND_F: next_rank, Kind.RECV_B: next_rank, Kind.SEND_B: prev_rank, Kind.RECV_F: prev_rank}
-        self.group = pipeline_group
+        self.channel_group = {0: groups.activations, 1: groups.gradients}
+        self.group = groups.norms
         self.device = device
         self._pending: List = []
 
@@ -48,14 +62,14 @@ class DistTransport:
         header = torch.zeros(_HEADER, dtype=torch.int64)
         header[:4] = torch.tensor([mb, _CHANNEL[kind], _DTYPES.index(tensor.dtype), tensor.dim()])
         header[4 : 4 + tensor.dim()] = torch.tensor(tensor.shape, dtype=torch.int64)
-        dst = self.peer[kind]
-        self._pending.append((dist.isend(header.to(self.device), dst), header))
-        self._pending.append((dist.isend(tensor, dst), tensor))
+        dst, group = self.peer[kind], self.channel_group[_CHANNEL[kind]]
+        self._pending.append((dist.isend(header.to(self.device), dst, group=group), header))
+        self._pending.append((dist.isend(tensor, dst, group=group), tensor))
 
     def recv(self, kind: Kind, mb: int) -> torch.Tensor:
-        src = self.peer[kind]
+        src, group = self.peer[kind], self.channel_group[_CHANNEL[kind]]
         header = torch.zeros(_HEADER, dtype=torch.int64, device=self.device)
-        dist.recv(header, src)
+        dist.recv(header, src, group=group)
         got_mb, channel, dtype, ndim = (int(v) for v in header[:4].tolist())
         if got_mb != mb or channel != _CHANNEL[kind]:
             raise TransportError(
@@ -64,7 +78,7 @@ class DistTransport:
             )
         shape = [int(v) for v in header[4 : 4 + ndim].tolist()]
         payload = torch.empty(shape, dtype=_DTYPES[dtype], device=self.device)
-        dist.recv(payload, src)
+        dist.recv(payload, src, group=group)
         return payload
 
     def norm_reduce_start(self, mb: int, squared_norms: torch.Tensor) -> _Reduction:

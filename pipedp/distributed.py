@@ -19,7 +19,7 @@ from .executor import Executor
 from .microbatch import PassBatch
 from .partition import model_signature
 from .stage import Stage
-from .dist_transport import DistTransport
+from .dist_transport import DistTransport, PipelineGroups
 
 
 @dataclass(frozen=True)
@@ -91,7 +91,9 @@ class DistributedRuntime:
             )
         mesh = Mesh(trainer.stages, trainer.replicas, rank)
         # every rank creates every group, in the same order (torch.distributed requires it)
-        pipeline_groups = [dist.new_group(mesh.pipeline_ranks(r)) for r in range(mesh.replicas)]
+        pipeline_groups = [
+            PipelineGroups(*(dist.new_group(mesh.pipeline_ranks(r)) for _ in range(3))) for r in range(mesh.replicas)
+        ]
         dp_groups = [dist.new_group(mesh.data_parallel_ranks(s)) for s in range(mesh.stages)]
         device = _device_for_backend()
         for s, blocks in enumerate(stage_blocks):
