@@ -53,6 +53,8 @@ def build_parser() -> argparse.ArgumentParser:
     noise.add_argument("--target-epsilon", type=_positive_float, default=None, help="calibrate sigma to this epsilon")
     t.add_argument("--delta", type=_positive_float, default=1e-5)
     t.add_argument("--max-grad-norm", type=_positive_float, default=1.0)
+    t.add_argument("--clipping", default="flat", choices=["flat", "per_stage"],
+                   help="per_stage: each stage clips its part to C/sqrt(stages), no cross-stage norm sum")
     t.add_argument("--max-epsilon", type=_positive_float, default=None, help="stop before exceeding this epsilon")
     t.add_argument("--accountant", default="prv", choices=["prv", "rdp", "gdp"])
     length = t.add_mutually_exclusive_group()

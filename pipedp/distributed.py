@@ -72,7 +72,7 @@ class DistributedRuntime:
             "world size": world, "stages": trainer.stages, "replicas": trainer.replicas,
             "schedule": trainer.schedule.name, "microbatches": trainer.microbatches,
             "microbatch_size": trainer.microbatch_size, "grad_mode": grad_mode,
-            "noise_multiplier": trainer.noise_multiplier, "max_grad_norm": trainer.max_grad_norm,
+            "noise_multiplier": trainer.noise_multiplier, "clipping": trainer.clipping,
             "expected_batch_size": trainer.expected_batch_size, "sample_rate": trainer.sample_rate,
             "seed": trainer.seed, "model signature": model_signature(trainer.model),
         }
@@ -116,7 +116,7 @@ class DistributedRuntime:
             pipeline_groups[mesh.replica],
             device,
         )
-        executor = Executor(stage, transport, trainer.schedule.for_stage(mesh.stage), trainer.max_grad_norm)
+        executor = Executor(stage, transport, trainer.schedule.for_stage(mesh.stage), trainer.clipping)
         return cls(mesh, stage, executor, dp_groups[mesh.stage], device, trainer.model)
 
     def check_same_batch(self, n: int) -> None:

@@ -14,17 +14,18 @@ import torch
 from schedules import Action, Kind
 
 from .microbatch import PassBatch
-from .privacy import clip_factors
+from .privacy import Clipping, clip_factors
 from .stage import Stage
 from .transport import WouldBlock
 
 
 class Executor:
-    def __init__(self, stage: Stage, transport, actions: List[Action], max_grad_norm: float):
+    def __init__(self, stage: Stage, transport, actions: List[Action], clipping: Clipping):
         self.stage = stage
         self.transport = transport
         self.actions = actions
-        self.max_grad_norm = max_grad_norm
+        self.clip_norm = clipping.stage_norms[stage.index]
+        self.reduce_norms = clipping.across_stages
         self.handlers: Dict[Kind, Callable[[int], None]] = {
             Kind.F: self._forward,
             Kind.B: self._backward,
@@ -86,12 +87,14 @@ class Executor:
             self._grads_out[mb] = input_grad
 
     def _norm_reduce(self, mb: int) -> None:
-        self._reductions[mb] = self.transport.norm_reduce_start(mb, self.stage.pending[mb].squared_norms)
+        norms = self.stage.pending[mb].squared_norms
+        # per-stage clipping needs no other stage's norms: the "reduction" is this stage's own
+        self._reductions[mb] = self.transport.norm_reduce_start(mb, norms) if self.reduce_norms else _Local(norms)
 
     def _weight(self, mb: int) -> None:
         total = self._reductions[mb].wait()  # may raise WouldBlock: nothing changed yet
         del self._reductions[mb]
-        self.stage.weight(mb, clip_factors(total, self.max_grad_norm, self._batch.masks[mb]))
+        self.stage.weight(mb, clip_factors(total, self.clip_norm, self._batch.masks[mb]))
 
     def _send_forward(self, mb: int) -> None:
         self.transport.send(Kind.SEND_F, mb, self._outgoing.pop(mb))
@@ -104,6 +107,14 @@ class Executor:
 
     def _recv_backward(self, mb: int) -> None:
         self._grads_in[mb] = self.transport.recv(Kind.RECV_B, mb)
+
+
+class _Local:
+    def __init__(self, value: torch.Tensor):
+        self.value = value
+
+    def wait(self) -> torch.Tensor:
+        return self.value
 
 
 def run_in_process(executors: List[Executor]) -> None:

@@ -111,7 +111,7 @@ def _config(trainer) -> dict:
     return {
         "stages": trainer.stages, "replicas": trainer.replicas, "microbatches": trainer.microbatches,
         "schedule": trainer.schedule.name, "grad_mode": trainer.grad_mode,
-        "noise_multiplier": trainer.noise_multiplier, "max_grad_norm": trainer.max_grad_norm,
+        "noise_multiplier": trainer.noise_multiplier, "clipping": [trainer.clipping.mode, list(trainer.clipping.stage_norms)],
         "expected_batch_size": trainer.expected_batch_size, "sample_rate": trainer.sample_rate,
         "seed": trainer.seed, "accountant": trainer.accountant_name, "model": model_signature(trainer.model),
     }

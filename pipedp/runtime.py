@@ -9,6 +9,7 @@ from schedules import Schedule
 
 from .executor import Executor, run_in_process
 from .microbatch import PassBatch
+from .privacy import Clipping
 from .stage import Stage
 from .transport import InProcessHub
 
@@ -19,11 +20,11 @@ class InProcessRuntime:
     rank = 0
     is_distributed = False
 
-    def __init__(self, stages: Sequence[Stage], schedule: Schedule, max_grad_norm: float):
+    def __init__(self, stages: Sequence[Stage], schedule: Schedule, clipping: Clipping):
         self.local_stages: List[Stage] = list(stages)
         self.hub = InProcessHub(len(stages))
         self.executors = [
-            Executor(stage, self.hub.transport(stage.index), schedule.for_stage(stage.index), max_grad_norm)
+            Executor(stage, self.hub.transport(stage.index), schedule.for_stage(stage.index), clipping)
             for stage in stages
         ]
 

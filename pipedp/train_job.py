@@ -33,6 +33,7 @@ class Job:
     noise_multiplier: float
     delta: float
     max_grad_norm: float
+    clipping: str
     max_epsilon: Optional[float]
     accountant: str
     steps: int
@@ -90,7 +91,7 @@ def resolve(args) -> Job:
         model=args.model, data=args.data, stages=args.stages, replicas=args.replicas, schedule=args.schedule,
         microbatches=args.microbatches, microbatch_size=args.microbatch_size, grad_mode=args.grad_mode,
         sample_rate=0.0, expected_batch_size=0, noise_multiplier=1.0, delta=args.delta,
-        max_grad_norm=args.max_grad_norm, max_epsilon=args.max_epsilon, accountant=args.accountant, steps=0,
+        max_grad_norm=args.max_grad_norm, clipping=args.clipping, max_epsilon=args.max_epsilon, accountant=args.accountant, steps=0,
         lr=args.lr, seq_len=args.seq_len, seed=args.seed, checkpoint_dir=args.checkpoint_dir,
         checkpoint_every=args.checkpoint_every, resume=args.resume, threads=args.threads,
         progress=not args.no_progress, inprocess=args.inprocess,
@@ -137,7 +138,7 @@ def train_rank(rank: int, job: Job) -> dict:
     trainer = PipelineDPTrainer(
         model, token_loss, lambda params: torch.optim.Adam(params, lr=job.lr),
         stages=job.stages, microbatches=job.microbatches, schedule=job.schedule,
-        noise_multiplier=job.noise_multiplier, max_grad_norm=job.max_grad_norm,
+        noise_multiplier=job.noise_multiplier, max_grad_norm=job.max_grad_norm, clipping=job.clipping,
         expected_batch_size=job.expected_batch_size, sample_rate=job.sample_rate, grad_mode=job.grad_mode,
         seed=job.seed, accountant=job.accountant, microbatch_size=job.microbatch_size, replicas=job.replicas,
         transport="inprocess" if job.inprocess else "auto", delta=job.delta, max_epsilon=job.max_epsilon,

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import math
-from typing import Callable, List, Optional
+from typing import Callable, List, Optional, Sequence, Union
 
 import torch
 import torch.nn as nn
@@ -15,7 +15,7 @@ from .balance import report
 from .errors import PipeDPError, PrivacyBudgetExceeded
 from .microbatch import check_batch, make_pass, microbatch_size_for, plan_passes, replica_rows
 from .partition import Balance, block_costs, model_blocks, partition
-from .privacy import add_noise
+from .privacy import Clipping, add_noise
 from .runtime import InProcessRuntime
 from .stage import Stage
 from .validation import validate_model
@@ -34,7 +34,9 @@ class PipelineDPTrainer:
     gradients of ``loss_fn`` (which returns per-sample losses, shape [n]) are clipped to
     ``max_grad_norm`` with their norm taken over *all* stages, summed, noised with
     N(0, (noise_multiplier * max_grad_norm)^2), divided by ``expected_batch_size``, and
-    given to one optimizer per stage.
+    given to one optimizer per stage. ``clipping="per_stage"`` clips each stage's part on
+    its own instead (``max_grad_norm`` a list of per-stage norms, or one norm split as
+    C / sqrt(stages)); the noise is then scaled to sqrt(sum C_k^2).
 
     With torch.distributed initialised and world size > 1 (or ``transport="distributed"``),
     each rank runs one stage of one data-parallel replica; otherwise every stage runs in
@@ -51,7 +53,7 @@ class PipelineDPTrainer:
         microbatches: int = 4,
         schedule: str = "1f1b",
         noise_multiplier: float = 1.0,
-        max_grad_norm: float = 1.0,
+        max_grad_norm: Union[float, Sequence[float]] = 1.0,
         expected_batch_size: int,
         sample_rate: Optional[float] = None,
         grad_mode: str = "ghost",
@@ -68,11 +70,10 @@ class PipelineDPTrainer:
         total_steps: Optional[int] = None,
         epochs: Optional[float] = None,
         max_epsilon: Optional[float] = None,
+        clipping: str = "flat",
     ):
         if expected_batch_size is None or expected_batch_size <= 0:
             raise ValueError(f"expected_batch_size must be > 0, got {expected_batch_size}")
-        if max_grad_norm <= 0:
-            raise ValueError(f"max_grad_norm must be > 0, got {max_grad_norm}")
         if noise_multiplier < 0:
             raise ValueError(f"noise_multiplier must be >= 0, got {noise_multiplier}")
         if sample_rate is not None and not 0 < sample_rate <= 1:
@@ -85,12 +86,13 @@ class PipelineDPTrainer:
             from .secure import require_secure_mode
 
             require_secure_mode()
+        self.clipping = Clipping.make(clipping, max_grad_norm, stages)
         self.schedule = schedules.build(schedule, stages, microbatches)
         schedules.validate(self.schedule)
         validate_model(model)
         self.model = model
         self.stages, self.microbatches, self.replicas = stages, microbatches, replicas
-        self.noise_multiplier, self.max_grad_norm = float(noise_multiplier), float(max_grad_norm)
+        self.noise_multiplier = float(noise_multiplier)
         self.expected_batch_size, self.sample_rate = expected_batch_size, sample_rate
         self.microbatch_size, self.seed, self.secure_mode = microbatch_size, seed, secure_mode
         self.grad_mode = grad_mode
@@ -129,7 +131,7 @@ class PipelineDPTrainer:
         stages = [
             Stage(i, len(stage_blocks), blocks, loss_fn, grad_mode) for i, blocks in enumerate(stage_blocks)
         ]
-        return InProcessRuntime(stages, self.schedule, self.max_grad_norm)
+        return InProcessRuntime(stages, self.schedule, self.clipping)
 
     # ---- one DP-SGD step ---------------------------------------------------------------------
     def step(self, inputs: torch.Tensor, targets: torch.Tensor) -> float:
@@ -155,7 +157,7 @@ class PipelineDPTrainer:
         return total / n if n else math.nan
 
     def _apply_update(self) -> None:
-        std = self.noise_multiplier * self.max_grad_norm
+        std = self.noise_multiplier * self.clipping.sensitivity
         for stage, opt in zip(self.runtime.local_stages, self.optimizers):
             grads = stage.take_clipped_sum()
             if self.runtime.replica == 0:  # noise once, before the sum over replicas

@@ -51,20 +51,27 @@ def opacus_step(
 
 
 def loop_clipped_sum(
-    model: nn.Module, loss_fn: Callable, x: torch.Tensor, y: torch.Tensor, max_grad_norm: float
+    model: nn.Module, loss_fn: Callable, x: torch.Tensor, y: torch.Tensor, max_grad_norm: float, groups=None
 ) -> Dict[str, torch.Tensor]:
-    """sum_i clip(grad of sample i alone), one batch-size-1 backward pass per sample."""
+    """sum_i clip(grad of sample i alone), one batch-size-1 backward pass per sample.
+
+    With ``groups`` ([(parameter-name prefixes, C_g), ...]) each group of parameters is clipped
+    on its own to its C_g (group-wise clipping); otherwise the whole gradient to max_grad_norm.
+    """
     params = dict(model.named_parameters())
+    if groups is None:
+        groups = [((""), max_grad_norm)]
     total = {k: torch.zeros_like(p) for k, p in params.items()}
     for i in range(len(x)):
         model.zero_grad(set_to_none=True)
         loss = loss_fn(model(x[i : i + 1]), y[i : i + 1]).sum()
         loss.backward()
-        norm = torch.sqrt(sum((p.grad.double() ** 2).sum() for p in params.values() if p.grad is not None))
-        factor = min(1.0, max_grad_norm / (float(norm) + 1e-6))
-        for k, p in params.items():
-            if p.grad is not None:
-                total[k] += factor * p.grad
+        for prefixes, clip in groups:
+            members = [k for k in params if k.startswith(prefixes) and params[k].grad is not None]
+            norm = torch.sqrt(sum((params[k].grad.double() ** 2).sum() for k in members))
+            factor = min(1.0, clip / (float(norm) + 1e-6))
+            for k in members:
+                total[k] += factor * params[k].grad
     model.zero_grad(set_to_none=True)
     return total
 

@@ -101,3 +101,14 @@ def test_torchrun_example_runs():
                          capture_output=True, text=True, timeout=240, cwd=root)
     assert out.returncode == 0, out.stderr[-3000:]
     assert "gathered" in out.stdout
+
+
+def test_per_stage_clipping_in_processes_equals_in_process():
+    from workers import parity
+
+    cfg = dict(stages=2, microbatches=3, schedule="1f1b", grad_mode="ghost", clipping="per_stage",
+               max_grad_norm=[0.02, 0.04])
+    got = launch(parity, 2, ([cfg], N), timeout_s=300)[0][0]
+    want = parity(0, [dict(cfg, transport="inprocess")], N)[0]
+    assert max_relative_error(got, want) < 1e-12
+    assert max_relative_error(got, opacus_reference("ghost")) > 1e-6  # not flat clipping (equal runs agree to 1e-12)

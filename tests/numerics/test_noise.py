@@ -22,11 +22,13 @@ def model():
     return nn.Sequential(nn.Linear(40, 40), nn.Tanh(), nn.Linear(40, 40), nn.Tanh(), nn.Linear(40, 40)).double()
 
 
-def params_after(noise, seed=0, x=None, y=None, stages=3):
+def params_after(noise, seed=0, x=None, y=None, stages=3, **kw):
     m = model()
+    args = dict(max_grad_norm=CLIP)
+    args.update(kw)
     t = PipelineDPTrainer(
         m, class_loss, lambda p: torch.optim.SGD(p, lr=1.0), stages=stages, microbatches=2,
-        noise_multiplier=noise, max_grad_norm=CLIP, expected_batch_size=EBS, seed=seed,
+        noise_multiplier=noise, expected_batch_size=EBS, seed=seed, **args,
     )
     g = torch.Generator().manual_seed(5)
     if x is None:
@@ -68,3 +70,11 @@ def test_empty_batch_is_noise_only():
 def test_empty_batch_returns_nan_loss():
     t = PipelineDPTrainer(model(), class_loss, stages=2, microbatches=2, noise_multiplier=0.0, expected_batch_size=4)
     assert math.isnan(t.step(torch.zeros(0, 40, dtype=torch.float64), torch.zeros(0, dtype=torch.long)))
+
+
+def test_per_stage_clipping_noise_std_is_sigma_times_total_sensitivity():
+    norms = [0.3, 0.4, 1.2]  # sqrt(0.09 + 0.16 + 1.44) = 1.3
+    kw = dict(clipping="per_stage", max_grad_norm=norms)
+    noise = [c - n for c, n in zip(params_after(0.0, **kw), params_after(SIGMA, **kw))]
+    flat = torch.cat([z.flatten() for z in noise])
+    assert flat.std().item() == pytest.approx(SIGMA * 1.3 / EBS, rel=0.05)

@@ -109,3 +109,29 @@ def test_embedding_padding_idx_gets_no_gradient(mode):
     got = pipedp_clipped_sum(model, class_loss, x, y, 0.1, stages=2, microbatches=2, grad_mode=mode)
     assert max_relative_error(got, want) < 1e-10
     assert got["0.weight"][0].abs().max() == 0
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_per_stage_clipping_matches_group_wise_loop(schedule):
+    torch.manual_seed(0)
+    model = mlp((5, 7, 7, 7, 3)).double()  # blocks 0..6; uniform over 3 stages: [0,1,2] [3,4] [5,6]
+    x, y = torch.randn(9, 5, dtype=torch.float64), torch.randint(0, 3, (9,))
+    norms = [0.05, 0.2, 0.1]
+    groups = [(("0.", "1.", "2."), norms[0]), (("3.", "4."), norms[1]), (("5.", "6."), norms[2])]
+    want = loop_clipped_sum(copy.deepcopy(model), class_loss, x, y, None, groups=groups)
+    flat = loop_clipped_sum(copy.deepcopy(model), class_loss, x, y, 0.1)
+    got = pipedp_clipped_sum(model, class_loss, x, y, norms, stages=3, microbatches=2, schedule=schedule,
+                             clipping="per_stage", balance="uniform")
+    assert max_relative_error(got, want) < 1e-10
+    assert max_relative_error(got, flat) > 1e-3  # really a different rule from flat clipping
+
+
+def test_per_stage_noise_is_scaled_to_the_total_sensitivity():
+    from pipedp.privacy import Clipping
+
+    assert Clipping.make("per_stage", [0.3, 0.4], 2).sensitivity == pytest.approx(0.5)
+    assert Clipping.make("per_stage", 1.0, 4).stage_norms == (0.5, 0.5, 0.5, 0.5)
+    with pytest.raises(ValueError, match="flat clipping takes one max_grad_norm"):
+        Clipping.make("flat", [0.3, 0.4], 2)
+    with pytest.raises(ValueError, match="got 3 max_grad_norm values for 2 stages"):
+        Clipping.make("per_stage", [1, 2, 3], 2)
