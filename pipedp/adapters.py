@@ -1,8 +1,6 @@
 """Adapters: turn known architectures into an ordered list of pipeline blocks."""
 from __future__ import annotations
 
-from typing import List
-
 import torch.nn as nn
 
 from .errors import UnsupportedModelError

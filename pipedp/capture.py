@@ -42,12 +42,18 @@ class ActivationCapture:
         self._active: Optional[int] = None
         self._batch_size = 0
         self.records: Dict[int, Dict[str, List[LayerCall]]] = {}
-        self._handles = [m.register_forward_hook(self._hook_for(name)) for name, m in units.items()]
+        self._handles = [m.register_forward_hook(self._hook_for(name), with_kwargs=True) for name, m in units.items()]
 
     def _hook_for(self, name: str):
-        def hook(module: nn.Module, args, output):
+        def hook(module: nn.Module, args, kwargs, output):
             if self._active is None or not torch.is_grad_enabled():
                 return
+            if kwargs:
+                raise UnsupportedModelError(
+                    f"layer {name!r} ({type(module).__name__}) was called with keyword arguments "
+                    f"{sorted(kwargs)}: per-sample gradients replay a layer from its positional inputs; "
+                    "pass them positionally"
+                )
             if not isinstance(output, torch.Tensor):
                 raise UnsupportedModelError(
                     f"layer {name!r} ({type(module).__name__}) returns {type(output).__name__}, not a tensor: "

@@ -1,9 +1,10 @@
 """Per-sample squared gradient norms and clipped gradient sums of one unit.
 
-Reuses Opacus's per-layer functions: ``GradSampleModule.GRAD_SAMPLERS`` (materialised
-per-sample gradients) and ``GradSampleModuleFastGradientClipping.NORM_SAMPLERS`` (ghost
-norms). Layers without an Opacus sampler fall back to torch.func (vmap of grad), like
-Opacus's functorch fallback but without storing state on the module.
+Materialised per-sample gradients come from Opacus's per-layer functions
+(``GradSampleModule.GRAD_SAMPLERS``); layers without one fall back to torch.func (vmap of
+grad), like Opacus's functorch fallback but without storing state on the module. Ghost
+norms of Linear / Conv1D / Embedding use the same formulas as Opacus's NORM_SAMPLERS with
+batched matmuls (faster); other layers use Opacus's NORM_SAMPLERS where it has one.
 
 All functions are pure: (unit, inputs, output-grads) -> tensors.
 """

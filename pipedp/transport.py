@@ -7,7 +7,7 @@ moves on to another stage and retries later.
 from __future__ import annotations
 
 from collections import defaultdict, deque
-from typing import Deque, Dict, List, Tuple
+from typing import Deque, Dict, Tuple
 
 import torch
 

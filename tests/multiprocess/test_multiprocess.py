@@ -7,7 +7,7 @@ import torch
 from oracles import max_relative_error, opacus_step
 from pipedp import RankFailedError
 from pipedp.launch import launch
-from workers import CLIP, LR, make_batch, make_model, make_trainer
+from workers import CLIP, LR, make_batch, make_model
 
 pytestmark = pytest.mark.dist
 N = 13  # does not divide into micro-batches: padded rows travel too

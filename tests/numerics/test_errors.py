@@ -69,3 +69,17 @@ def test_layer_input_without_batch_dimension_is_refused():
     model = nn.Sequential(nn.Linear(8, 8), SharedBias(), nn.Linear(8, 4))
     with pytest.raises(UnsupportedModelError, match="without the micro-batch dimension"):
         trainer(model, stages=1).step(torch.randn(4, 8), torch.randint(0, 4, (4,)))
+
+
+def test_layer_called_with_keyword_arguments_is_refused():
+    class KwargCall(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(8, 8)
+
+        def forward(self, x):
+            return self.lin(input=x)
+
+    model = nn.Sequential(KwargCall(), nn.Linear(8, 4))
+    with pytest.raises(UnsupportedModelError, match=r"called with keyword arguments \['input'\]"):
+        trainer(model, stages=1).step(torch.randn(4, 8), torch.randint(0, 4, (4,)))

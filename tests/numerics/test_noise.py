@@ -1,6 +1,5 @@
 """Noise: std sigma*C/expected_batch_size per coordinate, independent across stages,
 reproducible from the seed, and an empty batch is a noise-only update."""
-import copy
 import math
 
 import pytest

@@ -1,5 +1,4 @@
 """The pipelined DP-SGD step equals Opacus's on one device (noise 0), over the whole grid."""
-import copy
 import functools
 
 import pytest

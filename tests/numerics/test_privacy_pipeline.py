@@ -1,6 +1,4 @@
 """Sampling, padding, virtual steps, accounting, budget guard, secure mode, checkpoints."""
-import copy
-import math
 import os
 
 import pytest

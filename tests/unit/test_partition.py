@@ -7,7 +7,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from pipedp.errors import PartitionError, UnsupportedModelError
-from pipedp.partition import Block, balanced_split, model_blocks, partition, uniform_split
+from pipedp.partition import balanced_split, model_blocks, partition, uniform_split
 
 
 def brute_force_best(costs, stages):
