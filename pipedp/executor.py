@@ -52,6 +52,11 @@ class Executor:
         self._reductions: Dict[int, object] = {}
 
     @property
+    def position(self) -> int:
+        """Index of the next action to run."""
+        return self._position
+
+    @property
     def done(self) -> bool:
         return self._position >= len(self.actions)
 
@@ -120,10 +125,10 @@ class _Local:
 def run_in_process(executors: List[Executor]) -> None:
     """Round-robin the stages until all finish; no progress in a full round is a deadlock."""
     while True:
-        before = [e._position for e in executors]
+        before = [e.position for e in executors]
         finished = [e.run() for e in executors]
         if all(finished):
             return
-        if [e._position for e in executors] == before:
-            stuck = [str(e.actions[e._position]) for e in executors if not e.done]
+        if [e.position for e in executors] == before:
+            stuck = [str(e.actions[e.position]) for e in executors if not e.done]
             raise RuntimeError(f"in-process pipeline deadlocked at {stuck}")

@@ -56,9 +56,11 @@ def fit(
     """Train until ``steps`` total steps (or ``epochs`` epochs = epochs / sample_rate steps).
 
     Every step draws a logical batch by Poisson sampling at ``trainer.sample_rate``.
-    ``max_logical_batch`` caps a batch (truncated Poisson): the step then differs from the
-    accounted Poisson mechanism only when the cap bites, so the guarantee becomes
-    (epsilon, delta + steps * P(|B| > cap)); FitResult.truncation_delta reports that term.
+    ``max_logical_batch`` caps a batch (truncated Poisson): the run then differs from the
+    accounted Poisson mechanism only on the event that the cap bites in some step, whose
+    probability is at most T * p with p = P(|B| > cap), on either of two neighbouring
+    datasets; so (epsilon, delta) becomes (epsilon, delta + (1 + e^epsilon) * T * p).
+    FitResult.truncation_delta reports that extra term.
     ``callback(step, loss, trainer)`` runs after every step. With ``resume``, training
     continues from the newest checkpoint in ``checkpoint_dir`` exactly as if it had never
     stopped (same batches, same noise). A max_epsilon on the trainer stops the loop before
@@ -83,7 +85,7 @@ def fit(
         if trunc > 0:
             warnings.warn(
                 f"max_logical_batch={max_logical_batch} truncates Poisson batches with probability {trunc:.2e} "
-                f"per step: the guarantee is (epsilon, delta + {total} * {trunc:.2e})", stacklevel=2
+                f"per step: the guarantee is (epsilon, delta + (1 + e^epsilon) * {total} * {trunc:.2e})", stacklevel=2
             )
     last_loss, stopped = math.nan, None
     while trainer.steps_taken < total:
@@ -104,7 +106,8 @@ def fit(
     if checkpoint_dir:
         trainer.save_checkpoint(checkpoint_dir)
     eps = trainer.epsilon(trainer.delta) if trainer.steps_taken else 0.0
-    return FitResult(trainer.steps_taken, last_loss, eps, trainer.delta, stopped, total * trunc)
+    extra_delta = (1 + math.exp(min(eps, 700.0))) * total * trunc if trunc else 0.0
+    return FitResult(trainer.steps_taken, last_loss, eps, trainer.delta, stopped, extra_delta)
 
 
 def _config(trainer) -> dict:
