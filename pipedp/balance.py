@@ -10,7 +10,7 @@ from __future__ import annotations
 import statistics
 import time
 from dataclasses import dataclass
-from typing import Callable, List, Sequence
+from typing import List, Sequence
 
 import torch
 
@@ -35,23 +35,32 @@ def _time_block(block: Block, x: torch.Tensor, grad_mode: str, repeats: int):
     return statistics.median(times), out.detach()
 
 
-def measured_costs(sample_input: torch.Tensor, grad_mode: str = "ghost", repeats: int = 3) -> Callable:
-    """A balance function: blocks -> seconds per block for one micro-batch like ``sample_input``."""
+@dataclass
+class MeasuredCosts:
+    """A balance rule: blocks -> seconds per block for one micro-batch like ``sample_input``."""
 
-    def costs(blocks: Sequence[Block]) -> List[float]:
-        x, out = sample_input, []
+    sample_input: torch.Tensor
+    grad_mode: str = "ghost"
+    repeats: int = 3
+    unit: str = "seconds"
+
+    def __call__(self, blocks: Sequence[Block]) -> List[float]:
+        x, out = self.sample_input, []
         for block in blocks:
-            seconds, x = _time_block(block, x, grad_mode, repeats)
+            seconds, x = _time_block(block, x, self.grad_mode, self.repeats)
             out.append(seconds)
         return out
 
-    return costs
+
+def measured_costs(sample_input: torch.Tensor, grad_mode: str = "ghost", repeats: int = 3) -> MeasuredCosts:
+    return MeasuredCosts(sample_input, grad_mode, repeats)
 
 
 @dataclass
 class PartitionReport:
     stage_costs: List[float]
     blocks_per_stage: List[int]
+    unit: str = "cost"  # what a cost counts: "parameters", "blocks", "seconds" or "cost"
 
     @property
     def imbalance(self) -> float:
@@ -61,12 +70,21 @@ class PartitionReport:
 
     def __str__(self) -> str:
         parts = ", ".join(f"{c:.3g}" for c in self.stage_costs)
-        return f"blocks per stage {self.blocks_per_stage}, predicted stage costs [{parts}], imbalance {self.imbalance:.2f}x"
+        return (f"blocks per stage {self.blocks_per_stage}, stage costs [{parts}] ({self.unit}), "
+                f"imbalance {self.imbalance:.2f}x")
 
 
-def report(stage_blocks: Sequence[Sequence[Block]], block_costs: Sequence[float]) -> PartitionReport:
+def report(stage_blocks: Sequence[Sequence[Block]], block_costs: Sequence[float], unit: str = "cost") -> PartitionReport:
     costs, i = [], 0
     for blocks in stage_blocks:
         costs.append(sum(block_costs[i : i + len(blocks)]))
         i += len(blocks)
-    return PartitionReport(costs, [len(b) for b in stage_blocks])
+    return PartitionReport(costs, [len(b) for b in stage_blocks], unit)
+
+
+def cost_unit(balance) -> str:
+    if balance == "params":
+        return "parameters"
+    if balance == "uniform":
+        return "blocks"
+    return getattr(balance, "unit", "cost")

@@ -11,7 +11,7 @@ from opacus.accountants import create_accountant
 import schedules
 
 from .accounting import calibrate_noise, steps_within_budget
-from .balance import report
+from .balance import cost_unit, report
 from .errors import PipeDPError, PrivacyBudgetExceeded
 from .microbatch import check_batch, make_pass, microbatch_size_for, plan_passes, replica_rows
 from .partition import Balance, block_costs, model_blocks, partition
@@ -110,7 +110,7 @@ class PipelineDPTrainer:
         blocks = model_blocks(model, untie_weights)
         costs = block_costs(blocks, balance)
         stage_blocks = partition(blocks, stages, balance, costs)
-        self.partition_report = report(stage_blocks, costs)
+        self.partition_report = report(stage_blocks, costs, cost_unit(balance))
         self.runtime = self._make_runtime(transport, stage_blocks, loss_fn, grad_mode)
         self.optimizers = [optimizer(stage.parameters) for stage in self.runtime.local_stages]
 
