@@ -91,6 +91,8 @@ def fit(
     while trainer.steps_taken < total:
         t = trainer.steps_taken
         index = truncate(poisson_indices(n, q, trainer.seed, t, trainer.secure_mode), max_logical_batch, trainer.seed, t)
+        if trainer.secure_mode:  # OS randomness differs per rank: every rank takes rank 0's draw
+            index = trainer.runtime.broadcast(index)
         try:
             loss = trainer.step(inputs[index], targets[index])
         except PrivacyBudgetExceeded as exc:

@@ -28,7 +28,7 @@ class InProcessRuntime:
             for stage in stages
         ]
 
-    def check_same_batch(self, n: int) -> None:
+    def check_same_batch(self, inputs: torch.Tensor, targets: torch.Tensor) -> None:
         """Only one process: nothing to compare."""
 
     def run_pass(self, batch: PassBatch) -> torch.Tensor:
@@ -46,3 +46,6 @@ class InProcessRuntime:
 
     def all_gather(self, obj) -> list:
         return [obj]
+
+    def broadcast(self, obj):
+        return obj

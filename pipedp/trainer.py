@@ -140,7 +140,7 @@ class PipelineDPTrainer:
         n = check_batch(inputs, targets)
         self.last_batch_size = n
         self.check_budget()
-        self.runtime.check_same_batch(n)
+        self.runtime.check_same_batch(inputs, targets)
         rows = replica_rows(n, self.replicas, self.runtime.replica)
         inputs, targets = inputs[rows], targets[rows]
         local_n = inputs.shape[0]

@@ -82,11 +82,19 @@ def test_kill_and_resume_equals_the_uninterrupted_run(tmp_path):
     assert resumed_eps == straight_eps
 
 
-def test_ranks_with_different_batches_are_refused():
+@pytest.mark.parametrize("what", ["size", "contents"])
+def test_ranks_with_different_batches_are_refused(what):
     from workers import mismatched_batch
 
     with pytest.raises(RankFailedError, match=r"ranks got different logical batches"):
-        launch(mismatched_batch, 2, timeout_s=120)
+        launch(mismatched_batch, 2, (what,), timeout_s=120)
+
+
+def test_secure_mode_ranks_agree_on_the_batch():
+    from workers import secure_fit
+
+    steps = launch(secure_fit, 2, timeout_s=120)
+    assert steps == [3, 3]
 
 
 def test_torchrun_example_runs():

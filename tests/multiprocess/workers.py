@@ -96,7 +96,18 @@ def hf_stage_step(rank, folder, stages):
     return resident, trainer.state_dict()
 
 
-def mismatched_batch(rank):
+def mismatched_batch(rank, what):
     trainer = make_trainer(make_model(), stages=2, microbatches=2)
-    trainer.step(*make_batch(8 if rank == 0 else 9))
+    if what == "size":
+        trainer.step(*make_batch(8 if rank == 0 else 9))
+    else:
+        trainer.step(*make_batch(8, seed=rank))
     return "stepped"
+
+
+def secure_fit(rank):
+    """Secure-mode sampling uses OS randomness; the batch check would refuse disagreeing ranks."""
+    trainer = make_trainer(make_model(), stages=2, microbatches=2, noise_multiplier=1.0, sample_rate=0.2,
+                           secure_mode=True)
+    trainer.fit(make_batch(40, seed=5), steps=3)
+    return trainer.steps_taken
