@@ -107,10 +107,11 @@ class DistributedRuntime:
             for b in blocks:  # keep only this rank's stage; free the rest
                 b.module.to(device if s == mesh.stage else "meta")
         stage = Stage(mesh.stage, mesh.stages, stage_blocks[mesh.stage], loss_fn, grad_mode)
+        mine = _checksum(stage)
         checksums: List[Optional[float]] = [None] * world
-        dist.all_gather_object(checksums, (mesh.stage, _checksum(stage)))
+        dist.all_gather_object(checksums, (mesh.stage, mine))
         for r, (s, value) in enumerate(checksums):
-            if s == mesh.stage and value != _checksum(stage):
+            if s == mesh.stage and value != mine:
                 raise ConfigMismatchError(
                     f"ranks {rank} and {r} hold stage {s} with different weights: build the model from the "
                     "same seed (torch.manual_seed before constructing it) or load the same checkpoint on every rank"
@@ -129,9 +130,9 @@ class DistributedRuntime:
     def check_same_batch(self, inputs: torch.Tensor, targets: torch.Tensor) -> None:
         """Every rank must step on the same logical batch: compare its size and a fingerprint."""
         mine = torch.tensor([float(inputs.shape[0]), _fingerprint(inputs), _fingerprint(targets)], dtype=torch.float64)
-        high, low = mine.clone(), -mine
-        dist.all_reduce(high, op=dist.ReduceOp.MAX)
-        dist.all_reduce(low, op=dist.ReduceOp.MAX)
+        extremes = torch.cat([mine, -mine]).to(self.device)  # one MAX all-reduce gives both max and -min
+        dist.all_reduce(extremes, op=dist.ReduceOp.MAX)
+        high, low = extremes.cpu().split(3)
         if not (torch.equal(high, mine) and torch.equal(-low, mine)):
             raise BatchError(
                 f"ranks got different logical batches (rank {self.mesh.rank} has {inputs.shape[0]} rows; sizes "
