@@ -7,7 +7,6 @@ explicit objects held here, never globals.
 """
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from typing import Dict, List, Optional
 
@@ -50,7 +49,7 @@ def _checksum(stage: Stage) -> float:
 
 def _device_for_backend() -> torch.device:
     if dist.get_backend() == "nccl":
-        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", dist.get_rank() % torch.cuda.device_count())))
+        return torch.device("cuda", torch.cuda.current_device())  # init_from_env set it from LOCAL_RANK
     return torch.device("cpu")
 
 

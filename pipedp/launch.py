@@ -35,7 +35,7 @@ def init_from_env(backend: Optional[str] = None, timeout_s: float = 300.0) -> No
     if backend is None:
         backend = "nccl" if torch.cuda.is_available() else "gloo"
     if backend == "nccl":
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count())
     dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s))
 
 
