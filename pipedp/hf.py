@@ -23,7 +23,7 @@ from typing import Dict, List, Optional
 import torch
 import torch.nn as nn
 
-from .errors import UnsupportedModelError
+from .errors import CheckpointError, UnsupportedModelError
 from .partition import Block
 
 SUPPORTED_ATTENTION = ("eager", "sdpa")
@@ -205,7 +205,10 @@ def read_tensors(folder: str, names: List[str], aliases: Dict[str, str]) -> Dict
     for name in names:
         stored = name if name in weight_map else aliases.get(name)
         if stored not in weight_map:
-            raise KeyError(f"parameter {name!r} is not in the checkpoint at {folder!r}")
+            raise CheckpointError(
+                f"parameter {name!r} is not in the checkpoint at {folder!r}: the folder holds another "
+                "architecture or an incomplete save"
+            )
         by_file.setdefault(weight_map[stored], []).append((name, stored))
     out = {}
     for path, pairs in by_file.items():
