@@ -2,9 +2,8 @@
 
 Single process (all cores): plain PyTorch, Opacus hooks, Opacus ghost clipping.
 One process per stage (one core each): torch.distributed.pipelining GPipe / 1F1B (no DP),
-the naive split (stages in separate processes, the whole batch as one micro-batch, per-sample
-gradients materialised: pipedp with microbatches=1, gpipe, materialize — the same work a
-device_map split with Opacus hooks does, minus its bugs), and pipedp.
+the naive split (bench/naive_split.py: Opacus hooks on each part, the whole batch as one
+micro-batch, norms summed across parts — the device_map hack, with no pipedp code), and pipedp.
 """
 from __future__ import annotations
 
@@ -136,6 +135,15 @@ def pipedp_pipeline(schedule: str, mode: str, microbatches: int, preset: Preset,
     return {"seconds": statistics.median(times), "peak_mib": mem.peak_mib}
 
 
+def naive_split(preset: Preset, batch: int, stages: int, warmup: int, reps: int):
+    from .naive_split import naive_split_step_fn
+
+    with PeakMemory() as mem:
+        step = naive_split_step_fn(preset, batch, stages)
+        times = _timed(step, warmup, reps, dist.barrier)
+    return {"seconds": statistics.median(times), "peak_mib": mem.peak_mib}
+
+
 def run_multiprocess(rank: int, plan: List[Dict], preset_name: str, batch: int, stages: int, warmup: int, reps: int):
     """Runs every multi-process contender of the plan in turn on this rank."""
     from .presets import PRESETS
@@ -144,7 +152,9 @@ def run_multiprocess(rank: int, plan: List[Dict], preset_name: str, batch: int, 
     preset = PRESETS[preset_name]
     results = []
     for item in plan:
-        if item["kind"] == "torch":
+        if item["kind"] == "naive":
+            r = naive_split(preset, batch, stages, warmup, reps)
+        elif item["kind"] == "torch":
             r = torch_pipeline(item["schedule"], item["microbatches"], preset, batch, stages, warmup, reps)
         else:
             r = pipedp_pipeline(item["schedule"], item["mode"], item["microbatches"], preset, batch, stages, warmup, reps)

@@ -53,7 +53,7 @@ def main(argv=None) -> dict:
     torch.set_num_threads(args.stages)  # one process gets the cores the pipeline's processes get
     singles = [single_process(n, preset, args.batch, args.warmup, args.reps)
                for n in ("plain", "opacus-hooks", "opacus-ghost")]
-    plan = [{"kind": "naive", "name": "naive-split", "schedule": "gpipe", "mode": "materialize", "microbatches": 1}]
+    plan = [{"kind": "naive", "name": "naive-split", "microbatches": 1}]
     for s in schedules:
         # torch's Schedule1F1B refuses fewer micro-batches than stages
         plan += [{"kind": "torch", "name": f"torch-{s}", "schedule": s, "microbatches": m} for m in mbs

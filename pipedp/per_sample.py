@@ -112,7 +112,7 @@ def _gram(x: torch.Tensor) -> torch.Tensor:
 
 def gram_norms(a3: torch.Tensor, g3: torch.Tensor) -> torch.Tensor:
     """Per-sample ||sum_t g_t a_t^T||^2 for [n, T, in] inputs and [n, T, out] output grads."""
-    return (_gram(g3) * _gram(a3)).sum((1, 2)).clamp(min=0)
+    return (_gram(g3) * _gram(a3)).sum((1, 2))
 
 
 def _linear_ghost(unit, a, g) -> Optional[Dict[nn.Parameter, torch.Tensor]]:
@@ -143,7 +143,7 @@ def _embedding_ghost(unit, ids, g) -> Dict[nn.Parameter, torch.Tensor]:
     if g3.shape[1] == 1:
         return {unit.weight: g3[:, 0].pow(2).sum(1)}
     same = (ids[:, :, None] == ids[:, None, :]).to(g.dtype)
-    return {unit.weight: (_gram(g3) * same).sum((1, 2)).clamp(min=0)}
+    return {unit.weight: (_gram(g3) * same).sum((1, 2))}
 
 
 def clipped_grad_sum(
@@ -183,9 +183,7 @@ def clipped_grad_sum(
 
 def _layer_norm_grads(unit: nn.LayerNorm, x: torch.Tensor, g: torch.Tensor) -> Dict[nn.Parameter, torch.Tensor]:
     """LayerNorm's weight/bias gradients in closed form: sum g * x_hat, sum g."""
-    dims = tuple(range(x.dim() - len(unit.normalized_shape), x.dim()))
-    x = x.to(g.dtype)
-    x_hat = (x - x.mean(dims, keepdim=True)) * torch.rsqrt(x.var(dims, unbiased=False, keepdim=True) + unit.eps)
+    x_hat = torch.nn.functional.layer_norm(x.to(g.dtype), unit.normalized_shape, None, None, unit.eps)
     lead = tuple(range(x.dim() - len(unit.normalized_shape)))
     out = {}
     if unit.weight is not None and unit.weight.requires_grad:

@@ -55,7 +55,11 @@ class Stage:
         self.parameters: List[nn.Parameter] = _unique(
             p for b in self.blocks for p in b.module.parameters() if p.requires_grad
         )
-        self._shared = _params_in_several_units(self.units)
+        shared = _params_in_several_units(self.units)
+        # units one of whose parameters another unit also uses: their norms need the summed gradient
+        self._shares_params = {
+            name for name, m in self.units.items() if any(id(p) in shared for p in m.parameters(recurse=False))
+        }
         self.capture = ActivationCapture(self.units)
         self.pending: Dict[int, MicroBatchState] = {}
         self.clipped_sum: Dict[nn.Parameter, torch.Tensor] = {}
@@ -139,35 +143,37 @@ class Stage:
         return input_grad
 
     def _squared_norms(self, state: MicroBatchState) -> torch.Tensor:
-        total = torch.zeros(state.size, dtype=torch.float64)
+        parts: List[torch.Tensor] = []  # per-parameter [n] squared norms, summed once at the end
         materialized: Dict[nn.Parameter, torch.Tensor] = {}
         for name, calls in state.calls.items():
             unit = self.units[name]
             backprops = state.backprops[name]
-            own = [p for p in unit.parameters(recurse=False) if p.requires_grad]
-            can_ghost = (
-                self.grad_mode == "ghost" and len(calls) == 1 and not any(id(p) in self._shared for p in own)
-            )
+            can_ghost = self.grad_mode == "ghost" and len(calls) == 1 and name not in self._shares_params
             norms = ghost_squared_norms(unit, calls[0].inputs, backprops[0]) if can_ghost else None
             if norms is not None:
-                for n in norms.values():
-                    total += n.to(torch.float64).reshape(state.size)
+                parts.extend(n.reshape(state.size) for n in norms.values())
                 continue
             for call, bp in zip(calls, backprops):
                 for p, g in per_sample_grads(unit, call.inputs, bp).items():
                     materialized[p] = materialized[p] + g if p in materialized else g
-        for g in materialized.values():
-            total += g.reshape(state.size, -1).to(torch.float64).pow(2).sum(1)
-        return total
+        parts.extend(g.reshape(state.size, -1).pow(2).sum(1) for g in materialized.values())
+        if not parts:
+            return torch.zeros(state.size, dtype=torch.float64)
+        if len({p.dtype for p in parts}) > 1:  # layers of several dtypes
+            parts = [p.to(torch.float64) for p in parts]
+        return torch.stack(parts).sum(0).to(torch.float64)
 
     # ---- W -------------------------------------------------------------------------------
     def weight(self, mb: int, clip_factors: torch.Tensor) -> None:
         state = self.pending.pop(mb)
+        shaped: Dict[tuple, torch.Tensor] = {}  # the clip factors broadcastable to each backprop
         for name, calls in state.calls.items():
             unit = self.units[name]
             for call, bp in zip(calls, state.backprops[name]):
-                c = clip_factors.to(bp.dtype).reshape((-1,) + (1,) * (bp.dim() - 1))
-                for p, g in clipped_grad_sum(unit, call.inputs, bp * c).items():
+                key = (bp.dtype, bp.dim())
+                if key not in shaped:
+                    shaped[key] = clip_factors.to(bp.dtype).reshape((-1,) + (1,) * (bp.dim() - 1))
+                for p, g in clipped_grad_sum(unit, call.inputs, bp * shaped[key]).items():
                     if p in self.clipped_sum:
                         self.clipped_sum[p] += g
                     else:
