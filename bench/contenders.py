@@ -139,7 +139,7 @@ def naive_split(preset: Preset, batch: int, stages: int, warmup: int, reps: int)
     from .naive_split import naive_split_step_fn
 
     with PeakMemory() as mem:
-        step = naive_split_step_fn(preset, batch, stages)
+        step, _ = naive_split_step_fn(preset, batch, stages)
         times = _timed(step, warmup, reps, dist.barrier)
     return {"seconds": statistics.median(times), "peak_mib": mem.peak_mib}
 

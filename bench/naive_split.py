@@ -31,7 +31,7 @@ def _recv(src: int, dtype: torch.dtype) -> torch.Tensor:
 
 
 def naive_split_step_fn(preset, batch: int, stages: int, noise_multiplier=1.0, max_grad_norm=1.0):
-    """Build this rank's part and return a function doing one DP-SGD step on the whole batch."""
+    """Build this rank's part; return (a function doing one DP-SGD step on the whole batch, the part)."""
     from opacus import GradSampleModule
 
     from pipedp.partition import model_blocks, partition  # only to cut the model where pipedp does
@@ -75,4 +75,4 @@ def naive_split_step_fn(preset, batch: int, stages: int, noise_multiplier=1.0, m
         opt.step()
         opt.zero_grad(set_to_none=True)
 
-    return step
+    return step, part
