@@ -16,7 +16,6 @@ import torch.distributed as dist
 from .errors import BatchError, ConfigMismatchError
 from .executor import Executor
 from .microbatch import PassBatch
-from .partition import model_signature
 from .stage import Stage
 from .dist_transport import DistTransport, PipelineGroups
 
@@ -74,14 +73,8 @@ class DistributedRuntime:
     @classmethod
     def create(cls, trainer, stage_blocks, loss_fn, grad_mode) -> "DistributedRuntime":
         world, rank = dist.get_world_size(), dist.get_rank()
-        config = {
-            "world size": world, "stages": trainer.stages, "replicas": trainer.replicas,
-            "schedule": trainer.schedule.name, "microbatches": trainer.microbatches,
-            "microbatch_size": trainer.microbatch_size, "grad_mode": grad_mode,
-            "noise_multiplier": trainer.noise_multiplier, "clipping": trainer.clipping,
-            "expected_batch_size": trainer.expected_batch_size, "sample_rate": trainer.sample_rate,
-            "seed": trainer.seed, "model signature": model_signature(trainer.model),
-        }
+        # the static micro-batch size shapes every message, so it must agree too
+        config = {"world size": world, "microbatch_size": trainer.microbatch_size, **trainer.run_config()}
         configs: List[Optional[Dict]] = [None] * world
         dist.all_gather_object(configs, config)  # before any check that could make one rank leave early
         mismatches = [

@@ -11,7 +11,6 @@ import torch
 
 from . import checkpoint as ckpt
 from .errors import PipeDPError, PrivacyBudgetExceeded
-from .partition import model_signature
 from .sampling import poisson_indices, truncate, truncation_probability
 
 
@@ -112,16 +111,6 @@ def fit(
     return FitResult(trainer.steps_taken, last_loss, eps, trainer.delta, stopped, extra_delta)
 
 
-def _config(trainer) -> dict:
-    return {
-        "stages": trainer.stages, "replicas": trainer.replicas, "microbatches": trainer.microbatches,
-        "schedule": trainer.schedule.name, "grad_mode": trainer.grad_mode,
-        "noise_multiplier": trainer.noise_multiplier, "clipping": [trainer.clipping.mode, list(trainer.clipping.stage_norms)],
-        "expected_batch_size": trainer.expected_batch_size, "sample_rate": trainer.sample_rate,
-        "seed": trainer.seed, "accountant": trainer.accountant_name, "model": model_signature(trainer.model),
-    }
-
-
 def save_checkpoint(trainer, directory: str) -> None:
     runtime = trainer.runtime
     hashes = {}
@@ -135,7 +124,7 @@ def save_checkpoint(trainer, directory: str) -> None:
     if runtime.rank == 0:
         ckpt.write_manifest(directory, trainer.steps_taken, {
             "step": trainer.steps_taken,
-            "config": _config(trainer),
+            "config": trainer.run_config(),
             "accountant_history": [list(h) for h in trainer.accountant.history],
             "stage_sha256": [merged[s] for s in range(trainer.stages)],
         })
@@ -144,7 +133,7 @@ def save_checkpoint(trainer, directory: str) -> None:
 
 def load_checkpoint(trainer, directory: str) -> None:
     manifest = ckpt.latest_manifest(directory)
-    ckpt.check_compatible(manifest, _config(trainer))
+    ckpt.check_compatible(manifest, trainer.run_config())
     for stage, opt in zip(trainer.runtime.local_stages, trainer.optimizers):
         state = ckpt.read_stage(manifest, stage.index)
         stage.load_named_state(state["params"])

@@ -14,7 +14,7 @@ from .accounting import calibrate_noise, steps_within_budget
 from .balance import cost_unit, report
 from .errors import PipeDPError, PrivacyBudgetExceeded
 from .microbatch import check_batch, make_pass, microbatch_size_for, plan_passes, replica_rows
-from .partition import Balance, block_costs, model_blocks, partition
+from .partition import Balance, block_costs, model_blocks, model_signature, partition
 from .privacy import Clipping, add_noise
 from .runtime import InProcessRuntime
 from .stage import Stage
@@ -167,6 +167,16 @@ class PipelineDPTrainer:
                 p.grad = (g / self.expected_batch_size).to(p.dtype)
             opt.step()
             opt.zero_grad(set_to_none=True)
+
+    def run_config(self) -> dict:
+        """What must agree between the ranks of a run and between a checkpoint and its resumption."""
+        return {
+            "stages": self.stages, "replicas": self.replicas, "microbatches": self.microbatches,
+            "schedule": self.schedule.name, "grad_mode": self.grad_mode, "noise_multiplier": self.noise_multiplier,
+            "clipping": [self.clipping.mode, list(self.clipping.stage_norms)],
+            "expected_batch_size": self.expected_batch_size, "sample_rate": self.sample_rate, "seed": self.seed,
+            "accountant": self.accountant_name, "model": model_signature(self.model),
+        }
 
     # ---- state and privacy --------------------------------------------------------------------
     def state_dict(self) -> Optional[dict]:
