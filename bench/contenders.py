@@ -84,22 +84,26 @@ def _opacus_step(name, preset, model, opt, x, y):
 
 
 # ---- one process per stage -------------------------------------------------------------------
+def rank_part(model: torch.nn.Module, stages: int, rank: int) -> torch.nn.Sequential:
+    """This rank's blocks, cut where pipedp cuts (parameter-balanced); the rest freed to meta."""
+    from pipedp.partition import model_blocks, partition
+
+    parts = partition(model_blocks(model), stages, "params")
+    for s, blocks in enumerate(parts):
+        if s != rank:
+            for b in blocks:
+                b.module.to("meta")
+    return torch.nn.Sequential(*[b.module for b in parts[rank]])
+
+
 def torch_pipeline(schedule: str, microbatches: int, preset: Preset, batch: int, stages: int, warmup: int, reps: int):
     from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
-
-    from pipedp.partition import model_blocks, partition
 
     rank = dist.get_rank()
     x, y = preset.make_batch(batch, 0)
     with PeakMemory() as mem:
         torch.manual_seed(0)
-        model = preset.build()
-        blocks = partition(model_blocks(model), stages, "params")[rank]
-        for s, others in enumerate(partition(model_blocks(model), stages, "params")):
-            if s != rank:
-                for b in others:
-                    b.module.to("meta")
-        module = torch.nn.Sequential(*[b.module for b in blocks])
+        module = rank_part(preset.build(), stages, rank)
         stage = PipelineStage(module, rank, stages, torch.device("cpu"))
         cls = Schedule1F1B if schedule == "1f1b" else ScheduleGPipe
         sched = cls(stage, n_microbatches=microbatches, loss_fn=preset.mean_loss)

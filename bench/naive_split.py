@@ -34,19 +34,13 @@ def naive_split_step_fn(preset, batch: int, stages: int, noise_multiplier=1.0, m
     """Build this rank's part; return (a function doing one DP-SGD step on the whole batch, the part)."""
     from opacus import GradSampleModule
 
-    from pipedp.partition import model_blocks, partition  # only to cut the model where pipedp does
+    from .contenders import rank_part  # only to cut the model where pipedp does
 
     warnings.filterwarnings("ignore")
     rank = dist.get_rank()
     x, y = preset.make_batch(batch, 0)
     torch.manual_seed(0)
-    model = preset.build()
-    parts = partition(model_blocks(model), stages, "params")
-    for s, blocks in enumerate(parts):
-        if s != rank:
-            for b in blocks:
-                b.module.to("meta")
-    part = torch.nn.Sequential(*[b.module for b in parts[rank]])
+    part = rank_part(preset.build(), stages, rank)
     gsm = GradSampleModule(part, loss_reduction="sum")  # backward of the summed per-sample losses
     params = [p for p in part.parameters() if p.requires_grad]
     opt = torch.optim.SGD(params, lr=LR)

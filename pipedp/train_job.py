@@ -52,14 +52,12 @@ class Job:
 
 def load_dataset(job: Job):
     """(inputs, targets, vocab_size or None) — deterministic, so every rank builds the same one."""
+    text = read_text(job.data) if job.data else generated_corpus(seed=job.seed)
     if job.model != "tiny-gpt":
         from .hf import tokenize_for_model
 
-        text = read_text(job.data) if job.data else generated_corpus(seed=job.seed)
-        ids = tokenize_for_model(job.model, text)
-        x, y = windows(ids, job.seq_len)
+        x, y = windows(tokenize_for_model(job.model, text), job.seq_len)
         return x, y, None
-    text = read_text(job.data) if job.data else generated_corpus(seed=job.seed)
     tok = CharTokenizer.fit(text)
     x, y = windows(tok.encode(text), job.seq_len)
     return x, y, tok.vocab_size

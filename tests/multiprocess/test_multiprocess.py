@@ -6,7 +6,7 @@ import torch
 
 from oracles import max_relative_error, opacus_step
 from pipedp import RankFailedError
-from pipedp.launch import launch
+from pipedp.launch import free_port, launch
 from workers import CLIP, LR, make_batch, make_model
 
 pytestmark = pytest.mark.dist
@@ -104,7 +104,7 @@ def test_torchrun_example_runs():
 
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
-                          "--master_port", str(__import__("pipedp.launch", fromlist=["free_port"]).free_port()),
+                          "--master_port", str(free_port()),
                           os.path.join(root, "examples", "train_tiny_gpt.py"), "--steps", "3"],
                          capture_output=True, text=True, timeout=240, cwd=root)
     assert out.returncode == 0, out.stderr[-3000:]
