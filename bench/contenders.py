@@ -12,11 +12,15 @@ import time
 import warnings
 from typing import Callable, Dict, List
 
-import torch
+import opacus  # noqa: F401  (the libraries every contender uses are imported before any measured
+import torch  # phase: no contender's peak memory should include the cost of importing a library)
 import torch.distributed as dist
+import torch.distributed.pipelining  # noqa: F401
+
+import pipedp.train.trainer  # noqa: F401
 
 from .memory import PeakMemory
-from .presets import Preset
+from .presets import PRESETS, Preset
 
 LR = 1e-3
 
@@ -84,20 +88,10 @@ def _opacus_step(name, preset, model, opt, x, y):
 
 
 # ---- one process per stage -------------------------------------------------------------------
-def rank_part(model: torch.nn.Module, stages: int, rank: int) -> torch.nn.Sequential:
-    """This rank's blocks, cut where pipedp cuts (parameter-balanced); the rest freed to meta."""
-    from pipedp.partition import model_blocks, partition
-
-    parts = partition(model_blocks(model), stages, "params")
-    for s, blocks in enumerate(parts):
-        if s != rank:
-            for b in blocks:
-                b.module.to("meta")
-    return torch.nn.Sequential(*[b.module for b in parts[rank]])
-
-
 def torch_pipeline(schedule: str, microbatches: int, preset: Preset, batch: int, stages: int, warmup: int, reps: int):
     from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+
+    from .parts import rank_part
 
     rank = dist.get_rank()
     x, y = preset.make_batch(batch, 0)
@@ -141,17 +135,18 @@ def pipedp_pipeline(schedule: str, mode: str, microbatches: int, preset: Preset,
 
 def naive_split(preset: Preset, batch: int, stages: int, warmup: int, reps: int):
     from .naive_split import naive_split_step_fn
+    from .parts import rank_part
 
     with PeakMemory() as mem:
-        step, _ = naive_split_step_fn(preset, batch, stages)
+        torch.manual_seed(0)
+        part = rank_part(preset.build(), stages, dist.get_rank())
+        step = naive_split_step_fn(part, preset, batch, stages)
         times = _timed(step, warmup, reps, dist.barrier)
     return {"seconds": statistics.median(times), "peak_mib": mem.peak_mib}
 
 
 def run_multiprocess(rank: int, plan: List[Dict], preset_name: str, batch: int, stages: int, warmup: int, reps: int):
     """Runs every multi-process contender of the plan in turn on this rank."""
-    from .presets import PRESETS
-
     warnings.filterwarnings("ignore")
     preset = PRESETS[preset_name]
     results = []

@@ -30,17 +30,15 @@ def _recv(src: int, dtype: torch.dtype) -> torch.Tensor:
     return out
 
 
-def naive_split_step_fn(preset, batch: int, stages: int, noise_multiplier=1.0, max_grad_norm=1.0):
-    """Build this rank's part; return (a function doing one DP-SGD step on the whole batch, the part)."""
+def naive_split_step_fn(part: torch.nn.Module, preset, batch: int, stages: int, noise_multiplier=1.0,
+                        max_grad_norm=1.0):
+    """A function doing one DP-SGD step of this rank's ``part`` on the whole batch (the caller cuts
+    the model: the harness cuts it where pipedp does, so both train the same parts)."""
     from opacus import GradSampleModule
-
-    from .contenders import rank_part  # only to cut the model where pipedp does
 
     warnings.filterwarnings("ignore")
     rank = dist.get_rank()
     x, y = preset.make_batch(batch, 0)
-    torch.manual_seed(0)
-    part = rank_part(preset.build(), stages, rank)
     gsm = GradSampleModule(part, loss_reduction="sum")  # backward of the summed per-sample losses
     params = [p for p in part.parameters() if p.requires_grad]
     opt = torch.optim.SGD(params, lr=LR)
@@ -69,4 +67,4 @@ def naive_split_step_fn(preset, batch: int, stages: int, noise_multiplier=1.0, m
         opt.step()
         opt.zero_grad(set_to_none=True)
 
-    return step, part
+    return step

@@ -16,7 +16,7 @@ import time
 
 import torch
 
-from pipedp.launch import launch
+from pipedp.runtime.launch import launch
 
 from .contenders import run_multiprocess, single_process
 from .presets import PRESETS

@@ -17,8 +17,8 @@ import torch.distributed as dist
 
 from pipedp import PipelineDPTrainer
 from pipedp.data import generated_corpus, read_text, windows
-from pipedp.hf import load_pipeline_stage, resident_parameter_bytes, tokenize_for_model
-from pipedp.launch import init_from_env
+from pipedp.split.hf_loading import load_pipeline_stage, resident_parameter_bytes, tokenize_for_model
+from pipedp import init_from_env
 from pipedp.models import token_loss
 
 

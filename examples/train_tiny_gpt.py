@@ -11,7 +11,7 @@ import torch
 
 from pipedp import PipelineDPTrainer
 from pipedp.data import CharTokenizer, generated_corpus, windows
-from pipedp.launch import init_from_env
+from pipedp import init_from_env
 from pipedp.models import GPTConfig, tiny_gpt, token_loss
 
 

@@ -1,6 +1,6 @@
 """`python -m pipedp ...` is the `pipedp` command."""
 import sys
 
-from .cli import main
+from .cli.main import main
 
 sys.exit(main())

@@ -1,4 +1,4 @@
-"""Training data for the CLI: a built-in generated corpus, or a local text / JSONL file.
+"""Training data for the CLI and the examples: a built-in generated corpus, or a local text / JSONL file.
 
 The built-in corpus is generated from a small seeded grammar (nothing is downloaded): it
 is regular enough that a tiny model's loss visibly falls within a few hundred DP steps.
@@ -11,7 +11,7 @@ import json
 import os
 import random
 from dataclasses import dataclass
-from typing import List, Optional
+from typing import List
 
 import torch
 
@@ -62,16 +62,11 @@ class CharTokenizer:
         index = {c: i for i, c in enumerate(self.chars)}
         return [index[c] for c in text if c in index]
 
-    def decode(self, ids) -> str:
-        return "".join(self.chars[i] for i in ids)
 
-
-def windows(ids: List[int], seq_len: int, limit: Optional[int] = None):
+def windows(ids: List[int], seq_len: int):
     """Non-overlapping (input, next-token target) windows of seq_len tokens."""
     data = torch.tensor(ids, dtype=torch.long)
     count = (len(data) - 1) // seq_len
-    if limit is not None:
-        count = min(count, limit)
     if count < 1:
         raise ValueError(f"the dataset has {len(data)} tokens: too few for one window of {seq_len + 1}")
     x = data[: count * seq_len].reshape(count, seq_len)

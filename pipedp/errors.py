@@ -1,8 +1,19 @@
-"""Errors pipedp raises. Each message names the problem and how to fix it."""
+"""Errors pipedp raises. Each message names the problem and how to fix it.
+
+Layer: bottom; imports nothing.
+"""
 
 
 class PipeDPError(Exception):
     """Base class of every error pipedp raises on purpose."""
+
+
+class ConfigError(PipeDPError, ValueError):
+    """An option is out of range or contradicts another; ``field`` names the option."""
+
+    def __init__(self, message: str, field: str = ""):
+        super().__init__(message)
+        self.field = field
 
 
 class UnsupportedModelError(PipeDPError, ValueError):

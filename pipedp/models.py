@@ -90,7 +90,3 @@ def tiny_gpt(cfg: GPTConfig = GPTConfig()) -> nn.Sequential:
 def token_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     """Per-sample loss of a token model: each sequence's mean next-token cross-entropy."""
     return F.cross_entropy(logits.transpose(1, 2), targets, reduction="none").mean(dim=1)
-
-
-def regression_loss(outputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    return ((outputs - targets) ** 2).flatten(1).mean(dim=1)

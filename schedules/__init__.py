@@ -1,11 +1,15 @@
-"""Pure-Python pipeline schedules for DP-SGD: actions, builders, validator, simulator."""
-from .actions import COMM_KINDS, COMPUTE_KINDS, Action, Kind, Schedule
+"""Pure-Python pipeline schedules for DP-SGD: actions, builders, validator, simulator.
+
+Layer 0: imports nothing of pipedp, torch or torch.distributed. It stays a top-level
+package (the design card fixes the folder), so it can be used and tested on its own.
+"""
+from .actions import COMPUTE_KINDS, Action, Kind, Schedule
 from .builders import BUILDERS, build, gpipe, one_f_one_b
 from .simulator import DeadlockError, SimResult, simulate
 from .validator import ScheduleError, validate
 
 __all__ = [
-    "Action", "Kind", "Schedule", "COMM_KINDS", "COMPUTE_KINDS",
+    "Action", "Kind", "Schedule", "COMPUTE_KINDS",
     "BUILDERS", "build", "gpipe", "one_f_one_b",
     "simulate", "SimResult", "DeadlockError",
     "validate", "ScheduleError",

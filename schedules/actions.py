@@ -2,7 +2,9 @@
 
 An action is one unit of work on one stage: ``Action(stage=1, kind=F, microbatch=3)``
 prints as ``"1F3"``. A schedule is, for each stage, the ordered list of its actions.
-Everything here is plain data: no torch, no processes.
+The text form follows torch.distributed.pipelining's: F forward, I backward to the input
+only, W weight gradient (here: the clipped one), SEND_F / RECV_F / SEND_B / RECV_B;
+NORM_REDUCE is pipedp's own. Everything here is plain data: no torch, no processes.
 """
 from __future__ import annotations
 
@@ -14,7 +16,7 @@ from typing import Dict, List, Optional
 
 class Kind(enum.Enum):
     F = "F"  # forward of one micro-batch, capturing what per-sample gradients need
-    B = "B"  # backward to the stage input only, plus this stage's per-sample squared norms
+    I = "I"  # backward to the stage input only (torch's I), plus this stage's per-sample squared norms
     W = "W"  # clipped weight gradient, from stored (activations, clip * output-grads)
     SEND_F = "SEND_F"  # send the forward activation to the next stage
     RECV_F = "RECV_F"  # receive the forward activation from the previous stage
@@ -23,10 +25,9 @@ class Kind(enum.Enum):
     NORM_REDUCE = "NORM_REDUCE"  # sum one micro-batch's per-sample norms over all stages
 
 
-COMPUTE_KINDS = frozenset({Kind.F, Kind.B, Kind.W})
-COMM_KINDS = frozenset({Kind.SEND_F, Kind.RECV_F, Kind.SEND_B, Kind.RECV_B})
+COMPUTE_KINDS = frozenset({Kind.F, Kind.I, Kind.W})
 
-_TEXT = re.compile(r"^(\d+)(SEND_F|RECV_F|SEND_B|RECV_B|NORM_REDUCE|F|B|W)(\d+)$")
+_TEXT = re.compile(r"^(\d+)(SEND_F|RECV_F|SEND_B|RECV_B|NORM_REDUCE|F|I|W)(\d+)$")
 
 
 @dataclass(frozen=True, order=True)

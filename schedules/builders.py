@@ -1,15 +1,16 @@
 """Schedule builders: GPipe and 1F1B, with DP actions (per-micro-batch norm reduce, W pass).
 
-Each stage's list holds, per micro-batch ``j``: RECV_F, F, SEND_F (forward), RECV_B, B,
-SEND_B (backward to the input), NORM_REDUCE (sum of the per-sample squared norms over the
-stages, a collective that every stage issues in micro-batch order) and W (the clipped
-weight gradient, which needs the reduced norms).
+Each stage's list holds, per micro-batch ``j``: RECV_F, F, SEND_F (forward), RECV_B, I,
+SEND_B (backward to the stage input only), NORM_REDUCE (sum of the per-sample squared
+norms over the stages, a collective that every stage issues in micro-batch order) and W
+(the clipped weight gradient, which needs the reduced norms).
 
-Where W goes: stage 0 is the last to finish B(j), so the reduced norms of j are ready on
-stage k at about the time it finishes B(j + k). Placing W(j) right after B(j + k + 1) keeps
-the stored captures of stage k bounded by about k + 2 micro-batches, and leaves one
-backward's time for the collective's latency, so W does not stall on it in the steady
-state. Any placement after NORM_REDUCE(j) is correct; this one is fast.
+Where W goes: stage 0 is the last to finish I(j), so the reduced norms of j are ready on
+stage k at about the time it finishes I(j + k). W(j) is placed right after the backward
+block (RECV_B, I, SEND_B, NORM_REDUCE) of micro-batch j + k, or at the end of the pass:
+the captures stage k holds stay bounded by its in-flight micro-batches plus k, and W
+rarely waits for the collective in the steady state. Any placement after NORM_REDUCE(j)
+is correct; this one is fast.
 """
 from __future__ import annotations
 
@@ -32,7 +33,7 @@ def _backward(stage: int, stages: int, mb: int) -> List[Action]:
     acts = []
     if stage < stages - 1:
         acts.append(Action(stage, Kind.RECV_B, mb))
-    acts.append(Action(stage, Kind.B, mb))
+    acts.append(Action(stage, Kind.I, mb))
     if stage > 0:
         acts.append(Action(stage, Kind.SEND_B, mb))
     acts.append(Action(stage, Kind.NORM_REDUCE, mb))
@@ -40,13 +41,13 @@ def _backward(stage: int, stages: int, mb: int) -> List[Action]:
 
 
 def _with_weight_passes(stage: int, microbatches: int, backward_order: List[List[Action]]) -> List[Action]:
-    """Insert W(j) after the backward block of micro-batch j + stage (or at the end)."""
+    """Insert W(j) after the backward block of micro-batch j + stage (or at the end of the pass)."""
     lag = stage
     out: List[Action] = []
     next_w = 0
     for block in backward_order:
         out.extend(block)
-        b_mb = next(a.microbatch for a in block if a.kind is Kind.B) if any(a.kind is Kind.B for a in block) else None
+        b_mb = next(a.microbatch for a in block if a.kind is Kind.I) if any(a.kind is Kind.I for a in block) else None
         if b_mb is None:
             continue
         while next_w < microbatches and next_w + lag <= b_mb:

@@ -1,7 +1,7 @@
 """Schedule validator: the structural rules a DP pipeline schedule must obey.
 
-Per stage and micro-batch j: one each of F, B, NORM_REDUCE and W, ordered
-RECV_F < F < SEND_F, RECV_B < B < SEND_B, F < B < NORM_REDUCE < W (no clip before the
+Per stage and micro-batch j: one each of F, I, NORM_REDUCE and W, ordered
+RECV_F < F < SEND_F, RECV_B < I < SEND_B, F < I < NORM_REDUCE < W (no clip before the
 norms of every stage are summed). Across stages: every send has its receive, point-to-point
 messages arrive in the order they were sent, every stage joins the norm collectives in
 the same order, and the whole schedule runs to the end (checked by simulation).
@@ -24,7 +24,7 @@ class ScheduleError(ValueError):
 
 
 def _expected_kinds(stage: int, stages: int) -> List[Kind]:
-    kinds = [Kind.F, Kind.B, Kind.NORM_REDUCE, Kind.W]
+    kinds = [Kind.F, Kind.I, Kind.NORM_REDUCE, Kind.W]
     if stage > 0:
         kinds += [Kind.RECV_F, Kind.SEND_B]
     if stage < stages - 1:
@@ -35,10 +35,10 @@ def _expected_kinds(stage: int, stages: int) -> List[Kind]:
 _ORDER = [
     (Kind.RECV_F, Kind.F),
     (Kind.F, Kind.SEND_F),
-    (Kind.RECV_B, Kind.B),
-    (Kind.B, Kind.SEND_B),
-    (Kind.F, Kind.B),
-    (Kind.B, Kind.NORM_REDUCE),
+    (Kind.RECV_B, Kind.I),
+    (Kind.I, Kind.SEND_B),
+    (Kind.F, Kind.I),
+    (Kind.I, Kind.NORM_REDUCE),
     (Kind.NORM_REDUCE, Kind.W),
 ]
 

@@ -7,8 +7,8 @@ from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
 
 from oracles import max_relative_error  # noqa: E402
 from pipedp import PipelineDPTrainer  # noqa: E402
-from pipedp.hf import resident_parameter_bytes  # noqa: E402
-from pipedp.launch import launch  # noqa: E402
+from pipedp.split.hf_loading import resident_parameter_bytes  # noqa: E402
+from pipedp.runtime.launch import launch  # noqa: E402
 from pipedp.models import token_loss  # noqa: E402
 
 pytestmark = pytest.mark.dist

@@ -6,7 +6,7 @@ import torch
 
 from oracles import max_relative_error, opacus_step
 from pipedp import RankFailedError
-from pipedp.launch import free_port, launch
+from pipedp.runtime.launch import free_port, launch
 from workers import CLIP, LR, make_batch, make_model
 
 pytestmark = pytest.mark.dist

@@ -10,7 +10,7 @@ from torch.distributed.pipelining import pipe_split
 
 from oracles import loop_clipped_sum, max_relative_error
 from pipedp import PipelineDPTrainer, UnsupportedModelError
-from pipedp.graph import SplitModel
+from pipedp import SplitModel
 
 warnings.filterwarnings("ignore", category=FutureWarning)
 

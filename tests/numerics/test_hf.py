@@ -10,9 +10,10 @@ from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausa
 
 from oracles import loop_clipped_sum, max_relative_error  # noqa: E402
 from pipedp import PartitionError, PipelineDPTrainer  # noqa: E402
-from pipedp.hf import build_on_meta, load_pipeline_stage, resident_parameter_bytes  # noqa: E402
+from pipedp.split.hf_loading import build_on_meta, load_pipeline_stage, resident_parameter_bytes  # noqa: E402
 from pipedp.models import token_loss  # noqa: E402
-from pipedp.partition import model_blocks, partition  # noqa: E402
+from pipedp.split.adapters import model_blocks
+from pipedp.split.partition import partition  # noqa: E402
 
 VOCAB, SEQ = 40, 8
 

@@ -127,7 +127,7 @@ def test_per_stage_clipping_matches_group_wise_loop(schedule):
 
 
 def test_per_stage_noise_is_scaled_to_the_total_sensitivity():
-    from pipedp.privacy import Clipping
+    from pipedp.privacy.clipping import Clipping
 
     assert Clipping.make("per_stage", [0.3, 0.4], 2).sensitivity == pytest.approx(0.5)
     assert Clipping.make("per_stage", 1.0, 4).stage_norms == (0.5, 0.5, 0.5, 0.5)

@@ -10,7 +10,7 @@ from opacus.accountants.utils import get_noise_multiplier
 from oracles import max_relative_error, opacus_step
 from pipedp import CheckpointError, PipeDPError, PipelineDPTrainer
 from pipedp.models import mlp
-from pipedp.sampling import poisson_indices, truncation_probability
+from pipedp.privacy.sampling import poisson_indices, truncation_probability
 
 N_DATA = 200
 

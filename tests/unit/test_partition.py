@@ -7,7 +7,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from pipedp.errors import PartitionError, UnsupportedModelError
-from pipedp.partition import balanced_split, model_blocks, partition, uniform_split
+from pipedp.split.adapters import model_blocks
+from pipedp.split.partition import balanced_split, partition, uniform_split
 
 
 def brute_force_best(costs, stages):
@@ -80,7 +81,8 @@ class Repeated(nn.Module):
 
 
 def test_measured_cost_split_beats_uniform_in_the_simulator():
-    from pipedp.balance import measured_costs, report
+    from pipedp import measured_costs
+    from pipedp.split.balance import report
     from schedules import Kind, build, simulate
 
     torch.manual_seed(0)
@@ -91,7 +93,7 @@ def test_measured_cost_split_beats_uniform_in_the_simulator():
 
     def makespan(stage_blocks):
         stage_costs = report(stage_blocks, costs).stage_costs
-        table = [{Kind.F: c, Kind.B: c, Kind.W: c} for c in stage_costs]
+        table = [{Kind.F: c, Kind.I: c, Kind.W: c} for c in stage_costs]
         return simulate(build("1f1b", 2, 8), table).makespan
 
     uniform = partition(blocks, 2, "uniform")

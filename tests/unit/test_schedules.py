@@ -6,7 +6,7 @@ from hypothesis import strategies as st
 
 from schedules import Action, Kind, Schedule, ScheduleError, build, simulate, validate
 
-NO_W = {Kind.F: 1.0, Kind.B: 1.0, Kind.W: 0.0}
+NO_W = {Kind.F: 1.0, Kind.I: 1.0, Kind.W: 0.0}
 
 
 def test_text_form_round_trips():

@@ -1,0 +1,100 @@
+"""The ``pipedp`` command: ``pipedp train`` and ``pipedp schedule show``.
+
+Parsing imports no torch; ``train`` loads the training stack only when it runs.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from typing import List, Optional
+
+from ..errors import ConfigError, PipeDPError
+from .flags import DEFAULT_STEPS, add_config_flags, flag_name
+
+DEFAULT_CHECKPOINTS = os.path.join("runs", "pipedp-train")
+
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
+def _positive_float(text: str) -> float:
+    value = float(text)
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be > 0, got {value}")
+    return value
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):  # one clear line, no usage dump
+        print(f"pipedp: error: {message} (see '{self.prog} --help')", file=sys.stderr)
+        sys.exit(2)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog="pipedp", description="DP-SGD on micro-batched pipeline-parallel models")
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+
+    t = sub.add_parser("train", help="DP training with pipeline stages (default: a tiny GPT on a generated corpus)")
+    add_config_flags(t)  # --stages, --microbatches, --schedule, --noise-multiplier, ... from the config fields
+    t.add_argument("--model", default="tiny-gpt", help="'tiny-gpt' (built in) or a local Hugging Face model folder")
+    t.add_argument("--data", default=None, help="local .txt or .jsonl ('text' field) file; default: generated corpus")
+    rate = t.add_mutually_exclusive_group()
+    rate.add_argument("--sample-rate", type=_positive_float, default=None, help="Poisson sampling rate q")
+    rate.add_argument("--batch-size", type=_positive_int, default=32, help="expected logical batch size (q = B / N)")
+    length = t.add_mutually_exclusive_group()
+    length.add_argument("--steps", type=_positive_int, default=None, help=f"total DP steps (default {DEFAULT_STEPS})")
+    length.add_argument("--epochs", type=_positive_float, default=None, help="epochs: ceil(epochs / q) steps")
+    t.add_argument("--lr", type=_positive_float, default=3e-3, help="Adam learning rate")
+    t.add_argument("--seq-len", type=_positive_int, default=32)
+    t.add_argument("--checkpoint-dir", default=DEFAULT_CHECKPOINTS)
+    t.add_argument("--checkpoint-every", type=_positive_int, default=50)
+    t.add_argument("--resume", action="store_true", help="continue from the newest checkpoint in --checkpoint-dir")
+    t.add_argument("--inprocess", action="store_true", help="run every stage in this one process (debugging)")
+    t.add_argument("--threads", type=_positive_int, default=1, help="torch threads per process")
+    t.add_argument("--no-progress", action="store_true")
+
+    s = sub.add_parser("schedule", help="inspect pipeline schedules")
+    ssub = s.add_subparsers(dest="schedule_command", required=True, parser_class=_Parser)
+    show = ssub.add_parser("show", help="per-rank timeline, bubble fraction and peak in-flight micro-batches")
+    show.add_argument("name", help="gpipe or 1f1b")
+    show.add_argument("--stages", type=_positive_int, required=True)
+    show.add_argument("--microbatches", type=_positive_int, required=True)
+    show.add_argument("--costs", default="F=1,I=1,W=1", help="relative action costs, e.g. F=1,I=2,W=1")
+    show.add_argument("--png", default=None, help="also draw the timeline into this PNG file")
+    return parser
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        if args.command == "schedule":
+            from .schedule_view import show
+
+            print(show(args.name, args.stages, args.microbatches, args.costs, args.png))
+            return 0
+        from .job import run
+
+        return run(args)
+    except (PipeDPError, ValueError, FileNotFoundError, ImportError) as exc:
+        print(f"pipedp: error: {_message(exc)}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("pipedp: interrupted", file=sys.stderr)
+        return 130
+
+
+def _message(exc: Exception) -> str:
+    """The whole message (every line), with a config field named as its flag."""
+    text = str(exc).strip() or type(exc).__name__
+    if isinstance(exc, ConfigError) and exc.field and text.startswith(exc.field + ":"):
+        text = flag_name(exc.field) + text[len(exc.field):]
+    return text
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,49 @@
+"""Poisson sampling of logical batches, one independent draw per step.
+
+Each step t includes every example independently with probability q, with the uniform
+draws from the (step) sampling stream of streams.py: any rank computes the same batch without communication, and a
+resumed run draws exactly the batches of a run that never stopped (the sampler has no
+state beyond the step counter). Opacus's UniformWithReplacementSampler draws the same
+distribution from one running generator; this one is keyed by step instead.
+"""
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import torch
+
+from .secure import secure_uniform
+from .streams import Stream, stream_seed
+
+
+def poisson_indices(num_examples: int, sample_rate: float, seed: int, step: int, secure: bool = False) -> torch.Tensor:
+    if secure:
+        draws = torch.from_numpy(secure_uniform(num_examples))
+    else:
+        g = torch.Generator().manual_seed(stream_seed(Stream.SAMPLING, seed, step))
+        draws = torch.rand(num_examples, generator=g, dtype=torch.float64)
+    return torch.nonzero(draws < sample_rate).flatten()
+
+
+def truncate(indices: torch.Tensor, cap: Optional[int], seed: int, step: int) -> torch.Tensor:
+    """Keep at most ``cap`` of the sampled indices (a uniformly random subset)."""
+    if cap is None or len(indices) <= cap:
+        return indices
+    g = torch.Generator().manual_seed(stream_seed(Stream.TRUNCATION, seed, step))
+    return indices[torch.randperm(len(indices), generator=g)[:cap]].sort().values
+
+
+def truncation_probability(num_examples: int, sample_rate: float, cap: int) -> float:
+    """P(Binomial(N, q) > cap): the chance one step's Poisson batch exceeds the cap."""
+    if cap >= num_examples:
+        return 0.0
+    log_q, log_1q = math.log(sample_rate), math.log1p(-sample_rate) if sample_rate < 1 else -math.inf
+    total = 0.0
+    for k in range(cap + 1, num_examples + 1):
+        term = math.lgamma(num_examples + 1) - math.lgamma(k + 1) - math.lgamma(num_examples - k + 1)
+        term += k * log_q + ((num_examples - k) * log_1q if num_examples > k else 0.0)
+        total += math.exp(term)
+        if k > num_examples * sample_rate and term < -80:  # the rest of the tail is negligible
+            break
+    return min(1.0, total)

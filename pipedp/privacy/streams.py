@@ -1,0 +1,32 @@
+"""Independent random streams by construction.
+
+Every random draw of a run (the noise of one stage at one step, the Poisson batch of one
+step, the subset a truncated batch keeps) takes its seed from
+``numpy.random.SeedSequence(entropy=seed, spawn_key=(purpose, *keys))``: streams of
+different purposes, steps or stages are different children of one root, so no noise
+stream can coincide with a sampling stream (an earlier scheme put the purpose constant
+at another position of the key, and the noise of step 0x5A11 met the sampling of step
+``stage``).
+"""
+from __future__ import annotations
+
+import enum
+
+import numpy as np
+
+
+class Stream(enum.IntEnum):
+    NOISE = 1  # keys: (step, stage)
+    SAMPLING = 2  # keys: (step,)
+    TRUNCATION = 3  # keys: (step,)
+
+
+KEY_LENGTH = {Stream.NOISE: 2, Stream.SAMPLING: 1, Stream.TRUNCATION: 1}
+
+
+def stream_seed(purpose: Stream, seed: int, *keys: int) -> int:
+    """A 63-bit seed for a torch.Generator, unique to (seed, purpose, keys)."""
+    if len(keys) != KEY_LENGTH[purpose]:
+        raise ValueError(f"stream {purpose.name} takes {KEY_LENGTH[purpose]} keys, got {keys}")
+    sequence = np.random.SeedSequence(entropy=int(seed), spawn_key=(int(purpose), *(int(k) for k in keys)))
+    return int(sequence.generate_state(1, dtype=np.uint64)[0] >> 1)

@@ -1,0 +1,30 @@
+"""Refuse models DP-SGD cannot train correctly, naming the layer and the fix."""
+from __future__ import annotations
+
+from typing import List
+
+import torch.nn as nn
+from opacus.validators import ModuleValidator
+from opacus.validators.errors import IllegalModuleConfigurationError
+
+from ..errors import UnsupportedModelError
+
+_BATCH_MIXING = (nn.modules.batchnorm._BatchNorm, nn.SyncBatchNorm)
+
+
+def validate_model(model: nn.Module) -> None:
+    problems: List[str] = []
+    for name, module in model.named_modules():
+        if isinstance(module, _BATCH_MIXING):
+            problems.append(
+                f"layer {name!r} is {type(module).__name__}, which mixes samples within a batch, so "
+                "per-sample gradients (and DP) are undefined: replace it with nn.GroupNorm / nn.LayerNorm, "
+                "or run opacus.validators.ModuleValidator.fix(model)"
+            )
+    if not problems:
+        # Opacus's own validators (LSTM -> DPLSTM, MultiheadAttention -> DPMultiheadAttention, ...)
+        for err in ModuleValidator.validate(model, strict=False):
+            if not isinstance(err, IllegalModuleConfigurationError):  # eval mode is the user's choice
+                problems.append(f"{err}; opacus.validators.ModuleValidator.fix(model) replaces such layers")
+    if problems:
+        raise UnsupportedModelError("model not supported for DP training:\n  " + "\n  ".join(problems))

@@ -1,0 +1,93 @@
+"""Per-micro-batch capture of layer inputs and outputs, keyed by micro-batch id.
+
+A *unit* is a module that directly owns trainable parameters (a Linear, an Embedding, a
+LayerNorm, or a custom module with its own nn.Parameter). During the forward of
+micro-batch j, a forward hook on every unit stores its inputs (detached) and its output
+(still in the graph) under key j. The backward pass then asks autograd for the gradient
+of the loss w.r.t. those outputs directly, so nothing depends on the order in which
+hooks fire — which is what breaks Opacus under interleaved micro-batches.
+"""
+from __future__ import annotations
+
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Dict, Iterator, List, Optional, Tuple
+
+import torch
+import torch.nn as nn
+
+from ..errors import UnsupportedModelError
+
+
+@dataclass
+class LayerCall:
+    inputs: Tuple[torch.Tensor, ...]
+    output: Optional[torch.Tensor]  # dropped once the backward pass has used it
+    version: int  # output._version at capture: an in-place change later would corrupt its gradient
+
+
+def find_units(named_modules: Iterator[Tuple[str, nn.Module]]) -> Dict[str, nn.Module]:
+    units = {}
+    for name, module in named_modules:
+        if any(p.requires_grad for p in module.parameters(recurse=False)):
+            units[name if name not in units else f"{name}#{len(units)}"] = module
+    return units
+
+
+class ActivationCapture:
+    """Records, for the micro-batch being forwarded, every unit call as a LayerCall."""
+
+    def __init__(self, units: Dict[str, nn.Module]):
+        self.units = units
+        self._active: Optional[int] = None
+        self._batch_size = 0
+        self.records: Dict[int, Dict[str, List[LayerCall]]] = {}
+        self._handles = [m.register_forward_hook(self._hook_for(name), with_kwargs=True) for name, m in units.items()]
+
+    def _hook_for(self, name: str):
+        def hook(module: nn.Module, args, kwargs, output):
+            if self._active is None or not torch.is_grad_enabled():
+                return
+            if kwargs:
+                raise UnsupportedModelError(
+                    f"layer {name!r} ({type(module).__name__}) was called with keyword arguments "
+                    f"{sorted(kwargs)}: per-sample gradients replay a layer from its positional inputs; "
+                    "pass them positionally"
+                )
+            if not isinstance(output, torch.Tensor):
+                raise UnsupportedModelError(
+                    f"layer {name!r} ({type(module).__name__}) returns {type(output).__name__}, not a tensor: "
+                    "per-sample gradients need layers with trainable parameters to return one tensor"
+                )
+            inputs = []
+            for a in args:
+                if not isinstance(a, torch.Tensor) or a.dim() == 0 or a.shape[0] != self._batch_size:
+                    shape = tuple(a.shape) if isinstance(a, torch.Tensor) else type(a).__name__
+                    raise UnsupportedModelError(
+                        f"layer {name!r} ({type(module).__name__}) got an input of shape {shape} without the "
+                        f"micro-batch dimension ({self._batch_size}) first: per-sample gradients need "
+                        "batch-first tensor inputs on every layer with parameters (expand shared inputs "
+                        "such as position ids to [batch, ...])"
+                    )
+                inputs.append(a.detach())
+            calls = self.records[self._active].setdefault(name, [])
+            calls.append(LayerCall(tuple(inputs), output, output._version))
+
+        return hook
+
+    @contextmanager
+    def recording(self, microbatch: int, batch_size: int):
+        self._active, self._batch_size = microbatch, batch_size
+        self.records[microbatch] = {}
+        try:
+            yield
+        finally:
+            self._active = None
+
+    def pop(self, microbatch: int) -> Dict[str, List[LayerCall]]:
+        return self.records.pop(microbatch)
+
+    def close(self) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles = []

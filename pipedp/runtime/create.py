@@ -1,0 +1,40 @@
+"""Choose and build the runtime: every stage in this process, or one stage per rank."""
+from __future__ import annotations
+
+from typing import Any, Callable, Dict, List, Sequence
+
+import torch.distributed as dist
+
+from schedules import Schedule
+
+from ..config import PipelineConfig
+from ..errors import ConfigError
+from ..privacy.clipping import Clipping
+from ..split.blocks import Block
+from .inprocess import InProcessRuntime
+from .protocols import Runtime
+from .stage import Stage
+
+
+def is_distributed(transport: str) -> bool:
+    """'distributed', or 'auto' with torch.distributed initialised and more than one rank."""
+    return transport == "distributed" or (
+        transport == "auto" and dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+    )
+
+
+def create_runtime(
+    pipeline: PipelineConfig, schedule: Schedule, clipping: Clipping, stage_blocks: List[List[Block]],
+    loss_fn: Callable, description: Dict[str, Any], state_keys: Sequence[str],
+) -> Runtime:
+    """``description`` is what every rank must agree on; ``state_keys`` the model's state-dict order."""
+    if is_distributed(pipeline.transport):
+        from .distributed import DistributedRuntime  # torch.distributed's process groups only when used
+
+        return DistributedRuntime.create(pipeline, schedule, clipping, stage_blocks, loss_fn, description, state_keys)
+    if pipeline.replicas != 1:
+        raise ConfigError("replicas > 1 needs one process per (stage, replica): launch with torchrun", "replicas")
+    stages = [
+        Stage(i, len(stage_blocks), blocks, loss_fn, pipeline.grad_mode) for i, blocks in enumerate(stage_blocks)
+    ]
+    return InProcessRuntime(stages, schedule, clipping, state_keys)

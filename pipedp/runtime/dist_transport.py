@@ -1,0 +1,92 @@
+"""Transport over torch.distributed: P2P activations/gradients, norm all-reduce.
+
+Every message is a small int64 header (micro-batch id, dtype, shape) followed by the
+payload. The receiver allocates from the header and checks the micro-batch id, so a
+message of another shape can never land in a stale buffer (on gloo a smaller message
+into a larger buffer succeeds silently), and an out-of-order message is an error, not a
+wrong gradient. Sends are non-blocking (isend) and completed at the end of the pass.
+Activations and gradients travel on two separate process groups (two communicators):
+in 1F1B neighbours send to each other at the same time, and on NCCL, where the operations
+of one communicator run in order on one stream, one shared channel could block a send
+behind a receive that waits for it.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import List
+
+import torch
+import torch.distributed as dist
+
+from schedules import Kind
+
+from ..errors import TransportError
+
+_HEADER = 10  # mb, channel, dtype code, ndim, up to 6 dims
+_DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32]
+_CHANNEL = {Kind.SEND_F: 0, Kind.RECV_F: 0, Kind.SEND_B: 1, Kind.RECV_B: 1}
+_NAMES = {0: "activation", 1: "gradient"}
+
+
+@dataclass
+class PipelineGroups:
+    """The process groups of one pipeline (one replica's stages)."""
+
+    activations: object  # forward P2P
+    gradients: object  # backward P2P
+    norms: object  # the per-sample norm all-reduce
+
+
+class DistReduction:
+    def __init__(self, work, tensor: torch.Tensor):
+        self.work, self.tensor = work, tensor
+
+    def wait(self) -> torch.Tensor:
+        self.work.wait()
+        return self.tensor.cpu()
+
+
+class DistTransport:
+    def __init__(self, stage: int, prev_rank, next_rank, groups: "PipelineGroups", device: torch.device):
+        self.stage = stage
+        self.peer = {Kind.SEND_F: next_rank, Kind.RECV_B: next_rank, Kind.SEND_B: prev_rank, Kind.RECV_F: prev_rank}
+        self.channel_group = {0: groups.activations, 1: groups.gradients}
+        self.group = groups.norms
+        self.device = device
+        self._pending: List = []
+
+    def send(self, kind: Kind, mb: int, tensor: torch.Tensor) -> None:
+        tensor = tensor.detach().contiguous()
+        if tensor.dim() > _HEADER - 4:
+            raise TransportError(f"cannot send a {tensor.dim()}-d tensor between stages (at most {_HEADER - 4})")
+        header = torch.zeros(_HEADER, dtype=torch.int64)
+        header[:4] = torch.tensor([mb, _CHANNEL[kind], _DTYPES.index(tensor.dtype), tensor.dim()])
+        header[4 : 4 + tensor.dim()] = torch.tensor(tensor.shape, dtype=torch.int64)
+        dst, group = self.peer[kind], self.channel_group[_CHANNEL[kind]]
+        self._pending.append((dist.isend(header.to(self.device), dst, group=group), header))
+        self._pending.append((dist.isend(tensor, dst, group=group), tensor))
+
+    def recv(self, kind: Kind, mb: int) -> torch.Tensor:
+        src, group = self.peer[kind], self.channel_group[_CHANNEL[kind]]
+        header = torch.zeros(_HEADER, dtype=torch.int64, device=self.device)
+        dist.recv(header, src, group=group)
+        got_mb, channel, dtype, ndim = (int(v) for v in header[:4].tolist())
+        if got_mb != mb or channel != _CHANNEL[kind]:
+            raise TransportError(
+                f"stage {self.stage} expected the {_NAMES[_CHANNEL[kind]]} of micro-batch {mb} from rank {src}, "
+                f"got the {_NAMES.get(channel, channel)} of micro-batch {got_mb}: the ranks run different schedules"
+            )
+        shape = [int(v) for v in header[4 : 4 + ndim].tolist()]
+        payload = torch.empty(shape, dtype=_DTYPES[dtype], device=self.device)
+        dist.recv(payload, src, group=group)
+        return payload
+
+    def norm_reduce_start(self, mb: int, squared_norms: torch.Tensor) -> DistReduction:
+        tensor = squared_norms.to(self.device).clone()
+        work = dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=self.group, async_op=True)
+        return DistReduction(work, tensor)
+
+    def finish_pass(self) -> None:
+        for work, _ in self._pending:
+            work.wait()
+        self._pending = []

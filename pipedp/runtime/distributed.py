@@ -1,0 +1,193 @@
+"""The multi-process runtime: one process per (stage, replica), over torch.distributed.
+
+Ranks form a stages x replicas mesh: rank = replica * stages + stage. The pipeline group
+of a replica holds its stages (P2P and the per-sample norm all-reduce); the data-parallel
+group of a stage holds that stage on every replica (sum of clipped gradients). The
+pipeline and data-parallel groups are explicit objects held here; the default (world)
+group serves the checks that involve every rank.
+
+What it changes on the user's model: on each rank, the blocks of the other stages are
+moved to the meta device (their memory is freed); only this rank's stage stays real.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable, Dict, List, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+
+from schedules import Schedule
+
+from ..config import PipelineConfig
+from ..errors import BatchError, ConfigMismatchError
+from ..privacy.clipping import Clipping
+from ..split.blocks import Block
+from .dist_transport import DistTransport, PipelineGroups
+from .executor import Executor
+from .microbatch import PassBatch
+from .stage import Stage
+
+
+@dataclass(frozen=True)
+class Mesh:
+    stages: int
+    replicas: int
+    rank: int
+
+    @property
+    def stage(self) -> int:
+        return self.rank % self.stages
+
+    @property
+    def replica(self) -> int:
+        return self.rank // self.stages
+
+    def pipeline_ranks(self, replica: int) -> List[int]:
+        return [replica * self.stages + s for s in range(self.stages)]
+
+    def data_parallel_ranks(self, stage: int) -> List[int]:
+        return [r * self.stages + stage for r in range(self.replicas)]
+
+
+def _checksum(stage: Stage) -> float:
+    with torch.no_grad():
+        return float(sum(p.double().sum() for p in stage.parameters)) if stage.parameters else 0.0
+
+
+def _device_for_backend() -> torch.device:
+    if dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())  # init_from_env set it from LOCAL_RANK
+    return torch.device("cpu")
+
+
+def _fingerprint(t: torch.Tensor) -> float:
+    """A position-weighted float64 sum: equal batches agree exactly, different ones almost never."""
+    flat = t.detach().reshape(-1).to(torch.float64)
+    weights = 1.0 + (torch.arange(flat.numel(), dtype=torch.float64) % 7919) / 7919
+    return float((flat * weights).sum())
+
+
+class DistributedRuntime:
+    def __init__(self, mesh: Mesh, stage: Stage, executor: Executor, dp_group, device: torch.device,
+                 state_keys: Sequence[str]):
+        self.mesh, self.device = mesh, device
+        self.rank = mesh.rank
+        self.replicas, self.replica = mesh.replicas, mesh.replica
+        self.stage = stage
+        self.executor = executor
+        self.dp_group = dp_group
+        self.state_keys = list(state_keys)
+
+    @property
+    def local_stages(self) -> List[Stage]:
+        return [self.stage]
+
+    @classmethod
+    def create(
+        cls, pipeline: PipelineConfig, schedule: Schedule, clipping: Clipping, stage_blocks: List[List[Block]],
+        loss_fn: Callable, description: Dict[str, Any], state_keys: Sequence[str],
+    ) -> "DistributedRuntime":
+        """``description``: what every rank must agree on (the run's configuration and model signature)."""
+        world, rank = dist.get_world_size(), dist.get_rank()
+        config = {"world size": world, **description}
+        configs: List[Any] = [None] * world
+        dist.all_gather_object(configs, config)  # before any check that could make one rank leave early
+        mismatches = [
+            f"rank {r} has {key}={cfg[key]!r} but rank 0 has {configs[0][key]!r}"
+            for r, cfg in enumerate(configs) for key in config if cfg[key] != configs[0][key]
+        ]
+        if mismatches:
+            raise ConfigMismatchError("ranks disagree on the configuration:\n  " + "\n  ".join(mismatches))
+        if world != pipeline.stages * pipeline.replicas:
+            raise ConfigMismatchError(
+                f"world size {world} != stages {pipeline.stages} x replicas {pipeline.replicas}: launch "
+                f"torchrun --nproc_per_node {pipeline.stages * pipeline.replicas} (or fix stages/replicas)"
+            )
+        mesh = Mesh(pipeline.stages, pipeline.replicas, rank)
+        # every rank creates every group, in the same order (torch.distributed requires it)
+        pipeline_groups = [
+            PipelineGroups(*(dist.new_group(mesh.pipeline_ranks(r)) for _ in range(3))) for r in range(mesh.replicas)
+        ]
+        dp_groups = [dist.new_group(mesh.data_parallel_ranks(s)) for s in range(mesh.stages)]
+        device = _device_for_backend()
+        for s, blocks in enumerate(stage_blocks):
+            for b in blocks:  # keep only this rank's stage; free the rest
+                b.module.to(device if s == mesh.stage else "meta")
+        stage = Stage(mesh.stage, mesh.stages, stage_blocks[mesh.stage], loss_fn, pipeline.grad_mode)
+        mine = _checksum(stage)
+        checksums: List[Optional[tuple]] = [None] * world
+        dist.all_gather_object(checksums, (mesh.stage, mine))
+        for r, entry in enumerate(checksums):
+            s, value = entry  # type: ignore[misc]
+            if s == mesh.stage and value != mine:
+                raise ConfigMismatchError(
+                    f"ranks {rank} and {r} hold stage {s} with different weights: build the model from the "
+                    "same seed (torch.manual_seed before constructing it) or load the same checkpoint on every rank"
+                )
+        ranks = mesh.pipeline_ranks(mesh.replica)
+        transport = DistTransport(
+            mesh.stage,
+            ranks[mesh.stage - 1] if mesh.stage > 0 else None,
+            ranks[mesh.stage + 1] if mesh.stage < mesh.stages - 1 else None,
+            pipeline_groups[mesh.replica],
+            device,
+        )
+        executor = Executor(stage, transport, schedule.for_stage(mesh.stage), clipping)
+        return cls(mesh, stage, executor, dp_groups[mesh.stage], device, state_keys)
+
+    def check_same_batch(self, inputs: torch.Tensor, targets: torch.Tensor) -> None:
+        """Every rank must step on the same logical batch: compare its size and a fingerprint."""
+        mine = torch.tensor([float(inputs.shape[0]), _fingerprint(inputs), _fingerprint(targets)], dtype=torch.float64)
+        extremes = torch.cat([mine, -mine]).to(self.device)  # one MAX all-reduce gives both max and -min
+        dist.all_reduce(extremes, op=dist.ReduceOp.MAX)
+        high, low = extremes.cpu().split(3)
+        if not (torch.equal(high, mine) and torch.equal(-low, mine)):
+            raise BatchError(
+                f"ranks got different logical batches (rank {self.mesh.rank} has {inputs.shape[0]} rows; sizes "
+                f"across ranks range {int(-low[0])}..{int(high[0])}, and/or the contents differ): every rank must "
+                "call step() with the same inputs and targets"
+            )
+
+    def run_pass(self, batch: PassBatch) -> torch.Tensor:
+        self.executor.start_pass(batch.to(self.device))
+        self.executor.run()
+        return self.executor.loss_sum.cpu()
+
+    def sum_over_replicas(self, grads: List[torch.Tensor]) -> List[torch.Tensor]:
+        if self.replicas == 1 or not grads:
+            return grads
+        flat = torch.cat([g.reshape(-1) for g in grads])
+        dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=self.dp_group)
+        return [chunk.view_as(g) for chunk, g in zip(flat.split([g.numel() for g in grads]), grads)]
+
+    def total(self, value: torch.Tensor) -> torch.Tensor:
+        value = value.to(self.device, torch.float64).clone()
+        dist.all_reduce(value, op=dist.ReduceOp.SUM)
+        return value.cpu()
+
+    def all_gather(self, obj: Any) -> List[Any]:
+        out: List[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(out, obj)
+        return out
+
+    def broadcast(self, obj: Any) -> Any:
+        """Rank 0's ``obj`` on every rank."""
+        box = [obj]
+        dist.broadcast_object_list(box, src=0)
+        return box[0]
+
+    def gather_state(self) -> Optional[Dict[str, torch.Tensor]]:
+        """The whole model's state dict on rank 0 (CPU tensors); None on the other ranks."""
+        mine = {k: v.detach().cpu() for k, v in self.stage.named_state().items()} if self.replica == 0 else {}
+        parts: List[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(parts, mine)
+        if dist.get_rank() != 0:
+            return None
+        merged: Dict[str, torch.Tensor] = {}
+        for part in parts:
+            merged.update(part)
+        return {k: merged[k] for k in self.state_keys if k in merged}
+
+    def close(self) -> None:
+        self.stage.close()

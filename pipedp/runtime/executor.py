@@ -1,0 +1,151 @@
+"""Runs one stage's action list through a dispatch table (action kind -> handler).
+
+The executor owns the per-pass state of its stage (a ``PassState``: received tensors,
+tensors waiting to be sent, norms waiting to be reduced, pending reductions); the stage
+owns the model state. With the in-process transport, a handler whose input is not ready
+raises WouldBlock before changing anything, and ``run`` returns so the driver can let
+another stage progress.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable, Dict, List, Optional
+
+import torch
+
+from schedules import Action, Kind
+
+from ..privacy.clipping import Clipping, clip_factors
+from .microbatch import PassBatch
+from .protocols import PendingReduction, Transport, WouldBlock
+from .stage import Stage
+
+
+@dataclass
+class PassState:
+    """Everything one pass keeps between the actions of a stage, keyed by micro-batch id."""
+
+    batch: PassBatch
+    loss_sum: torch.Tensor = field(default_factory=lambda: torch.zeros((), dtype=torch.float64))
+    received: Dict[int, torch.Tensor] = field(default_factory=dict)  # activations in
+    outgoing: Dict[int, torch.Tensor] = field(default_factory=dict)  # activations out
+    grads_in: Dict[int, torch.Tensor] = field(default_factory=dict)
+    grads_out: Dict[int, torch.Tensor] = field(default_factory=dict)
+    norms: Dict[int, torch.Tensor] = field(default_factory=dict)  # this stage's, before the reduction
+    reductions: Dict[int, PendingReduction] = field(default_factory=dict)
+
+
+class LocalReduction:
+    """Per-stage clipping needs no other stage's norms: the 'reduction' is the stage's own."""
+
+    def __init__(self, value: torch.Tensor):
+        self.value = value
+
+    def wait(self) -> torch.Tensor:
+        return self.value
+
+
+class Executor:
+    def __init__(self, stage: Stage, transport: Transport, actions: List[Action], clipping: Clipping):
+        self.stage = stage
+        self.transport = transport
+        self.actions = actions
+        self.clip_norm = clipping.stage_norms[stage.index]
+        self.reduce_norms = clipping.across_stages
+        self.handlers: Dict[Kind, Callable[[int], None]] = {
+            Kind.F: self._forward,
+            Kind.I: self._backward_input,
+            Kind.W: self._weight,
+            Kind.SEND_F: self._send_forward,
+            Kind.RECV_F: self._recv_forward,
+            Kind.SEND_B: self._send_backward,
+            Kind.RECV_B: self._recv_backward,
+            Kind.NORM_REDUCE: self._norm_reduce,
+        }
+        self.position = 0  # index of the next action to run
+        self.state: Optional[PassState] = None  # None between passes
+
+    def start_pass(self, batch: PassBatch) -> None:
+        self.state = PassState(batch)
+        self.position = 0
+
+    @property
+    def done(self) -> bool:
+        return self.position >= len(self.actions)
+
+    @property
+    def loss_sum(self) -> torch.Tensor:
+        """The sum of the real rows' losses of the last pass (non-zero on the last stage only)."""
+        return self._pass.loss_sum
+
+    @property
+    def _pass(self) -> PassState:
+        if self.state is None:
+            raise RuntimeError("the executor has no pass: call start_pass first")
+        return self.state
+
+    def run(self) -> bool:
+        """Run actions until the end (True) or until one would block (False)."""
+        while not self.done:
+            action = self.actions[self.position]
+            try:
+                self.handlers[action.kind](action.microbatch)
+            except WouldBlock:
+                return False
+            self.position += 1
+            if self.done:
+                self.transport.finish_pass()
+        return True
+
+    # ---- handlers --------------------------------------------------------------------------
+    def _forward(self, mb: int) -> None:
+        state, stage = self._pass, self.stage
+        x = state.batch.inputs[mb] if stage.is_first else state.received.pop(mb)
+        out = stage.forward(mb, x, state.batch.targets[mb] if stage.is_last else None)
+        if stage.is_last:
+            state.loss_sum += (out.detach().to(torch.float64) * state.batch.masks[mb].to(torch.float64)).sum()
+        else:
+            state.outgoing[mb] = out.detach()
+
+    def _backward_input(self, mb: int) -> None:
+        state = self._pass
+        grad = state.batch.masks[mb] if self.stage.is_last else state.grads_in.pop(mb)
+        result = self.stage.backward(mb, grad)
+        if result.input_grad is not None:
+            state.grads_out[mb] = result.input_grad
+        state.norms[mb] = result.squared_norms
+
+    def _norm_reduce(self, mb: int) -> None:
+        state = self._pass
+        norms = state.norms.pop(mb)
+        state.reductions[mb] = self.transport.norm_reduce_start(mb, norms) if self.reduce_norms else LocalReduction(norms)
+
+    def _weight(self, mb: int) -> None:
+        state = self._pass
+        total = state.reductions[mb].wait()  # may raise WouldBlock: nothing changed yet
+        del state.reductions[mb]
+        self.stage.weight(mb, clip_factors(total, self.clip_norm, state.batch.masks[mb]))
+
+    def _send_forward(self, mb: int) -> None:
+        self.transport.send(Kind.SEND_F, mb, self._pass.outgoing.pop(mb))
+
+    def _recv_forward(self, mb: int) -> None:
+        self._pass.received[mb] = self.transport.recv(Kind.RECV_F, mb)
+
+    def _send_backward(self, mb: int) -> None:
+        self.transport.send(Kind.SEND_B, mb, self._pass.grads_out.pop(mb))
+
+    def _recv_backward(self, mb: int) -> None:
+        self._pass.grads_in[mb] = self.transport.recv(Kind.RECV_B, mb)
+
+
+def run_in_process(executors: List[Executor]) -> None:
+    """Round-robin the stages until all finish; no progress in a full round is a deadlock."""
+    while True:
+        before = [e.position for e in executors]
+        finished = [e.run() for e in executors]
+        if all(finished):
+            return
+        if [e.position for e in executors] == before:
+            stuck = [str(e.actions[e.position]) for e in executors if not e.done]
+            raise RuntimeError(f"in-process pipeline deadlocked at {stuck}")

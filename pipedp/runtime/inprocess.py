@@ -1,0 +1,65 @@
+"""The in-process runtime: all stages in this process, wired by the in-process transport."""
+from __future__ import annotations
+
+from typing import Any, Dict, List, Optional, Sequence
+
+import torch
+
+from schedules import Schedule
+
+from ..privacy.clipping import Clipping
+from .executor import Executor, run_in_process
+from .inprocess_transport import InProcessHub
+from .microbatch import PassBatch
+from .stage import Stage
+
+
+class InProcessRuntime:
+    rank = 0
+    replica = 0
+    replicas = 1
+
+    def __init__(self, stages: Sequence[Stage], schedule: Schedule, clipping: Clipping, state_keys: Sequence[str]):
+        self._stages: List[Stage] = list(stages)
+        self.state_keys = list(state_keys)
+        self.hub = InProcessHub(len(stages))
+        self.executors = [
+            Executor(stage, self.hub.transport(stage.index), schedule.for_stage(stage.index), clipping)
+            for stage in stages
+        ]
+
+    @property
+    def local_stages(self) -> List[Stage]:
+        return self._stages
+
+    def check_same_batch(self, inputs: torch.Tensor, targets: torch.Tensor) -> None:
+        """Only one process: nothing to compare."""
+
+    def run_pass(self, batch: PassBatch) -> torch.Tensor:
+        for e in self.executors:
+            e.start_pass(batch)
+        run_in_process(self.executors)
+        self.hub.end_pass()
+        return self.executors[-1].loss_sum
+
+    def sum_over_replicas(self, grads: List[torch.Tensor]) -> List[torch.Tensor]:
+        return grads
+
+    def total(self, value: torch.Tensor) -> torch.Tensor:
+        return value
+
+    def all_gather(self, obj: Any) -> List[Any]:
+        return [obj]
+
+    def broadcast(self, obj: Any) -> Any:
+        return obj
+
+    def gather_state(self) -> Optional[Dict[str, torch.Tensor]]:
+        merged: Dict[str, torch.Tensor] = {}
+        for stage in self._stages:
+            merged.update(stage.named_state())
+        return {k: merged[k] for k in self.state_keys if k in merged}
+
+    def close(self) -> None:
+        for stage in self._stages:
+            stage.close()

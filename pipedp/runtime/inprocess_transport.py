@@ -1,0 +1,77 @@
+"""In-process transport: every stage in one process, messages in mailboxes.
+
+Used for debugging and exact tests. It runs the same executor code as the multi-process
+transport; an operation whose data is not there yet raises WouldBlock, and the driver
+moves on to another stage and retries later.
+"""
+from __future__ import annotations
+
+from collections import defaultdict, deque
+from typing import Deque, Dict, Tuple
+
+import torch
+
+from schedules import Kind
+
+from ..errors import TransportError
+from .protocols import WouldBlock
+
+_PEER = {Kind.SEND_F: 1, Kind.SEND_B: -1, Kind.RECV_F: -1, Kind.RECV_B: 1}
+_CHANNEL = {Kind.SEND_F: "F", Kind.RECV_F: "F", Kind.SEND_B: "B", Kind.RECV_B: "B"}
+
+
+class InProcessHub:
+    def __init__(self, stages: int):
+        self.stages = stages
+        self.mailboxes: Dict[Tuple[int, int, str], Deque[Tuple[int, torch.Tensor]]] = defaultdict(deque)
+        self.reductions: Dict[int, Dict[int, torch.Tensor]] = defaultdict(dict)
+
+    def transport(self, stage: int) -> "InProcessTransport":
+        return InProcessTransport(self, stage)
+
+    def end_pass(self) -> None:
+        leftover = [k for k, box in self.mailboxes.items() if box]
+        if leftover:
+            raise TransportError(f"messages left unreceived after the pass (src, dst, channel): {leftover}")
+        self.reductions.clear()
+
+
+class InProcessReduction:
+    def __init__(self, hub: InProcessHub, mb: int):
+        self.hub, self.mb = hub, mb
+
+    def wait(self) -> torch.Tensor:
+        parts = self.hub.reductions[self.mb]
+        if len(parts) < self.hub.stages:
+            raise WouldBlock
+        return sum(parts[s] for s in range(self.hub.stages))
+
+
+class InProcessTransport:
+    def __init__(self, hub: InProcessHub, stage: int):
+        self.hub, self.stage = hub, stage
+
+    def send(self, kind: Kind, mb: int, tensor: torch.Tensor) -> None:
+        dst = self.stage + _PEER[kind]
+        self.hub.mailboxes[(self.stage, dst, _CHANNEL[kind])].append((mb, tensor.detach()))
+
+    def recv(self, kind: Kind, mb: int) -> torch.Tensor:
+        src = self.stage + _PEER[kind]
+        box = self.hub.mailboxes[(src, self.stage, _CHANNEL[kind])]
+        if not box:
+            raise WouldBlock
+        got_mb, tensor = box[0]
+        if got_mb != mb:
+            raise TransportError(
+                f"stage {self.stage} expected {_CHANNEL[kind]} of micro-batch {mb} from stage {src}, got {got_mb}"
+            )
+        box.popleft()
+        return tensor
+
+    def norm_reduce_start(self, mb: int, squared_norms: torch.Tensor) -> InProcessReduction:
+        parts = self.hub.reductions[mb]
+        parts[self.stage] = squared_norms
+        return InProcessReduction(self.hub, mb)
+
+    def finish_pass(self) -> None:
+        """Nothing to wait for in one process; the hub checks and clears once all stages are done."""

@@ -1,0 +1,77 @@
+"""The seams of the runtime, as Protocols: what a transport, a pending norm reduction and a
+runtime must offer. The executor and the trainer only talk to these; mypy checks in CI
+that both implementations of each (in-process and torch.distributed) conform.
+"""
+from __future__ import annotations
+
+from typing import Any, Dict, List, Optional, Protocol
+
+import torch
+
+from schedules import Kind
+
+from .microbatch import PassBatch
+from .stage import Stage
+
+
+class WouldBlock(Exception):
+    """An in-process operation must wait for another stage (the driver retries it later)."""
+
+
+class PendingReduction(Protocol):
+    """A started sum of per-sample squared norms over the stages of one pipeline."""
+
+    def wait(self) -> torch.Tensor:
+        """The summed norms (in-process: raises WouldBlock while a stage has not joined)."""
+        ...
+
+
+class Transport(Protocol):
+    """Moves one stage's activations, gradients and norms to its neighbours."""
+
+    def send(self, kind: Kind, mb: int, tensor: torch.Tensor) -> None: ...
+
+    def recv(self, kind: Kind, mb: int) -> torch.Tensor: ...
+
+    def norm_reduce_start(self, mb: int, squared_norms: torch.Tensor) -> PendingReduction: ...
+
+    def finish_pass(self) -> None:
+        """Complete whatever this pass left in flight."""
+        ...
+
+
+class Runtime(Protocol):
+    """Runs the passes of the stages this process holds, and the collectives of a step."""
+
+    rank: int  # this process's global rank (0 in-process)
+    replica: int  # its data-parallel replica
+    replicas: int
+
+    @property
+    def local_stages(self) -> List[Stage]: ...
+
+    def check_same_batch(self, inputs: torch.Tensor, targets: torch.Tensor) -> None: ...
+
+    def run_pass(self, batch: PassBatch) -> torch.Tensor:
+        """One pipeline pass; returns the sum of this replica's real-row losses (float64)."""
+        ...
+
+    def sum_over_replicas(self, grads: List[torch.Tensor]) -> List[torch.Tensor]: ...
+
+    def total(self, value: torch.Tensor) -> torch.Tensor:
+        """``value`` summed over every rank."""
+        ...
+
+    def all_gather(self, obj: Any) -> List[Any]: ...
+
+    def broadcast(self, obj: Any) -> Any:
+        """Rank 0's ``obj`` on every rank."""
+        ...
+
+    def gather_state(self) -> Optional[Dict[str, torch.Tensor]]:
+        """The whole model's state dict (original names) on rank 0; None on the other ranks."""
+        ...
+
+    def close(self) -> None:
+        """Remove every hook the runtime put on the user's modules."""
+        ...

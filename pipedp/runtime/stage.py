@@ -1,0 +1,211 @@
+"""One pipeline stage: its blocks, and the three DP passes over a micro-batch.
+
+- forward(j):   run the blocks, capturing every unit's inputs and output under key j.
+- backward(j):  the schedule's I: gradients w.r.t. the captured unit outputs and the stage
+                input only (no weight gradients), then this stage's per-sample squared
+                norms s_k[j], both returned (BackwardResult).
+- weight(j, c): the clipped weight gradient sum_i c_i grad_i from the stored (inputs,
+                c * output-grads), added to the stage's running clipped sum.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable, Dict, List, NamedTuple, Optional, Sequence
+
+import torch
+import torch.nn as nn
+
+from ..config import GRAD_MODES
+from ..errors import BatchError, UnsupportedModelError
+from ..privacy.per_sample import clipped_grad_sum, ghost_squared_norms, per_sample_grads
+from ..split.blocks import Block
+from .capture import ActivationCapture, LayerCall, find_units
+
+
+@dataclass
+class MicroBatchState:
+    size: int
+    input: Optional[torch.Tensor] = None
+    output: Optional[torch.Tensor] = None  # stage output (or per-sample losses on the last stage)
+    calls: Dict[str, List[LayerCall]] = field(default_factory=dict)
+    backprops: Dict[str, List[torch.Tensor]] = field(default_factory=dict)
+
+
+class BackwardResult(NamedTuple):
+    input_grad: Optional[torch.Tensor]  # None on the first stage
+    squared_norms: torch.Tensor  # [size] float64: this stage's per-sample squared gradient norms
+
+
+class Stage:
+    def __init__(
+        self,
+        index: int,
+        num_stages: int,
+        blocks: Sequence[Block],
+        loss_fn: Optional[Callable] = None,
+        grad_mode: str = "ghost",
+    ):
+        if grad_mode not in GRAD_MODES:
+            raise ValueError(f"unknown grad_mode {grad_mode!r}: choose one of {GRAD_MODES}")
+        self.index = index
+        self.is_first = index == 0
+        self.is_last = index == num_stages - 1
+        self.blocks = list(blocks)
+        self.loss_fn = loss_fn
+        self.grad_mode = grad_mode
+        self.units = find_units(
+            (b.qualified(n) if n else b.name or type(m).__name__, m) for b in self.blocks for n, m in b.module.named_modules()
+        )
+        self.parameters: List[nn.Parameter] = _unique(
+            p for b in self.blocks for p in b.module.parameters() if p.requires_grad
+        )
+        shared = _params_in_several_units(self.units)
+        # units one of whose parameters another unit also uses: their norms need the summed gradient
+        self._shares_params = {
+            name for name, m in self.units.items() if any(id(p) in shared for p in m.parameters(recurse=False))
+        }
+        self.capture = ActivationCapture(self.units)
+        self.pending: Dict[int, MicroBatchState] = {}
+        self.clipped_sum: Dict[nn.Parameter, torch.Tensor] = {}
+
+    def close(self) -> None:
+        """Remove the capture hooks from the user's modules (the stage cannot run afterwards)."""
+        self.capture.close()
+
+    def named_state(self) -> Dict[str, torch.Tensor]:
+        out = {}
+        for b in self.blocks:
+            for k, v in b.module.state_dict().items():
+                out[b.qualified(k)] = v
+        return out
+
+    def load_named_state(self, state: Dict[str, torch.Tensor]) -> None:
+        for b in self.blocks:
+            own = {k: b.qualified(k) for k in b.module.state_dict().keys()}
+            b.module.load_state_dict({k: state[q] for k, q in own.items()})
+
+    # ---- F -------------------------------------------------------------------------------
+    def forward(self, mb: int, x: torch.Tensor, targets=None) -> torch.Tensor:
+        size = x.shape[0]
+        if not self.is_first and x.is_floating_point():
+            x = x.detach().requires_grad_(True)
+        state = MicroBatchState(size=size, input=x)
+        with self.capture.recording(mb, size):
+            out = x
+            for b in self.blocks:
+                out = b.module(out)
+                if isinstance(out, tuple) and len(out) == 1:  # captured graphs return 1-tuples
+                    out = out[0]
+        state.calls = self.capture.pop(mb)
+        if self.is_last:
+            losses = self.loss_fn(out, targets)
+            if not isinstance(losses, torch.Tensor) or losses.shape != (size,):
+                shape = tuple(losses.shape) if isinstance(losses, torch.Tensor) else type(losses).__name__
+                raise BatchError(
+                    f"loss_fn must return per-sample losses of shape [{size}], got {shape}: use "
+                    "reduction='none' and average each sample's own terms (e.g. over its tokens)"
+                )
+            out = losses
+        elif not isinstance(out, torch.Tensor):
+            raise UnsupportedModelError(
+                f"stage {self.index} returns {type(out).__name__}: blocks must pass one tensor between stages"
+            )
+        state.output = out
+        self.pending[mb] = state
+        return out
+
+    # ---- B -------------------------------------------------------------------------------
+    def backward(self, mb: int, grad_output: torch.Tensor) -> BackwardResult:
+        """grad_output: on the last stage the row mask (1 real, 0 padded); else d(loss)/d(output)."""
+        state = self.pending[mb]
+        pairs = [(name, call) for name, calls in state.calls.items() for call in calls]
+        targets = []
+        for name, call in pairs:
+            if call.output._version != call.version:
+                raise UnsupportedModelError(
+                    f"the output of layer {name!r} was modified in place after it was computed "
+                    "(e.g. nn.ReLU(inplace=True) or x += ...): its gradient would be wrong; "
+                    "use the out-of-place operation"
+                )
+            targets.append(call.output)
+        wants_input = state.input is not None and state.input.requires_grad
+        if wants_input:
+            targets.append(state.input)
+        grads = []
+        if targets and state.output.requires_grad:
+            grads = torch.autograd.grad(
+                state.output, targets, grad_output.to(state.output.dtype), allow_unused=True
+            )
+        grads = list(grads) + [None] * (len(targets) - len(grads))
+        input_grad = grads.pop() if wants_input else None
+        if input_grad is None and wants_input:
+            input_grad = torch.zeros_like(state.input)
+        for (name, call), g in zip(pairs, grads):
+            state.backprops.setdefault(name, []).append(
+                g.detach() if g is not None else torch.zeros_like(call.output)
+            )
+            call.output = None  # frees the graph once state.output goes too
+        state.output = None
+        state.input = None
+        return BackwardResult(input_grad, self._squared_norms(state))
+
+    def _squared_norms(self, state: MicroBatchState) -> torch.Tensor:
+        parts: List[torch.Tensor] = []  # per-parameter [n] squared norms, summed once at the end
+        materialized: Dict[nn.Parameter, torch.Tensor] = {}
+        for name, calls in state.calls.items():
+            unit = self.units[name]
+            backprops = state.backprops[name]
+            can_ghost = self.grad_mode == "ghost" and len(calls) == 1 and name not in self._shares_params
+            norms = ghost_squared_norms(unit, calls[0].inputs, backprops[0]) if can_ghost else None
+            if norms is not None:
+                parts.extend(n.reshape(state.size) for n in norms.values())
+                continue
+            for call, bp in zip(calls, backprops):
+                for p, g in per_sample_grads(unit, call.inputs, bp).items():
+                    materialized[p] = materialized[p] + g if p in materialized else g
+        parts.extend(g.reshape(state.size, -1).pow(2).sum(1) for g in materialized.values())
+        if not parts:
+            return torch.zeros(state.size, dtype=torch.float64)
+        if len({p.dtype for p in parts}) > 1:  # layers of several dtypes
+            parts = [p.to(torch.float64) for p in parts]
+        return torch.stack(parts).sum(0).to(torch.float64)
+
+    # ---- W -------------------------------------------------------------------------------
+    def weight(self, mb: int, clip_factors: torch.Tensor) -> None:
+        state = self.pending.pop(mb)
+        shaped: Dict[tuple, torch.Tensor] = {}  # the clip factors broadcastable to each backprop
+        for name, calls in state.calls.items():
+            unit = self.units[name]
+            for call, bp in zip(calls, state.backprops[name]):
+                key = (bp.dtype, bp.dim())
+                if key not in shaped:
+                    shaped[key] = clip_factors.to(bp.dtype).reshape((-1,) + (1,) * (bp.dim() - 1))
+                for p, g in clipped_grad_sum(unit, call.inputs, bp * shaped[key]).items():
+                    if p in self.clipped_sum:
+                        self.clipped_sum[p] += g
+                    else:
+                        self.clipped_sum[p] = g.clone()
+
+    def take_clipped_sum(self) -> List[torch.Tensor]:
+        """The clipped sums of this stage's parameters (zeros where no sample touched them)."""
+        out = [self.clipped_sum.get(p, None) for p in self.parameters]
+        out = [g if g is not None else torch.zeros_like(p) for g, p in zip(out, self.parameters)]
+        self.clipped_sum = {}
+        return out
+
+
+def _unique(params) -> List[nn.Parameter]:
+    seen, out = set(), []
+    for p in params:
+        if id(p) not in seen:
+            seen.add(id(p))
+            out.append(p)
+    return out
+
+
+def _params_in_several_units(units: Dict[str, nn.Module]) -> set:
+    count: Dict[int, int] = {}
+    for m in units.values():
+        for p in m.parameters(recurse=False):
+            count[id(p)] = count.get(id(p), 0) + 1
+    return {k for k, v in count.items() if v > 1}

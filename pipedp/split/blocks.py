@@ -1,0 +1,25 @@
+"""A block: one module of a model's forward chain, under its state-dict prefix.
+
+Layer 2 (split): may import errors, config, schedules and privacy.
+"""
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+
+import torch.nn as nn
+
+
+@dataclass(frozen=True)
+class Block:
+    name: str  # prefix of this block's state-dict keys in the model's state dict ("" for none)
+    module: nn.Module
+
+    def qualified(self, key: str) -> str:
+        return f"{self.name}.{key}" if self.name else key
+
+
+def model_signature(model: nn.Module) -> str:
+    """A short fingerprint of the parameter names, shapes and dtypes (not values)."""
+    text = ";".join(f"{n}:{tuple(p.shape)}:{p.dtype}" for n, p in model.named_parameters())
+    return hashlib.sha1(text.encode()).hexdigest()[:12]

@@ -1,0 +1,169 @@
+"""Hugging Face causal LMs as pipeline blocks, and stage-by-stage loading of local checkpoints.
+
+GPT2LMHeadModel:  [embeddings (wte + wpe)] [block 0] ... [block L-1] [ln_f + lm_head]
+LlamaForCausalLM: [embed_tokens] [decoder layer 0] ... [decoder layer L-1] [norm + lm_head]
+
+Only the hidden state travels between stages. What a layer needs besides it is recomputed
+where it is used: position ids (0..T-1 for every sequence), the causal mask (an explicit
+additive [1, 1, T, T] mask, valid for the eager and sdpa attention implementations), and
+Llama's rotary embeddings (each decoder block holds its own small rotary module, so no
+module is shared across stages). Sequences are unpadded and full length, as the CLI's
+windows are.
+
+Every block wraps the model's own submodules under their original attribute paths, so a
+block's state dict keys, prefixed with its name, are the model's own keys.
+"""
+from __future__ import annotations
+
+import copy
+from typing import List, Optional
+
+import torch
+import torch.nn as nn
+
+from ..errors import UnsupportedModelError
+from .blocks import Block
+
+SUPPORTED_ATTENTION = ("eager", "sdpa")
+
+
+def _causal_mask(hidden: torch.Tensor) -> torch.Tensor:
+    t = hidden.shape[1]
+    mask = torch.full((t, t), torch.finfo(hidden.dtype).min, device=hidden.device, dtype=hidden.dtype)
+    return torch.triu(mask, diagonal=1)[None, None]
+
+
+def _positions(hidden_or_ids: torch.Tensor) -> torch.Tensor:
+    b, t = hidden_or_ids.shape[:2]
+    return torch.arange(t, device=hidden_or_ids.device).expand(b, t).contiguous()
+
+
+def _first(output):
+    return output[0] if isinstance(output, (tuple, list)) else output
+
+
+def _holder(**modules) -> nn.Module:
+    holder = nn.Module()
+    for name, module in modules.items():
+        holder.add_module(name, module)
+    return holder
+
+
+class GPT2Embeddings(nn.Module):
+    def __init__(self, transformer):
+        super().__init__()
+        self.wte, self.wpe, self.drop = transformer.wte, transformer.wpe, transformer.drop
+
+    def forward(self, ids):
+        return self.drop(self.wte(ids) + self.wpe(_positions(ids)))
+
+
+class GPT2Layer(nn.Module):
+    """transformer.h.{i}: registered under its index, so its keys are the model's own."""
+
+    def __init__(self, index: int, block):
+        super().__init__()
+        self.index = str(index)
+        self.add_module(self.index, block)
+
+    def forward(self, hidden):
+        return _first(getattr(self, self.index)(hidden, attention_mask=_causal_mask(hidden)))
+
+
+class GPT2Head(nn.Module):
+    def __init__(self, model):
+        super().__init__()
+        self.transformer = _holder(ln_f=model.transformer.ln_f)
+        self.lm_head = model.lm_head
+
+    def forward(self, hidden):
+        return self.lm_head(self.transformer.ln_f(hidden))
+
+
+class LlamaEmbeddings(nn.Module):
+    def __init__(self, model):
+        super().__init__()
+        self.model = _holder(embed_tokens=model.model.embed_tokens)
+
+    def forward(self, ids):
+        return self.model.embed_tokens(ids)
+
+
+class LlamaLayer(nn.Module):
+    """model.layers.{i}, with a private rotary module (buffers only, never shared across stages)."""
+
+    def __init__(self, index: int, layer, rotary: nn.Module):
+        super().__init__()
+        self.index = str(index)
+        self.add_module(self.index, layer)
+        if any(b.is_meta for b in rotary.buffers()):
+            self.rotary = type(rotary)(config=rotary.config)  # built on meta: recompute the frequencies
+        else:
+            self.rotary = copy.deepcopy(rotary)
+
+    def reset_buffers(self, device=None) -> None:
+        """Recompute the rotary frequencies (not stored in checkpoints; lost by to_empty)."""
+        self.rotary = type(self.rotary)(config=self.rotary.config).to(device)
+
+    def forward(self, hidden):
+        positions = _positions(hidden)
+        cos_sin = self.rotary(hidden, positions)
+        return _first(getattr(self, self.index)(hidden, attention_mask=_causal_mask(hidden), position_ids=positions,
+                                                position_embeddings=cos_sin))
+
+
+class LlamaHead(nn.Module):
+    def __init__(self, model):
+        super().__init__()
+        self.model = _holder(norm=model.model.norm)
+        self.lm_head = model.lm_head
+
+    def forward(self, hidden):
+        return self.lm_head(self.model.norm(hidden))
+
+
+def _untie(model: nn.Module, head: nn.Module, embedding: nn.Module) -> None:
+    if head.weight is embedding.weight:
+        head.weight = nn.Parameter(embedding.weight.detach().clone(), requires_grad=embedding.weight.requires_grad)
+        model.config.tie_word_embeddings = False
+
+
+def _check_attention(model) -> None:
+    impl = getattr(model.config, "_attn_implementation", "eager")
+    if impl not in SUPPORTED_ATTENTION:
+        raise UnsupportedModelError(
+            f"attention implementation {impl!r} is not supported for pipelining: load the model with "
+            f"attn_implementation='sdpa' or 'eager'"
+        )
+
+
+def gpt2_blocks(model, untie_weights: bool = False) -> List[Block]:
+    _check_attention(model)
+    if untie_weights:
+        _untie(model, model.lm_head, model.transformer.wte)
+    blocks = [Block("transformer", GPT2Embeddings(model.transformer))]
+    blocks += [Block("transformer.h", GPT2Layer(i, b)) for i, b in enumerate(model.transformer.h)]
+    blocks.append(Block("", GPT2Head(model)))
+    return blocks
+
+
+def llama_blocks(model, untie_weights: bool = False) -> List[Block]:
+    _check_attention(model)
+    if untie_weights:
+        _untie(model, model.lm_head, model.model.embed_tokens)
+    blocks = [Block("", LlamaEmbeddings(model))]
+    with torch.device("cpu"):
+        blocks += [Block("model.layers", LlamaLayer(i, layer, model.model.rotary_emb))
+                   for i, layer in enumerate(model.model.layers)]
+    blocks.append(Block("", LlamaHead(model)))
+    return blocks
+
+
+def hf_blocks(model: nn.Module, untie_weights: bool = False) -> Optional[List[Block]]:
+    """Blocks for a known Hugging Face architecture, or None."""
+    name = type(model).__name__
+    if name == "GPT2LMHeadModel":
+        return gpt2_blocks(model, untie_weights)
+    if name == "LlamaForCausalLM":
+        return llama_blocks(model, untie_weights)
+    return None

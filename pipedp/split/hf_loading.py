@@ -1,0 +1,150 @@
+"""Hugging Face models from a local folder: the whole model, or only one stage's tensors.
+
+Nothing is downloaded: every function reads a local folder (config.json, safetensors
+shards, tokenizer files).
+"""
+from __future__ import annotations
+
+import json
+import os
+from typing import Dict, List
+
+import torch
+import torch.nn as nn
+
+from ..errors import CheckpointError
+from .adapters import model_blocks
+from .blocks import Block
+from .partition import partition
+
+
+def _require_transformers():
+    try:
+        import transformers  # noqa: F401
+    except ImportError as exc:
+        raise ImportError("Hugging Face models need transformers: pip install 'pipedp[hf]'") from exc
+
+
+def _weight_map(folder: str) -> Dict[str, str]:
+    index = os.path.join(folder, "model.safetensors.index.json")
+    if os.path.exists(index):
+        with open(index) as f:
+            return {k: os.path.join(folder, v) for k, v in json.load(f)["weight_map"].items()}
+    single = os.path.join(folder, "model.safetensors")
+    if os.path.exists(single):
+        from safetensors import safe_open
+
+        with safe_open(single, framework="pt") as f:
+            return {k: single for k in f.keys()}
+    raise FileNotFoundError(
+        f"no safetensors weights in {folder!r} (model.safetensors or model.safetensors.index.json): "
+        "save the model with save_pretrained(..., safe_serialization=True)"
+    )
+
+
+def read_tensors(folder: str, names: List[str], aliases: Dict[str, str]) -> Dict[str, torch.Tensor]:
+    """Read only ``names`` from the checkpoint's shards (``aliases`` maps a tied name to its stored twin)."""
+    from safetensors import safe_open
+
+    weight_map = _weight_map(folder)
+    by_file: Dict[str, List[str]] = {}
+    for name in names:
+        stored = name if name in weight_map else aliases.get(name)
+        if stored not in weight_map:
+            raise CheckpointError(
+                f"parameter {name!r} is not in the checkpoint at {folder!r}: the folder holds another "
+                "architecture or an incomplete save"
+            )
+        by_file.setdefault(weight_map[stored], []).append((name, stored))
+    out = {}
+    for path, pairs in by_file.items():
+        with safe_open(path, framework="pt") as f:
+            for name, stored in pairs:
+                out[name] = f.get_tensor(stored)
+    return out
+
+
+def load_local_model(path: str, attn_implementation: str = "sdpa", device: str = "cpu") -> nn.Module:
+    """The whole model from a local folder (nothing is downloaded)."""
+    _require_transformers()
+    from transformers import AutoModelForCausalLM
+
+    if not os.path.isdir(path):
+        raise FileNotFoundError(f"model folder {path!r} does not exist")
+    return AutoModelForCausalLM.from_pretrained(path, local_files_only=True, attn_implementation=attn_implementation).to(device)
+
+
+def build_on_meta(path_or_config, attn_implementation: str = "sdpa") -> nn.Module:
+    """The model's structure with no memory behind its parameters."""
+    _require_transformers()
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = path_or_config
+    if isinstance(path_or_config, str):
+        config = AutoConfig.from_pretrained(path_or_config, local_files_only=True)
+    config._attn_implementation = attn_implementation
+    with torch.device("meta"):
+        return AutoModelForCausalLM.from_config(config, attn_implementation=attn_implementation)
+
+
+def materialize_stage(folder: str, stage_blocks: List[Block], tied: Dict[str, str], device="cpu") -> None:
+    """Give this stage's blocks real memory and load their weights from the checkpoint shards."""
+    for block in stage_blocks:
+        own = {k: block.qualified(k) for k in block.module.state_dict().keys()}
+        tensors = read_tensors(folder, list(own.values()), tied)
+        block.module.to_empty(device=device)
+        block.module.load_state_dict({k: tensors[q] for k, q in own.items()}, strict=True)
+        for module in block.module.modules():  # non-persistent buffers (rotary frequencies) are not in files
+            if hasattr(module, "reset_buffers"):
+                module.reset_buffers(device)
+
+
+def tied_aliases(model: nn.Module) -> Dict[str, str]:
+    """Names a tied checkpoint may not store, mapped to the stored twin."""
+    name = type(model).__name__
+    if name == "GPT2LMHeadModel":
+        return {"lm_head.weight": "transformer.wte.weight"}
+    if name == "LlamaForCausalLM":
+        return {"lm_head.weight": "model.embed_tokens.weight"}
+    return {}
+
+
+def tokenize_for_model(path: str, text: str) -> List[int]:
+    _require_transformers()
+    from transformers import AutoTokenizer
+
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
+    except Exception as exc:
+        raise FileNotFoundError(f"no tokenizer in {path!r} ({exc}): save one with tokenizer.save_pretrained") from exc
+    return tokenizer(text)["input_ids"]
+
+
+def load_pipeline_stage(
+    folder: str, stages: int, stage: int, balance="params", untie_weights: bool = False,
+    attn_implementation: str = "sdpa", device="cpu",
+) -> nn.Module:
+    """The model built on the meta device with only ``stage``'s parameters materialised and loaded.
+
+    Hand the result to PipelineDPTrainer with the same ``stages``, ``balance`` and
+    ``untie_weights`` on the rank that runs that stage: each rank reads only its own
+    tensors from the (possibly sharded) safetensors checkpoint, so no rank ever holds the
+    whole model.
+    """
+    model = build_on_meta(folder, attn_implementation)
+    tied = tied_aliases(model)
+    stage_blocks = partition(model_blocks(model, untie_weights), stages, balance)
+    if not 0 <= stage < stages:
+        raise ValueError(f"stage must be in 0..{stages - 1}, got {stage}")
+    materialize_stage(folder, stage_blocks[stage], tied, device)
+    return model
+
+
+def resident_parameter_bytes(model: nn.Module) -> int:
+    """Bytes of the parameters that have real memory (meta parameters count 0)."""
+    seen, total = set(), 0
+    for p in model.parameters():
+        if id(p) not in seen and not p.is_meta:
+            seen.add(id(p))
+            total += p.numel() * p.element_size()
+    return total

@@ -1,0 +1,120 @@
+"""The fit loop: draw each step's Poisson batch, step, checkpoint; nothing else.
+
+It uses the trainer's public surface only (``step``, ``state``, ``privacy``, ``runtime``,
+``save_checkpoint``, ``load_checkpoint``, ``epsilon``).
+"""
+from __future__ import annotations
+
+import math
+import os
+import warnings
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Callable, Optional
+
+import torch
+
+from ..config import steps_for_epochs
+from ..errors import PipeDPError, PrivacyBudgetExceeded
+from ..privacy.sampling import poisson_indices, truncate, truncation_probability
+
+if TYPE_CHECKING:
+    from .trainer import PipelineDPTrainer
+
+
+@dataclass
+class FitResult:
+    steps: int  # steps taken in total, including those before a resume
+    loss: float  # mean loss of the last non-empty step
+    epsilon: Optional[float]
+    delta: float
+    stopped_by_budget: Optional[str] = None  # the guard's message when max_epsilon stopped the run
+    truncation_delta: float = 0.0  # extra delta from capping logical batches (0 without a cap)
+
+
+def _as_tensors(dataset):
+    if isinstance(dataset, (tuple, list)) and len(dataset) == 2:
+        return dataset[0], dataset[1]
+    tensors = getattr(dataset, "tensors", None)  # TensorDataset
+    if tensors is not None and len(tensors) == 2:
+        return tensors
+    try:
+        pairs = [dataset[i] for i in range(len(dataset))]
+        return torch.stack([p[0] for p in pairs]), torch.stack([torch.as_tensor(p[1]) for p in pairs])
+    except Exception as exc:
+        raise PipeDPError(
+            "fit() takes (inputs, targets) tensors, a TensorDataset of two tensors, or a map-style dataset of "
+            f"(input, target) pairs; could not read {type(dataset).__name__}: {exc}"
+        ) from exc
+
+
+def fit(
+    trainer: "PipelineDPTrainer",
+    dataset,
+    *,
+    steps: Optional[int] = None,
+    epochs: Optional[float] = None,
+    checkpoint_dir: Optional[str] = None,
+    checkpoint_every: Optional[int] = None,
+    resume: bool = False,
+    max_logical_batch: Optional[int] = None,
+    callback: Optional[Callable[[int, float, "PipelineDPTrainer"], None]] = None,
+) -> FitResult:
+    """Train until ``steps`` total steps (or ``epochs`` epochs: ceil(epochs / sample_rate) steps).
+
+    Every step draws a logical batch by Poisson sampling at ``trainer.sample_rate``.
+    ``max_logical_batch`` caps a batch (truncated Poisson): the run then differs from the
+    accounted Poisson mechanism only on the event that the cap bites in some step, whose
+    probability is at most T * p with p = P(|B| > cap), on each of two neighbouring
+    datasets; so (epsilon, delta) becomes (epsilon, delta + (1 + e^epsilon) * T * p).
+    FitResult.truncation_delta reports that extra term.
+    ``callback(step, loss, trainer)`` runs after every step. With ``resume``, training
+    continues from the newest checkpoint in ``checkpoint_dir`` exactly as if it had never
+    stopped (same batches, same noise). A max_epsilon on the trainer stops the loop before
+    the step that would exceed it, after saving a checkpoint.
+    """
+    privacy = trainer.privacy
+    q = privacy.sample_rate
+    if q is None:
+        raise PipeDPError("fit() samples batches by Poisson sampling: give the trainer a sample_rate")
+    if (steps is None) == (epochs is None):
+        raise PipeDPError("fit() takes exactly one of steps or epochs")
+    total = steps if steps is not None else steps_for_epochs(epochs, q)
+    inputs, targets = _as_tensors(dataset)
+    n = len(inputs)
+    if resume:
+        if checkpoint_dir is None:
+            raise PipeDPError("resume=True needs checkpoint_dir")
+        if os.path.exists(os.path.join(checkpoint_dir, "latest")):
+            trainer.load_checkpoint(checkpoint_dir)
+    trunc = 0.0
+    if max_logical_batch is not None:
+        trunc = truncation_probability(n, q, max_logical_batch)
+        if trunc > 0:
+            warnings.warn(
+                f"max_logical_batch={max_logical_batch} truncates Poisson batches with probability {trunc:.2e} "
+                f"per step: the guarantee is (epsilon, delta + (1 + e^epsilon) * {total} * {trunc:.2e})", stacklevel=2
+            )
+    last_loss, stopped = math.nan, None
+    while trainer.state.step < total:
+        t = trainer.state.step
+        index = poisson_indices(n, q, privacy.seed, t, privacy.secure_mode)
+        index = truncate(index, max_logical_batch, privacy.seed, t)
+        if privacy.secure_mode:  # OS randomness differs per rank: every rank takes rank 0's draw
+            index = trainer.runtime.broadcast(index)
+        try:
+            loss = trainer.step(inputs[index], targets[index])
+        except PrivacyBudgetExceeded as exc:
+            stopped = str(exc)
+            warnings.warn(stopped, stacklevel=2)
+            break
+        if not math.isnan(loss):
+            last_loss = loss
+        if callback is not None:
+            callback(trainer.state.step, loss, trainer)
+        if checkpoint_dir and checkpoint_every and trainer.state.step % checkpoint_every == 0:
+            trainer.save_checkpoint(checkpoint_dir)
+    if checkpoint_dir:
+        trainer.save_checkpoint(checkpoint_dir)
+    eps = trainer.epsilon(privacy.delta) if trainer.state.step else 0.0
+    extra_delta = (1 + math.exp(min(eps, 700.0))) * total * trunc if trunc else 0.0
+    return FitResult(trainer.state.step, last_loss, eps, privacy.delta, stopped, extra_delta)

@@ -1,0 +1,19 @@
+"""The state a DP training run carries from step to step, owned by the trainer.
+
+Saved and restored as a whole by checkpoint.py: the step counter, the privacy accountant
+(through Opacus's own ``state_dict``) and the stages' optimizers.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import List
+
+import torch
+from opacus.accountants import IAccountant
+
+
+@dataclass
+class TrainingState:
+    step: int  # DP steps taken (the next step's index)
+    accountant: IAccountant
+    optimizers: List[torch.optim.Optimizer]  # one per local stage, in the runtime's stage order

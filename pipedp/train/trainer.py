@@ -1,0 +1,225 @@
+"""PipelineDPTrainer: DP-SGD on a micro-batched pipeline, equal to Opacus on one device.
+
+One step, top to bottom: ``step`` checks the batch, cuts it into passes of static
+micro-batches (runtime.microbatch), and the runtime runs each pass through the schedule
+(executor: F, I with per-sample norms, NORM_REDUCE, clipped W); then ``_apply_update``
+takes each local stage's clipped sum, adds the noise (privacy.noise), sums over replicas,
+divides by the expected batch size and steps the stage's optimizer; the accountant
+records the step.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+import weakref
+from typing import Any, Callable, Dict, List, Optional
+
+import torch
+import torch.nn as nn
+from opacus.accountants import create_accountant
+
+import schedules
+
+from ..config import PipelineConfig, PrivacyConfig, describe, split_options
+from ..errors import PrivacyBudgetExceeded, PipeDPError
+from ..privacy.accounting import calibrate_noise, spent_epsilon, steps_within_budget
+from ..privacy.clipping import Clipping
+from ..privacy.noise import add_noise
+from ..privacy.validation import validate_model
+from ..runtime.create import create_runtime
+from ..runtime.microbatch import check_batch, make_pass, microbatch_size_for, plan_passes, replica_rows
+from ..runtime.protocols import Runtime
+from ..split.adapters import model_blocks
+from ..split.balance import cost_unit, report
+from ..split.blocks import model_signature
+from ..split.partition import block_costs, partition
+from . import checkpoint
+from .loop import FitResult, fit
+from .state import TrainingState
+
+OptimizerFactory = Callable[[List[nn.Parameter]], torch.optim.Optimizer]
+LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+def _default_optimizer(params: List[nn.Parameter]) -> torch.optim.Optimizer:
+    return torch.optim.SGD(params, lr=0.1)
+
+
+class PipelineDPTrainer:
+    """DP-SGD with the model split into ``stages`` pipeline stages.
+
+    Each ``step(inputs, targets)`` is one DP-SGD step on one logical batch: per-sample
+    gradients of ``loss_fn`` (which returns per-sample losses, shape [n]) are clipped to
+    ``max_grad_norm`` with their norm taken over *all* stages, summed, noised with
+    N(0, (noise_multiplier * max_grad_norm)^2), divided by ``expected_batch_size``, and
+    given to one optimizer per stage. ``clipping="per_stage"`` clips each stage's part on
+    its own instead (``max_grad_norm`` a list of per-stage norms, or one norm split as
+    C / sqrt(stages)); the noise is then scaled to sqrt(sum C_k^2).
+
+    Options are the fields of ``PipelineConfig`` (stages, microbatches, schedule,
+    microbatch_size, grad_mode, replicas, balance, untie_weights, transport) and
+    ``PrivacyConfig`` (expected_batch_size, noise_multiplier, max_grad_norm, clipping,
+    sample_rate, accountant, delta, target_epsilon, total_steps, epochs, max_epsilon,
+    secure_mode, seed), passed as keywords or as the config objects themselves.
+
+    With torch.distributed initialised and world size > 1 (or ``transport="distributed"``),
+    each rank runs one stage of one data-parallel replica; otherwise every stage runs in
+    this process.
+
+    What it changes on the user's model: forward hooks on every layer with trainable
+    parameters (removed by ``close()``, on leaving a ``with`` block, or when the trainer is
+    garbage-collected); with processes, the other stages' weights are moved to the meta
+    device on each rank; ``untie_weights=True`` gives a tied head its own parameter.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        loss_fn: LossFn,
+        optimizer: OptimizerFactory = _default_optimizer,
+        *,
+        pipeline: Optional[PipelineConfig] = None,
+        privacy: Optional[PrivacyConfig] = None,
+        **options: Any,
+    ):
+        pipeline_options, privacy_options = split_options(options)
+        pipeline = dataclasses.replace(pipeline or PipelineConfig(), **pipeline_options).validate()
+        privacy = dataclasses.replace(privacy or PrivacyConfig(), **privacy_options).validate()
+        if privacy.target_epsilon is not None:
+            sample_rate, steps = privacy.sample_rate, privacy.planned_steps()
+            assert sample_rate is not None and steps is not None  # validate() requires both
+            sigma = calibrate_noise(privacy.target_epsilon, privacy.delta, sample_rate, steps, privacy.accountant)
+            privacy = dataclasses.replace(privacy, noise_multiplier=sigma)
+        self.pipeline, self.privacy = pipeline, privacy
+        self.clipping = Clipping.make(privacy.clipping, privacy.max_grad_norm, pipeline.stages)
+        self.schedule = schedules.build(pipeline.schedule, pipeline.stages, pipeline.microbatches)
+        schedules.validate(self.schedule)
+        validate_model(model)
+        self.model = model
+        self.last_batch_size = 0
+        self._budget: Optional[int] = None
+
+        blocks = model_blocks(model, pipeline.untie_weights)
+        costs = block_costs(blocks, pipeline.balance)
+        stage_blocks = partition(blocks, pipeline.stages, pipeline.balance, costs)
+        self.partition_report = report(stage_blocks, costs, cost_unit(pipeline.balance))
+        self.runtime: Runtime = create_runtime(
+            pipeline, self.schedule, self.clipping, stage_blocks, loss_fn, self.run_config(),
+            list(model.state_dict().keys()),
+        )
+        self._finalizer = weakref.finalize(self, self.runtime.close)  # hooks off when the trainer goes
+        self.state = TrainingState(
+            step=0,
+            accountant=create_accountant(mechanism=privacy.accountant),
+            optimizers=[optimizer(stage.parameters) for stage in self.runtime.local_stages],
+        )
+
+    # ---- one DP-SGD step ---------------------------------------------------------------------
+    def step(self, inputs: torch.Tensor, targets: torch.Tensor) -> float:
+        """One DP-SGD step on a logical batch of any size >= 0; returns its mean loss
+        (NaN for an empty batch, whose update is noise only)."""
+        n = check_batch(inputs, targets)
+        self.last_batch_size = n
+        self.check_budget()
+        self.runtime.check_same_batch(inputs, targets)
+        pipeline = self.pipeline
+        rows = replica_rows(n, pipeline.replicas, self.runtime.replica)
+        inputs, targets = inputs[rows], targets[rows]
+        loss_sum = torch.zeros((), dtype=torch.float64)
+        for part in plan_passes(inputs.shape[0], pipeline.microbatches, pipeline.microbatch_size):
+            size = microbatch_size_for(part.stop - part.start, pipeline.microbatches, pipeline.microbatch_size)
+            batch = make_pass(inputs[part], targets[part], pipeline.microbatches, size)
+            loss_sum = loss_sum + self.runtime.run_pass(batch)
+        self._apply_update()
+        if self.privacy.sample_rate is not None:
+            self.state.accountant.step(noise_multiplier=self.privacy.noise_multiplier,
+                                       sample_rate=self.privacy.sample_rate)
+        self.state.step += 1
+        total = float(self.runtime.total(loss_sum))
+        return total / n if n else math.nan
+
+    def _apply_update(self) -> None:
+        std = self.privacy.noise_multiplier * self.clipping.sensitivity
+        for stage, opt in zip(self.runtime.local_stages, self.state.optimizers):
+            grads = stage.take_clipped_sum()
+            if self.runtime.replica == 0:  # noise once, before the sum over replicas
+                grads = add_noise(grads, std, self.privacy.seed, self.state.step, stage.index, self.privacy.secure_mode)
+            grads = self.runtime.sum_over_replicas(grads)
+            for p, g in zip(stage.parameters, grads):
+                p.grad = (g / self.privacy.expected_batch_size).to(p.dtype)
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+
+    # ---- configuration as the checks see it ---------------------------------------------------
+    def run_config(self) -> Dict[str, Any]:
+        """What every rank of a run must agree on: every option, the model's signature and its split
+        (measured costs differ between ranks; a different split on one rank would run blocks twice)."""
+        return {**describe(self.pipeline), **describe(self.privacy), "model": model_signature(self.model),
+                "blocks per stage": self.partition_report.blocks_per_stage}
+
+    def resume_config(self) -> Dict[str, Any]:
+        """What a checkpoint and its resumption must agree on: the options that shape the update."""
+        return {**describe(self.pipeline, only_resume=True), **describe(self.privacy, only_resume=True),
+                "model": model_signature(self.model)}
+
+    # ---- state and privacy --------------------------------------------------------------------
+    @property
+    def steps_taken(self) -> int:
+        return self.state.step
+
+    @property
+    def noise_multiplier(self) -> float:
+        """sigma (calibrated from target_epsilon when one was given)."""
+        return self.privacy.noise_multiplier
+
+    def state_dict(self) -> Optional[Dict[str, torch.Tensor]]:
+        """The whole model's state dict with its original names (multi-process: on rank 0; None elsewhere)."""
+        return self.runtime.gather_state()
+
+    def check_budget(self) -> None:
+        """Raise PrivacyBudgetExceeded if one more step would spend more than max_epsilon."""
+        privacy = self.privacy
+        if privacy.max_epsilon is None:
+            return
+        if self._budget is None:
+            assert privacy.sample_rate is not None  # validate() requires it with max_epsilon
+            self._budget = steps_within_budget(
+                privacy.max_epsilon, privacy.delta, privacy.noise_multiplier, privacy.sample_rate, privacy.accountant
+            )
+        if self.state.step + 1 > self._budget:
+            raise PrivacyBudgetExceeded(
+                f"step {self.state.step + 1} would exceed max_epsilon={privacy.max_epsilon} at delta={privacy.delta}: "
+                f"{self.state.step} steps spent epsilon {self.epsilon(privacy.delta):.4f} and the budget allows "
+                f"{self._budget} steps at noise_multiplier={privacy.noise_multiplier:.4f}, "
+                f"sample_rate={privacy.sample_rate}"
+            )
+
+    def epsilon(self, delta: float = 1e-5) -> float:
+        if self.privacy.sample_rate is None:
+            raise PipeDPError(
+                "epsilon() needs the Poisson sample rate: pass sample_rate=q (expected batch size / "
+                "dataset size) to PipelineDPTrainer"
+            )
+        return spent_epsilon(self.state.accountant, delta)
+
+    # ---- the training loop and checkpoints ----------------------------------------------------
+    def fit(self, dataset, **kwargs: Any) -> FitResult:
+        """Poisson-sampled DP training over ``dataset``; see pipedp.train.loop.fit for the arguments."""
+        return fit(self, dataset, **kwargs)
+
+    def save_checkpoint(self, directory: str) -> None:
+        checkpoint.save(directory, self.state, self.runtime, self.resume_config(), self.pipeline.stages)
+
+    def load_checkpoint(self, directory: str) -> None:
+        checkpoint.load(directory, self.state, self.runtime, self.resume_config())
+
+    # ---- leaving the user's model as it was ---------------------------------------------------
+    def close(self) -> None:
+        """Remove pipedp's hooks from the model (the trainer cannot step afterwards)."""
+        self._finalizer()
+
+    def __enter__(self) -> "PipelineDPTrainer":
+        return self
+
+    def __exit__(self, *exc_info: Any) -> None:
+        self.close()
