@@ -23,6 +23,7 @@ from .errors import (
     CheckpointError,
     ConfigError,
     ConfigMismatchError,
+    NonFiniteError,
     PartitionError,
     PipeDPError,
     PrivacyBudgetExceeded,
@@ -44,7 +45,7 @@ __all__ = [
     "PipelineDPTrainer", "PipelineConfig", "PrivacyConfig", "FitResult", "SplitModel", "measured_costs",
     "launch", "init_from_env",
     "PipeDPError", "ConfigError", "UnsupportedModelError", "PartitionError", "BatchError", "ConfigMismatchError",
-    "RankFailedError", "TransportError", "PrivacyBudgetExceeded", "CheckpointError",
+    "RankFailedError", "TransportError", "PrivacyBudgetExceeded", "CheckpointError", "NonFiniteError",
 ]
 __version__ = "0.2.0"
 

@@ -22,6 +22,7 @@ GRAD_MODES = ("ghost", "materialize")
 CLIPPING_MODES = ("flat", "per_stage")
 ACCOUNTANTS = ("prv", "rdp", "gdp")
 TRANSPORTS = ("auto", "inprocess", "distributed")
+MAX_TARGET_EPSILON = 100.0  # calibrating beyond it is meaningless, and prv's search slows to minutes
 
 # "params", "uniform", a list of per-block costs, or a function of the blocks returning one
 Balance = Union[str, Sequence[float], Callable[[Sequence[Any]], Sequence[float]]]
@@ -54,6 +55,8 @@ class PipelineConfig:
     balance: Balance = option("params", "how blocks are grouped into stages: 'params', 'uniform', a list of "
                               "block costs or pipedp.measured_costs(sample)", cli=False)
     untie_weights: bool = option(False, "give a head tied to the input embedding its own copy", cli=False)
+    timeout: float = option(300.0, "seconds one operation between ranks (a receive, a collective) may wait; past it "
+                            "the run stops and names the rank that stopped answering")
     transport: str = option("auto", "'auto' (distributed when torch.distributed runs with world size > 1), "
                             "'inprocess' or 'distributed'", choices=TRANSPORTS, cli=False)
 
@@ -66,6 +69,7 @@ class PipelineConfig:
         _one_of(self, "schedule", self.schedule.lower().replace("-", "").replace("_", ""))
         _one_of(self, "grad_mode")
         _one_of(self, "transport")
+        _finite(self, "timeout", minimum=0.0, strict=True)
         return self
 
 
@@ -119,6 +123,11 @@ class PrivacyConfig:
             raise ConfigError("max_epsilon needs sample_rate (the Poisson rate) to account the privacy spent",
                               "max_epsilon")
         if self.target_epsilon is not None:
+            if self.target_epsilon > MAX_TARGET_EPSILON:
+                raise ConfigError(
+                    f"target_epsilon: {self.target_epsilon:g} is above {MAX_TARGET_EPSILON:g}, where no meaningful "
+                    "privacy is left (and Opacus's prv calibration takes minutes): aim lower, or give "
+                    "noise_multiplier directly", "target_epsilon")
             if self.sample_rate is None:
                 raise ConfigError("target_epsilon needs sample_rate (the Poisson rate) to calibrate the noise",
                                   "target_epsilon")

@@ -32,14 +32,19 @@ def generated_corpus(sentences: int = 4000, seed: int = 0) -> str:
 def read_text(path: str) -> str:
     if not os.path.exists(path):
         raise FileNotFoundError(f"dataset {path!r} does not exist: pass a local .txt or .jsonl file")
+    if not os.path.isfile(path):
+        raise ValueError(f"dataset {path!r} is not a file (a folder?): pass one .txt or .jsonl file")
     if path.endswith(".jsonl"):
         texts = []
         with open(path, encoding="utf-8") as f:
             for line_no, line in enumerate(f, 1):
                 if line.strip():
-                    record = json.loads(line)
-                    if "text" not in record:
-                        raise ValueError(f"{path}:{line_no}: a JSONL record needs a 'text' field")
+                    try:
+                        record = json.loads(line)
+                    except ValueError as exc:
+                        raise ValueError(f"{path}:{line_no}: not a JSON record ({exc})") from exc
+                    if not isinstance(record, dict) or not isinstance(record.get("text"), str):
+                        raise ValueError(f"{path}:{line_no}: a JSONL record needs a 'text' field holding a string")
                     texts.append(record["text"])
         return "\n".join(texts)
     with open(path, encoding="utf-8") as f:

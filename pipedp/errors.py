@@ -51,3 +51,7 @@ class PrivacyBudgetExceeded(PipeDPError, RuntimeError):
 
 class CheckpointError(PipeDPError, RuntimeError):
     """A checkpoint is missing, truncated or does not match the run."""
+
+
+class NonFiniteError(PipeDPError, FloatingPointError):
+    """A clipped sum, its noise or an update is NaN/inf: the optimizer step was refused."""

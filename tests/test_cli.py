@@ -40,6 +40,10 @@ def test_schedule_show(tmp_path):
     "args, message",
     [
         (["train", "--stages", "0"], "--stages: must be >= 1, got 0"),
+        (["train", "--delta", "1"], "--delta: must be in (0, 1), got 1.0"),
+        (["train", "--target-epsilon", "1e9"], "--target-epsilon: 1e+09 is above 100"),
+        (["train", "--timeout", "0"], "--timeout: must be > 0 and finite"),
+        (["train", "--lr", "inf"], "--lr: must be > 0 and finite"),
         (["train", "--model", "/no/such/model"], "'/no/such/model' is neither 'tiny-gpt' nor a local folder"),
         (["train", "--data", "/no/such/file.txt"], "dataset '/no/such/file.txt' does not exist"),
         (["train", "--target-epsilon", "0.0000001", "--sample-rate", "1", "--steps", "1000000",
@@ -76,3 +80,40 @@ def test_train_a_local_hugging_face_model_on_a_jsonl_dataset(tmp_path):
                  "--batch-size", "8", "--checkpoint-dir", str(tmp_path / "ck"), "--no-progress")
     assert out.returncode == 0, out.stderr[-3000:]
     assert "done: 3 steps" in out.stdout and "epsilon" in out.stdout
+
+
+def test_non_finite_losses_are_reported_and_fail_the_run(tmp_path):
+    out = pipedp("train", "--inprocess", "--steps", "4", "--no-progress", "--noise-multiplier", "0", "--lr", "1e30",
+                 "--checkpoint-dir", str(tmp_path / "ck"))
+    assert out.returncode == 3, out.stderr[-2000:]
+    assert "-> nan" in out.stdout and "non-finite losses from step" in out.stdout
+    assert "non-finite gradient norm" in out.stderr and "left out of the update" in out.stderr
+
+
+def test_resume_says_what_it_did_and_errors_print_whole(tmp_path):
+    ck = str(tmp_path / "ck")
+    fresh = pipedp("train", "--inprocess", "--steps", "1", "--no-progress", "--checkpoint-dir", ck, "--resume")
+    assert fresh.returncode == 0 and "--resume: no checkpoint in" in fresh.stdout, fresh.stderr
+    again = pipedp("train", "--inprocess", "--steps", "2", "--no-progress", "--checkpoint-dir", ck, "--resume",
+                   "--lr", "0.01")
+    assert again.returncode == 0 and "--lr 0.01 replaces the checkpoint's 0.003" in again.stdout, again.stderr
+    other = pipedp("train", "--inprocess", "--steps", "3", "--no-progress", "--checkpoint-dir", ck, "--resume",
+                   "--microbatches", "2")
+    assert other.returncode == 2
+    assert "different configuration:\n  microbatches: checkpoint 4, now 2" in other.stderr
+
+
+@pytest.mark.parametrize("content, message", [
+    (None, "is not a file (a folder?)"),
+    ('{"text": {"nested": "x"}}\n', "a JSONL record needs a 'text' field holding a string"),
+    ('not json\n', "not a JSON record"),
+])
+def test_bad_data_files_give_one_clear_line(tmp_path, content, message):
+    path = tmp_path / "data.jsonl"
+    if content is None:
+        path.mkdir()
+    else:
+        path.write_text(content)
+    out = pipedp("train", "--inprocess", "--data", str(path))
+    assert out.returncode == 2 and "Traceback" not in out.stderr
+    assert message in out.stderr

@@ -35,6 +35,8 @@ class Job:
     seq_len: int
     checkpoint_dir: Optional[str]
     checkpoint_every: int
+    checkpoint_key: Optional[str]  # None: PIPEDP_CHECKPOINT_KEY if set, else unsigned checkpoints
+    keep_last: Optional[int]
     resume: bool
     threads: int
     progress: bool
@@ -80,7 +82,7 @@ def resolve(args) -> Job:
     job = Job(
         pipeline=pipeline, privacy=privacy, model=args.model, data=args.data, steps=0, lr=args.lr,
         seq_len=args.seq_len, checkpoint_dir=args.checkpoint_dir, checkpoint_every=args.checkpoint_every,
-        resume=args.resume, threads=args.threads, progress=not args.no_progress, inprocess=args.inprocess,
+        checkpoint_key=args.checkpoint_key, keep_last=args.keep_last, resume=args.resume, threads=args.threads, progress=not args.no_progress, inprocess=args.inprocess,
     )
     x, _, _ = load_dataset(job)
     n = len(x)
@@ -116,37 +118,46 @@ def train_rank(rank: int, job: Job) -> dict:
     start_step = 0
     has_checkpoint = job.checkpoint_dir and os.path.exists(os.path.join(job.checkpoint_dir, "latest"))
     if job.resume and has_checkpoint:
-        trainer.load_checkpoint(job.checkpoint_dir)
+        trainer.load_checkpoint(job.checkpoint_dir, job.checkpoint_key)
         start_step = trainer.steps_taken
+        saved_lr = _apply_lr(trainer, job.lr)
         if lead:
             print(f"resumed from step {start_step} in {job.checkpoint_dir}", flush=True)
+            if saved_lr is not None:
+                print(f"learning rate: --lr {job.lr:g} replaces the checkpoint's {saved_lr:g}", flush=True)
+    elif job.resume and lead:
+        print(f"--resume: no checkpoint in {job.checkpoint_dir}: starting from step 0", flush=True)
     elif has_checkpoint and lead:
         print(f"{job.checkpoint_dir} already holds a checkpoint: starting afresh and overwriting it "
               "(pass --resume to continue it instead)", flush=True)
     bar = tqdm(total=job.steps, initial=start_step, disable=not (lead and job.progress), desc="DP training",
                unit="step", dynamic_ncols=True)
-    state = {"samples": 0, "first_loss": None, "eps": 0.0}
+    state = {"samples": 0, "first_loss": None, "first_nonfinite": None, "eps": 0.0}
     eps_every = max(1, job.steps // 15)
     t0 = time.perf_counter()
 
     def on_step(step, loss, tr):
-        if not math.isnan(loss):
-            state["first_loss"] = state["first_loss"] if state["first_loss"] is not None else loss
+        if tr.last_batch_size and state["first_loss"] is None:
+            state["first_loss"] = loss
+        if tr.last_batch_size and not math.isfinite(loss) and state["first_nonfinite"] is None:
+            state["first_nonfinite"] = step
         state["samples"] += round(tr.last_batch_size)
-        if step % eps_every == 0 or step == job.steps:
+        if lead and (step % eps_every == 0 or step == job.steps):  # the accountant's cost on rank 0 only
             state["eps"] = tr.epsilon(privacy.delta)
         rate = state["samples"] / max(1e-9, time.perf_counter() - t0)
         bar.set_postfix(loss=f"{loss:.3f}", eps=f"{state['eps']:.2f}", qps=f"{rate:.0f}")
         bar.update(1)
 
     result = trainer.fit((x, y), steps=job.steps, checkpoint_dir=job.checkpoint_dir,
-                         checkpoint_every=job.checkpoint_every, callback=on_step)
+                         checkpoint_every=job.checkpoint_every, checkpoint_key=job.checkpoint_key,
+                         keep_last=job.keep_last, callback=on_step)
     bar.close()
     elapsed = time.perf_counter() - t0
     summary = {
         "steps": result.steps, "epsilon": result.epsilon, "delta": privacy.delta, "loss": result.loss,
         "first_loss": state["first_loss"], "seconds": elapsed, "samples_per_s": state["samples"] / max(elapsed, 1e-9),
         "noise_multiplier": privacy.noise_multiplier, "stopped_by_budget": result.stopped_by_budget,
+        "first_nonfinite_step": state["first_nonfinite"],
     }
     if lead:
         print(
@@ -155,10 +166,22 @@ def train_rank(rank: int, job: Job) -> dict:
             f"epsilon {result.epsilon:.3f} at delta {privacy.delta:g} (noise multiplier "
             f"{privacy.noise_multiplier:.3f}, sample rate {privacy.sample_rate:.4f}, {privacy.accountant})"
             + (f"\ncheckpoint: {job.checkpoint_dir}" if job.checkpoint_dir else "")
-            + (f"\nstopped: {result.stopped_by_budget}" if result.stopped_by_budget else ""),
+            + (f"\nstopped: {result.stopped_by_budget}" if result.stopped_by_budget else "")
+            + (f"\nnon-finite losses from step {state['first_nonfinite']} on (NaN/inf in the data or the model)"
+               if state["first_nonfinite"] is not None else ""),
             flush=True,
         )
     return summary
+
+
+def _apply_lr(trainer: PipelineDPTrainer, lr: float) -> Optional[float]:
+    """Give a resumed run the --lr it was started with; return the checkpoint's lr if it differed."""
+    saved = None
+    for opt in trainer.state.optimizers:
+        for group in opt.param_groups:
+            if group["lr"] != lr:
+                saved, group["lr"] = group["lr"], lr
+    return saved
 
 
 def run(args) -> int:
@@ -172,15 +195,20 @@ def run(args) -> int:
                 f"torchrun started {os.environ['WORLD_SIZE']} processes but --stages {stages} x --replicas "
                 f"{replicas} = {world}: use torchrun --nproc_per_node {world}"
             )
-        init_from_env()
-        train_rank(int(os.environ["RANK"]), job)
-        return 0
+        init_from_env(timeout_s=job.pipeline.timeout)
+        return _exit_code(train_rank(int(os.environ["RANK"]), job))
     if job.inprocess or world == 1:
         if replicas > 1:
             raise PipeDPError("--replicas > 1 needs one process per (stage, replica): drop --inprocess")
-        train_rank(0, replace(job, inprocess=True, pipeline=replace(job.pipeline, transport="inprocess")))
-        return 0
+        return _exit_code(train_rank(0, replace(job, inprocess=True, pipeline=replace(job.pipeline, transport="inprocess"))))
     print(f"pipedp: launching {world} processes ({stages} stages x {replicas} replica"
           f"{'s' if replicas > 1 else ''}, gloo)", flush=True)
-    launch(train_rank, world, (job,), timeout_s=24 * 3600, threads=job.threads)
-    return 0
+    summary = launch(train_rank, world, (job,), timeout_s=24 * 3600, threads=job.threads,
+                     op_timeout_s=job.pipeline.timeout)[0]
+    return _exit_code(summary)
+
+
+def _exit_code(summary: dict) -> int:
+    """Non-zero (3) when the run ended on non-finite losses, so scripts notice."""
+    loss = summary["loss"]
+    return 3 if isinstance(loss, float) and not math.isfinite(loss) and summary["first_loss"] is not None else 0

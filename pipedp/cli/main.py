@@ -5,6 +5,7 @@ Parsing imports no torch; ``train`` loads the training stack only when it runs.
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import sys
 from typing import List, Optional
@@ -24,8 +25,8 @@ def _positive_int(text: str) -> int:
 
 def _positive_float(text: str) -> float:
     value = float(text)
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"must be > 0, got {value}")
+    if not (value > 0 and math.isfinite(value)):
+        raise argparse.ArgumentTypeError(f"must be > 0 and finite, got {value}")
     return value
 
 
@@ -53,6 +54,10 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--seq-len", type=_positive_int, default=32)
     t.add_argument("--checkpoint-dir", default=DEFAULT_CHECKPOINTS)
     t.add_argument("--checkpoint-every", type=_positive_int, default=50)
+    t.add_argument("--keep-last", type=_positive_int, default=3, help="keep only the newest N checkpoints")
+    t.add_argument("--checkpoint-key", default=None,
+                   help="HMAC key that signs checkpoints and refuses unsigned or altered ones on --resume "
+                        "(visible to other users in the process list: prefer the PIPEDP_CHECKPOINT_KEY variable)")
     t.add_argument("--resume", action="store_true", help="continue from the newest checkpoint in --checkpoint-dir")
     t.add_argument("--inprocess", action="store_true", help="run every stage in this one process (debugging)")
     t.add_argument("--threads", type=_positive_int, default=1, help="torch threads per process")

@@ -48,7 +48,10 @@ class Clipping:
 
 
 def clip_factors(squared_norms: torch.Tensor, max_grad_norm: float, mask: torch.Tensor) -> torch.Tensor:
-    """min(1, C / (||g_i|| + 1e-6)) as Opacus computes it; 0 for padded rows."""
+    """min(1, C / (||g_i|| + 1e-6)) as Opacus computes it; 0 for padded rows, and 0 for a sample
+    whose norm is not finite (NaN or inf): that sample is left out of the step, a per-sample
+    decision that keeps the sensitivity at C."""
     norms = squared_norms.clamp(min=0).sqrt()
     factors = (max_grad_norm / (norms + 1e-6)).clamp(max=1.0)
+    factors = torch.where(torch.isfinite(squared_norms), factors, torch.zeros_like(factors))
     return factors * mask.to(factors.dtype)

@@ -23,7 +23,8 @@ from schedules import Kind
 from ..errors import TransportError
 
 _HEADER = 10  # mb, channel, dtype code, ndim, up to 6 dims
-_DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32]
+_DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32,
+           torch.int16, torch.int8, torch.uint8, torch.bool]
 _CHANNEL = {Kind.SEND_F: 0, Kind.RECV_F: 0, Kind.SEND_B: 1, Kind.RECV_B: 1}
 _NAMES = {0: "activation", 1: "gradient"}
 
@@ -47,8 +48,8 @@ class DistReduction:
 
 
 class DistTransport:
-    def __init__(self, stage: int, prev_rank, next_rank, groups: "PipelineGroups", device: torch.device):
-        self.stage = stage
+    def __init__(self, stage: int, rank: int, prev_rank, next_rank, groups: "PipelineGroups", device: torch.device):
+        self.stage, self.rank = stage, rank
         self.peer = {Kind.SEND_F: next_rank, Kind.RECV_B: next_rank, Kind.SEND_B: prev_rank, Kind.RECV_F: prev_rank}
         self.channel_group = {0: groups.activations, 1: groups.gradients}
         self.group = groups.norms
@@ -57,6 +58,8 @@ class DistTransport:
 
     def send(self, kind: Kind, mb: int, tensor: torch.Tensor) -> None:
         tensor = tensor.detach().contiguous()
+        if tensor.dtype not in _DTYPES:
+            raise TransportError(f"cannot send a {tensor.dtype} tensor between stages: use one of {_DTYPES}")
         if tensor.dim() > _HEADER - 4:
             raise TransportError(f"cannot send a {tensor.dim()}-d tensor between stages (at most {_HEADER - 4})")
         header = torch.zeros(_HEADER, dtype=torch.int64)
@@ -69,7 +72,7 @@ class DistTransport:
     def recv(self, kind: Kind, mb: int) -> torch.Tensor:
         src, group = self.peer[kind], self.channel_group[_CHANNEL[kind]]
         header = torch.zeros(_HEADER, dtype=torch.int64, device=self.device)
-        dist.recv(header, src, group=group)
+        self._wait_for(lambda: dist.recv(header, src, group=group), src, kind, mb)
         got_mb, channel, dtype, ndim = (int(v) for v in header[:4].tolist())
         if got_mb != mb or channel != _CHANNEL[kind]:
             raise TransportError(
@@ -78,8 +81,18 @@ class DistTransport:
             )
         shape = [int(v) for v in header[4 : 4 + ndim].tolist()]
         payload = torch.empty(shape, dtype=_DTYPES[dtype], device=self.device)
-        dist.recv(payload, src, group=group)
+        self._wait_for(lambda: dist.recv(payload, src, group=group), src, kind, mb)
         return payload
+
+    def _wait_for(self, receive, src: int, kind: Kind, mb: int) -> None:
+        """A receive that names the silent peer when it times out or the peer's connection breaks."""
+        try:
+            receive()
+        except RuntimeError as exc:
+            raise TransportError(
+                f"rank {self.rank} (stage {self.stage}) got no {_NAMES[_CHANNEL[kind]]} of micro-batch {mb} from "
+                f"rank {src}: rank {src} stopped answering or died ({str(exc).splitlines()[0][:200]})"
+            ) from exc
 
     def norm_reduce_start(self, mb: int, squared_norms: torch.Tensor) -> DistReduction:
         tensor = squared_norms.to(self.device).clone()

@@ -12,6 +12,7 @@ moved to the meta device (their memory is freed); only this rank's stage stays r
 from __future__ import annotations
 
 from dataclasses import dataclass
+from datetime import timedelta
 from typing import Any, Callable, Dict, List, Optional, Sequence
 
 import torch
@@ -20,7 +21,7 @@ import torch.distributed as dist
 from schedules import Schedule
 
 from ..config import PipelineConfig
-from ..errors import BatchError, ConfigMismatchError
+from ..errors import BatchError, ConfigMismatchError, TransportError
 from ..privacy.clipping import Clipping
 from ..split.blocks import Block
 from .dist_transport import DistTransport, PipelineGroups
@@ -69,14 +70,14 @@ def _fingerprint(t: torch.Tensor) -> float:
 
 
 class DistributedRuntime:
-    def __init__(self, mesh: Mesh, stage: Stage, executor: Executor, dp_group, device: torch.device,
+    def __init__(self, mesh: Mesh, stage: Stage, executor: Executor, dp_group, world_group, device: torch.device,
                  state_keys: Sequence[str]):
         self.mesh, self.device = mesh, device
         self.rank = mesh.rank
         self.replicas, self.replica = mesh.replicas, mesh.replica
         self.stage = stage
         self.executor = executor
-        self.dp_group = dp_group
+        self.dp_group, self.world_group = dp_group, world_group
         self.state_keys = list(state_keys)
 
     @property
@@ -105,11 +106,15 @@ class DistributedRuntime:
                 f"torchrun --nproc_per_node {pipeline.stages * pipeline.replicas} (or fix stages/replicas)"
             )
         mesh = Mesh(pipeline.stages, pipeline.replicas, rank)
-        # every rank creates every group, in the same order (torch.distributed requires it)
+        # every rank creates every group, in the same order (torch.distributed requires it); each waits
+        # at most `timeout` for a peer, so a hung rank ends the run instead of stalling it for good
+        wait = timedelta(seconds=pipeline.timeout)
         pipeline_groups = [
-            PipelineGroups(*(dist.new_group(mesh.pipeline_ranks(r)) for _ in range(3))) for r in range(mesh.replicas)
+            PipelineGroups(*(dist.new_group(mesh.pipeline_ranks(r), timeout=wait) for _ in range(3)))
+            for r in range(mesh.replicas)
         ]
-        dp_groups = [dist.new_group(mesh.data_parallel_ranks(s)) for s in range(mesh.stages)]
+        dp_groups = [dist.new_group(mesh.data_parallel_ranks(s), timeout=wait) for s in range(mesh.stages)]
+        world_group = dist.new_group(list(range(world)), timeout=wait)  # the step's checks and totals
         device = _device_for_backend()
         for s, blocks in enumerate(stage_blocks):
             for b in blocks:  # keep only this rank's stage; free the rest
@@ -128,19 +133,20 @@ class DistributedRuntime:
         ranks = mesh.pipeline_ranks(mesh.replica)
         transport = DistTransport(
             mesh.stage,
+            rank,
             ranks[mesh.stage - 1] if mesh.stage > 0 else None,
             ranks[mesh.stage + 1] if mesh.stage < mesh.stages - 1 else None,
             pipeline_groups[mesh.replica],
             device,
         )
         executor = Executor(stage, transport, schedule.for_stage(mesh.stage), clipping)
-        return cls(mesh, stage, executor, dp_groups[mesh.stage], device, state_keys)
+        return cls(mesh, stage, executor, dp_groups[mesh.stage], world_group, device, state_keys)
 
     def check_same_batch(self, inputs: torch.Tensor, targets: torch.Tensor) -> None:
         """Every rank must step on the same logical batch: compare its size and a fingerprint."""
         mine = torch.tensor([float(inputs.shape[0]), _fingerprint(inputs), _fingerprint(targets)], dtype=torch.float64)
         extremes = torch.cat([mine, -mine]).to(self.device)  # one MAX all-reduce gives both max and -min
-        dist.all_reduce(extremes, op=dist.ReduceOp.MAX)
+        self._collective("batch check", lambda: dist.all_reduce(extremes, op=dist.ReduceOp.MAX, group=self.world_group))
         high, low = extremes.cpu().split(3)
         if not (torch.equal(high, mine) and torch.equal(-low, mine)):
             raise BatchError(
@@ -152,42 +158,65 @@ class DistributedRuntime:
     def run_pass(self, batch: PassBatch) -> torch.Tensor:
         self.executor.start_pass(batch.to(self.device))
         self.executor.run()
-        return self.executor.loss_sum.cpu()
+        return self.executor.totals().cpu()
 
     def sum_over_replicas(self, grads: List[torch.Tensor]) -> List[torch.Tensor]:
         if self.replicas == 1 or not grads:
             return grads
         flat = torch.cat([g.reshape(-1) for g in grads])
-        dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=self.dp_group)
+        self._collective("sum over replicas",
+                         lambda: dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=self.dp_group))
         return [chunk.view_as(g) for chunk, g in zip(flat.split([g.numel() for g in grads]), grads)]
 
     def total(self, value: torch.Tensor) -> torch.Tensor:
         value = value.to(self.device, torch.float64).clone()
-        dist.all_reduce(value, op=dist.ReduceOp.SUM)
+        self._collective("loss total", lambda: dist.all_reduce(value, op=dist.ReduceOp.SUM, group=self.world_group))
         return value.cpu()
 
     def all_gather(self, obj: Any) -> List[Any]:
         out: List[Any] = [None] * dist.get_world_size()
-        dist.all_gather_object(out, obj)
+        self._collective("all-gather", lambda: dist.all_gather_object(out, obj, group=self.world_group))
         return out
 
     def broadcast(self, obj: Any) -> Any:
         """Rank 0's ``obj`` on every rank."""
         box = [obj]
-        dist.broadcast_object_list(box, src=0)
+        self._collective("broadcast", lambda: dist.broadcast_object_list(box, src=0, group=self.world_group))
         return box[0]
 
     def gather_state(self) -> Optional[Dict[str, torch.Tensor]]:
-        """The whole model's state dict on rank 0 (CPU tensors); None on the other ranks."""
-        mine = {k: v.detach().cpu() for k, v in self.stage.named_state().items()} if self.replica == 0 else {}
-        parts: List[Any] = [None] * dist.get_world_size()
-        dist.all_gather_object(parts, mine)
-        if dist.get_rank() != 0:
-            return None
-        merged: Dict[str, torch.Tensor] = {}
-        for part in parts:
-            merged.update(part)
-        return {k: merged[k] for k in self.state_keys if k in merged}
+        """The whole model's state dict on rank 0 (CPU tensors); None on the other ranks.
+
+        Tensor by tensor, point to point: replica 0's stage k sends its tensors to rank 0 one at
+        a time, so no other rank ever holds another stage's weights, and rank 0 holds only what
+        it returns (plus one tensor in flight)."""
+        own = self.stage.named_state() if self.replica == 0 else {}
+        if self.rank == 0:
+            merged = {k: v.detach().cpu() for k, v in own.items()}
+            for src in range(1, self.mesh.stages):  # replica 0's stage `src` is rank `src`
+                header: List[Any] = [None]
+                dist.recv_object_list(header, src=src, group=self.world_group)
+                for name, dtype, shape in header[0]:
+                    buffer = torch.empty(shape, dtype=dtype, device=self.device)
+                    dist.recv(buffer, src=src, group=self.world_group)
+                    merged[name] = buffer.cpu()
+            return {k: merged[k] for k in self.state_keys if k in merged}
+        if self.replica == 0:
+            dist.send_object_list([[(k, v.dtype, tuple(v.shape)) for k, v in own.items()]], dst=0,
+                                  group=self.world_group)
+            for v in own.values():
+                dist.send(v.detach().contiguous().to(self.device), dst=0, group=self.world_group)
+        return None
 
     def close(self) -> None:
         self.stage.close()
+
+    def _collective(self, what: str, operation: Callable[[], Any]) -> None:
+        """Run a collective; a timeout or a broken peer becomes an error that says so."""
+        try:
+            operation()
+        except RuntimeError as exc:
+            raise TransportError(
+                f"rank {self.rank}: the {what} over every rank got no answer (a rank stopped answering or died; "
+                f"{str(exc).splitlines()[0][:200]})"
+            ) from exc

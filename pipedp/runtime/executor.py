@@ -27,6 +27,7 @@ class PassState:
 
     batch: PassBatch
     loss_sum: torch.Tensor = field(default_factory=lambda: torch.zeros((), dtype=torch.float64))
+    dropped: torch.Tensor = field(default_factory=lambda: torch.zeros((), dtype=torch.float64))  # non-finite samples
     received: Dict[int, torch.Tensor] = field(default_factory=dict)  # activations in
     outgoing: Dict[int, torch.Tensor] = field(default_factory=dict)  # activations out
     grads_in: Dict[int, torch.Tensor] = field(default_factory=dict)
@@ -73,10 +74,10 @@ class Executor:
     def done(self) -> bool:
         return self.position >= len(self.actions)
 
-    @property
-    def loss_sum(self) -> torch.Tensor:
-        """The sum of the real rows' losses of the last pass (non-zero on the last stage only)."""
-        return self._pass.loss_sum
+    def totals(self) -> torch.Tensor:
+        """float64 [2]: the sum of the last pass's real-row losses, and how many real rows were left
+        out because their gradient norm was not finite (both counted on the last stage only)."""
+        return torch.stack([self._pass.loss_sum, self._pass.dropped])
 
     @property
     def _pass(self) -> PassState:
@@ -103,7 +104,8 @@ class Executor:
         x = state.batch.inputs[mb] if stage.is_first else state.received.pop(mb)
         out = stage.forward(mb, x, state.batch.targets[mb] if stage.is_last else None)
         if stage.is_last:
-            state.loss_sum += (out.detach().to(torch.float64) * state.batch.masks[mb].to(torch.float64)).sum()
+            real = state.batch.masks[mb] > 0
+            state.loss_sum += torch.where(real, out.detach().to(torch.float64), 0.0).sum()
         else:
             state.outgoing[mb] = out.detach()
 
@@ -124,7 +126,10 @@ class Executor:
         state = self._pass
         total = state.reductions[mb].wait()  # may raise WouldBlock: nothing changed yet
         del state.reductions[mb]
-        self.stage.weight(mb, clip_factors(total, self.clip_norm, state.batch.masks[mb]))
+        mask = state.batch.masks[mb]
+        if self.stage.is_last:
+            state.dropped += ((mask > 0) & ~torch.isfinite(total.to(mask.device))).sum().to(torch.float64)
+        self.stage.weight(mb, clip_factors(total, self.clip_norm, mask))
 
     def _send_forward(self, mb: int) -> None:
         self.transport.send(Kind.SEND_F, mb, self._pass.outgoing.pop(mb))

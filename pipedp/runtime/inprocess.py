@@ -40,7 +40,7 @@ class InProcessRuntime:
             e.start_pass(batch)
         run_in_process(self.executors)
         self.hub.end_pass()
-        return self.executors[-1].loss_sum
+        return self.executors[-1].totals()
 
     def sum_over_replicas(self, grads: List[torch.Tensor]) -> List[torch.Tensor]:
         return grads

@@ -1,14 +1,19 @@
 """Launch a function on N local processes (gloo on loopback), like torchrun, and fail fast.
 
-When any rank raises, the others are stopped within a grace period and a RankFailedError
-names the first failing rank and its error — no rank is left hanging in a collective.
+When any rank raises, dies or stops, the others are stopped within a grace period and a
+RankFailedError names the rank at fault: a rank that died (its exit code or signal) or
+stopped (SIGSTOP) is named before a healthy rank that only reported the broken
+connection or the timeout it caused. Every rank dies with the launcher (Linux parent-death
+signal), so killing the launcher never leaves ranks training unattended.
 Used by the tests, the CLI (when not started by torchrun) and the benchmarks.
 """
 from __future__ import annotations
 
+import ctypes
 import io
 import os
 import queue
+import signal
 import socket
 import time
 import traceback
@@ -28,15 +33,30 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def init_from_env(backend: Optional[str] = None, timeout_s: float = 300.0) -> None:
-    """init_process_group from torchrun's environment; NCCL when CUDA is there, else gloo."""
+def init_from_env(backend: Optional[str] = None, timeout_s: float = 300.0, store: Optional[dist.Store] = None) -> None:
+    """init_process_group from torchrun's environment (or the given store); NCCL when CUDA is there, else gloo."""
     if dist.is_initialized():
         return
     if backend is None:
         backend = "nccl" if torch.cuda.is_available() else "gloo"
     if backend == "nccl":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count())
-    dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s))
+    if store is None:
+        dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s))
+    else:
+        dist.init_process_group(backend, store=store, rank=int(os.environ["RANK"]),
+                                world_size=int(os.environ["WORLD_SIZE"]), timeout=timedelta(seconds=timeout_s))
+
+
+def _loopback_store(world: int, timeout_s: float) -> dist.TCPStore:
+    """The rendezvous store, hosted by the launcher and listening on 127.0.0.1 only (torch's own
+    store would listen on every interface). The store takes over the socket."""
+    listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(128)
+    port = listener.getsockname()[1]
+    return dist.TCPStore("127.0.0.1", port, world + 1, True, timeout=timedelta(seconds=timeout_s),
+                         wait_for_workers=False, master_listen_fd=listener.detach())
 
 
 def _encode(value: Any) -> bytes:
@@ -45,12 +65,25 @@ def _encode(value: Any) -> bytes:
     return buf.getvalue()
 
 
-def _worker(rank, world, port, fn, args, results, threads, op_timeout_s, backend):
+def _die_with_parent(parent: int) -> None:
+    """Ask the kernel to SIGKILL this process when its parent dies (Linux); exit if it already has."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):  # not Linux: the launcher's own cleanup still stops ranks
+        pass
+    if os.getppid() != parent:  # the parent died before prctl took effect
+        os._exit(1)
+
+
+def _worker(rank, world, port, fn, args, results, threads, op_timeout_s, backend, parent):
+    _die_with_parent(parent)
     torch.set_num_threads(threads)
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     try:
-        init_from_env(backend, op_timeout_s)
+        store = dist.TCPStore("127.0.0.1", port, world + 1, False, timeout=timedelta(seconds=op_timeout_s))
+        init_from_env(backend, op_timeout_s, store)
         value = fn(rank, *args)
         results.put((rank, "ok", _encode(value)))
         dist.barrier()
@@ -73,10 +106,11 @@ def launch(
     """
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
-    port = free_port()
+    store = _loopback_store(nprocs, min(timeout_s, op_timeout_s))
+    port = store.port
     procs = [
-        ctx.Process(target=_worker, args=(r, nprocs, port, fn, args, results, threads, min(timeout_s, op_timeout_s), backend),
-                    daemon=True)
+        ctx.Process(target=_worker, daemon=True,
+                    args=(r, nprocs, port, fn, args, results, threads, min(timeout_s, op_timeout_s), backend, os.getpid()))
         for r in range(nprocs)
     ]
     for p in procs:
@@ -87,19 +121,20 @@ def launch(
     try:
         while len(values) < nprocs and failure is None:
             if time.monotonic() > deadline:
-                failure = (None, f"timed out after {timeout_s:.0f}s with ranks {sorted(set(range(nprocs)) - set(values))} unfinished")
+                unfinished = {r: _state(procs[r]) for r in range(nprocs) if r not in values}
+                failure = (None, f"timed out after {timeout_s:.0f}s with ranks unfinished: {unfinished}")
                 break
             try:
                 rank, status, payload = results.get(timeout=0.2)
             except queue.Empty:
                 dead = [r for r, p in enumerate(procs) if p.exitcode not in (None, 0) and r not in values]
                 if dead:  # killed (OOM, signal) before it could report
-                    failure = (dead[0], f"exited with code {procs[dead[0]].exitcode} without a report")
+                    failure = (dead[0], f"{_state(procs[dead[0]])} without a report")
                 continue
             if status == "ok":
-                values[rank] = torch.load(io.BytesIO(payload), weights_only=False)
+                values[rank] = torch.load(io.BytesIO(payload), weights_only=True)
             else:
-                failure = (rank, payload)
+                failure = _at_fault(procs, rank, payload, values)
         if failure is None:
             for p in procs:
                 p.join(timeout=max(1.0, deadline - time.monotonic()))
@@ -111,12 +146,52 @@ def launch(
             for p in procs:
                 if p.is_alive():
                     p.terminate()
+                    _continue(p)  # a stopped process only receives the SIGTERM once continued
             for p in procs:
                 p.join(timeout=5)
                 if p.is_alive():
                     p.kill()
+        del store  # the ranks are gone: close the rendezvous
     if failure is not None:
         rank, message = failure
         who = f"rank {rank}" if rank is not None else "the run"
         raise RankFailedError(f"{who} failed: {message.strip()}", rank, [p.exitcode for p in procs])
     return [values[r] for r in range(nprocs)]
+
+
+def _state(p) -> str:
+    """How a rank's process is doing: 'running', 'stopped (SIGSTOP)', 'killed by SIGKILL', 'exited with code N'."""
+    if p.exitcode is not None:
+        if p.exitcode < 0:
+            return f"killed by {signal.Signals(-p.exitcode).name}"
+        return f"exited with code {p.exitcode}"
+    try:
+        with open(f"/proc/{p.pid}/stat") as f:
+            state = f.read().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return "running"
+    return "stopped (SIGSTOP)" if state in ("T", "t") else "running"
+
+
+def _at_fault(procs, reporter: int, report: str, finished: dict, settle_s: float = 1.0):
+    """(rank, message) for the failure: a rank that died or stopped without reporting, if any
+    (the reporter often only saw the connection it broke), else the reporter."""
+    deadline = time.monotonic() + settle_s
+    while True:
+        silent = [(r, _state(p)) for r, p in enumerate(procs)
+                  if r != reporter and r not in finished and _state(p) != "running"]
+        silent = [(r, how) for r, how in silent if not how.startswith("exited with code 1")]  # those report
+        if silent or time.monotonic() > deadline:
+            break
+        time.sleep(0.1)
+    if silent:
+        rank, how = silent[0]
+        return rank, f"{how} and stopped answering; rank {reporter} then reported: {report.strip()}"
+    return reporter, report
+
+
+def _continue(p) -> None:
+    try:
+        os.kill(p.pid, signal.SIGCONT)
+    except (ProcessLookupError, TypeError):
+        pass

@@ -53,7 +53,8 @@ class Runtime(Protocol):
     def check_same_batch(self, inputs: torch.Tensor, targets: torch.Tensor) -> None: ...
 
     def run_pass(self, batch: PassBatch) -> torch.Tensor:
-        """One pipeline pass; returns the sum of this replica's real-row losses (float64)."""
+        """One pipeline pass; returns float64 [2]: the sum of this replica's real-row losses and
+        the number of its real rows left out for a non-finite gradient norm (0 off the last stage)."""
         ...
 
     def sum_over_replicas(self, grads: List[torch.Tensor]) -> List[torch.Tensor]: ...

@@ -72,6 +72,14 @@ class Stage:
         """Remove the capture hooks from the user's modules (the stage cannot run afterwards)."""
         self.capture.close()
 
+    def parameter_names(self) -> List[str]:
+        """The model's own names of ``self.parameters``, in that order."""
+        names = {}
+        for b in self.blocks:
+            for n, p in b.module.named_parameters():
+                names.setdefault(id(p), b.qualified(n))
+        return [names[id(p)] for p in self.parameters]
+
     def named_state(self) -> Dict[str, torch.Tensor]:
         out = {}
         for b in self.blocks:
@@ -104,6 +112,12 @@ class Stage:
                 raise BatchError(
                     f"loss_fn must return per-sample losses of shape [{size}], got {shape}: use "
                     "reduction='none' and average each sample's own terms (e.g. over its tokens)"
+                )
+            if not losses.is_floating_point() or (self.parameters and not losses.requires_grad):
+                what = "is not floating point" if not losses.is_floating_point() else "does not depend on the model"
+                raise BatchError(
+                    f"loss_fn returned a {losses.dtype} tensor that {what} (detached or cast?): the update "
+                    "would be noise only; return the per-sample losses computed from the outputs"
                 )
             out = losses
         elif not isinstance(out, torch.Tensor):
@@ -173,6 +187,10 @@ class Stage:
     # ---- W -------------------------------------------------------------------------------
     def weight(self, mb: int, clip_factors: torch.Tensor) -> None:
         state = self.pending.pop(mb)
+        # rows with clip factor 0 (padding, or a sample whose norm was not finite) must add exactly
+        # nothing, and 0 * NaN is NaN: their inputs and output-grads are zeroed, not just scaled
+        dropped = clip_factors == 0
+        any_dropped = bool(dropped.any())
         shaped: Dict[tuple, torch.Tensor] = {}  # the clip factors broadcastable to each backprop
         for name, calls in state.calls.items():
             unit = self.units[name]
@@ -180,7 +198,11 @@ class Stage:
                 key = (bp.dtype, bp.dim())
                 if key not in shaped:
                     shaped[key] = clip_factors.to(bp.dtype).reshape((-1,) + (1,) * (bp.dim() - 1))
-                for p, g in clipped_grad_sum(unit, call.inputs, bp * shaped[key]).items():
+                scaled, inputs = bp * shaped[key], call.inputs
+                if any_dropped:
+                    scaled = _zero_rows(scaled, dropped)
+                    inputs = tuple(_zero_rows(a, dropped) if a.is_floating_point() else a for a in inputs)
+                for p, g in clipped_grad_sum(unit, inputs, scaled).items():
                     if p in self.clipped_sum:
                         self.clipped_sum[p] += g
                     else:
@@ -192,6 +214,11 @@ class Stage:
         out = [g if g is not None else torch.zeros_like(p) for g, p in zip(out, self.parameters)]
         self.clipped_sum = {}
         return out
+
+
+def _zero_rows(t: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """``t`` with the samples in ``rows`` (bool [n]) set to 0, NaN and inf included."""
+    return torch.where(rows.reshape((-1,) + (1,) * (t.dim() - 1)), torch.zeros((), dtype=t.dtype), t)
 
 
 def _unique(params) -> List[nn.Parameter]:

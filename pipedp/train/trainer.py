@@ -11,8 +11,9 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import warnings
 import weakref
-from typing import Any, Callable, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional, Union
 
 import torch
 import torch.nn as nn
@@ -21,7 +22,7 @@ from opacus.accountants import create_accountant
 import schedules
 
 from ..config import PipelineConfig, PrivacyConfig, describe, split_options
-from ..errors import PrivacyBudgetExceeded, PipeDPError
+from ..errors import ConfigError, NonFiniteError, PipeDPError, PrivacyBudgetExceeded
 from ..privacy.accounting import calibrate_noise, spent_epsilon, steps_within_budget
 from ..privacy.clipping import Clipping
 from ..privacy.noise import add_noise
@@ -39,6 +40,30 @@ from .state import TrainingState
 
 OptimizerFactory = Callable[[List[nn.Parameter]], torch.optim.Optimizer]
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+def _check_finite(stage: Any, values: List[torch.Tensor], step: int, what: str) -> None:
+    """Non-finite values never reach the parameters silently: name the step, stage and parameters
+    (one flag per tensor, read back once)."""
+    if not values:
+        return
+    finite = torch.stack([torch.isfinite(v).all() for v in values])
+    if not bool(finite.all()):
+        bad = [name for name, ok in zip(stage.parameter_names(), finite.tolist()) if not ok]
+        raise NonFiniteError(
+            f"step {step}, stage {stage.index}: the {what} of {', '.join(bad[:5])} is not finite (NaN/inf): "
+            "the optimizer step is refused; check the learning rate, max_grad_norm and the data"
+        )
+
+
+def _check_optimizer_options(optimizers: List[torch.optim.Optimizer]) -> None:
+    """An infinite or NaN learning rate (or beta, weight decay...) would wreck every parameter."""
+    for opt in optimizers:
+        for group in opt.param_groups:
+            for key, value in group.items():
+                values = value if isinstance(value, tuple) else (value,)
+                if any(isinstance(v, float) and not math.isfinite(v) for v in values):
+                    raise ConfigError(f"optimizer option {key}={value!r} is not finite: give a finite value", key)
 
 
 def _default_optimizer(params: List[nn.Parameter]) -> torch.optim.Optimizer:
@@ -97,6 +122,7 @@ class PipelineDPTrainer:
         validate_model(model)
         self.model = model
         self.last_batch_size = 0
+        self.last_dropped_samples = 0  # samples of the last step left out for a non-finite gradient norm
         self._budget: Optional[int] = None
 
         blocks = model_blocks(model, pipeline.untie_weights)
@@ -113,6 +139,7 @@ class PipelineDPTrainer:
             accountant=create_accountant(mechanism=privacy.accountant),
             optimizers=[optimizer(stage.parameters) for stage in self.runtime.local_stages],
         )
+        _check_optimizer_options(self.state.optimizers)
 
     # ---- one DP-SGD step ---------------------------------------------------------------------
     def step(self, inputs: torch.Tensor, targets: torch.Tensor) -> float:
@@ -125,18 +152,22 @@ class PipelineDPTrainer:
         pipeline = self.pipeline
         rows = replica_rows(n, pipeline.replicas, self.runtime.replica)
         inputs, targets = inputs[rows], targets[rows]
-        loss_sum = torch.zeros((), dtype=torch.float64)
+        totals = torch.zeros(2, dtype=torch.float64)  # loss sum, samples left out for a non-finite norm
         for part in plan_passes(inputs.shape[0], pipeline.microbatches, pipeline.microbatch_size):
             size = microbatch_size_for(part.stop - part.start, pipeline.microbatches, pipeline.microbatch_size)
             batch = make_pass(inputs[part], targets[part], pipeline.microbatches, size)
-            loss_sum = loss_sum + self.runtime.run_pass(batch)
+            totals = totals + self.runtime.run_pass(batch)
         self._apply_update()
         if self.privacy.sample_rate is not None:
             self.state.accountant.step(noise_multiplier=self.privacy.noise_multiplier,
                                        sample_rate=self.privacy.sample_rate)
         self.state.step += 1
-        total = float(self.runtime.total(loss_sum))
-        return total / n if n else math.nan
+        loss_sum, dropped = (float(v) for v in self.runtime.total(totals))
+        self.last_dropped_samples = int(dropped)
+        if dropped:
+            warnings.warn(f"step {self.state.step}: {int(dropped)} sample(s) had a non-finite gradient norm "
+                          "(NaN/inf input or loss) and were left out of the update (clip factor 0)", stacklevel=2)
+        return loss_sum / n if n else math.nan
 
     def _apply_update(self) -> None:
         std = self.privacy.noise_multiplier * self.clipping.sensitivity
@@ -147,8 +178,10 @@ class PipelineDPTrainer:
             grads = self.runtime.sum_over_replicas(grads)
             for p, g in zip(stage.parameters, grads):
                 p.grad = (g / self.privacy.expected_batch_size).to(p.dtype)
+            _check_finite(stage, [p.grad for p in stage.parameters], self.state.step + 1, "noisy clipped gradient")
             opt.step()
             opt.zero_grad(set_to_none=True)
+            _check_finite(stage, list(stage.parameters), self.state.step + 1, "value after the optimizer step")
 
     # ---- configuration as the checks see it ---------------------------------------------------
     def run_config(self) -> Dict[str, Any]:
@@ -207,11 +240,16 @@ class PipelineDPTrainer:
         """Poisson-sampled DP training over ``dataset``; see pipedp.train.loop.fit for the arguments."""
         return fit(self, dataset, **kwargs)
 
-    def save_checkpoint(self, directory: str) -> None:
-        checkpoint.save(directory, self.state, self.runtime, self.resume_config(), self.pipeline.stages)
+    def save_checkpoint(self, directory: str, key: Union[str, bytes, None] = None,
+                        keep_last: Optional[int] = None) -> None:
+        """Every rank calls this. ``key`` (or PIPEDP_CHECKPOINT_KEY) signs the manifest;
+        ``keep_last`` keeps only the newest step folders."""
+        checkpoint.save(directory, self.state, self.runtime, self.resume_config(), self.pipeline.stages,
+                        checkpoint.resolve_key(key), keep_last)
 
-    def load_checkpoint(self, directory: str) -> None:
-        checkpoint.load(directory, self.state, self.runtime, self.resume_config())
+    def load_checkpoint(self, directory: str, key: Union[str, bytes, None] = None) -> None:
+        """The newest checkpoint in ``directory``; with a key, only a manifest signed with it."""
+        checkpoint.load(directory, self.state, self.runtime, self.resume_config(), checkpoint.resolve_key(key))
 
     # ---- leaving the user's model as it was ---------------------------------------------------
     def close(self) -> None:

@@ -1,4 +1,8 @@
 """Functions run on each rank by the multi-process tests (importable by spawned children)."""
+import os
+import signal
+import time
+
 import torch
 
 from pipedp import PipelineDPTrainer
@@ -111,3 +115,48 @@ def secure_fit(rank):
                            secure_mode=True)
     trainer.fit(make_batch(40, seed=5), steps=3)
     return trainer.steps_taken
+
+
+def signal_at_step(rank, signal_name, timeout):
+    """Rank 1 sends itself ``signal_name`` (SIGSTOP: hangs; SIGKILL: dies) before its third step."""
+    trainer = make_trainer(make_model(), stages=2, microbatches=2, timeout=timeout)
+    for step in range(6):
+        if rank == 1 and step == 2:
+            os.kill(os.getpid(), getattr(signal, signal_name))
+        trainer.step(*make_batch(8, seed=step))
+    return "finished"
+
+
+def sleep_and_report_pid(rank, folder):
+    with open(os.path.join(folder, f"rank{rank}.pid"), "w") as f:
+        f.write(str(os.getpid()))
+    time.sleep(600)
+    return "slept"
+
+
+def listening_addresses(pids):
+    """The local addresses of the TCP sockets these processes listen on (from /proc, Linux)."""
+    inodes = set()
+    for pid in pids:
+        for fd in os.listdir(f"/proc/{pid}/fd"):
+            try:
+                target = os.readlink(f"/proc/{pid}/fd/{fd}")
+            except OSError:
+                continue
+            if target.startswith("socket:["):
+                inodes.add(target[8:-1])
+    out = []
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        with open(table) as f:
+            for line in list(f)[1:]:
+                fields = line.split()
+                if fields[3] == "0A" and fields[9] in inodes:  # 0A: LISTEN
+                    out.append(fields[1].split(":")[0])
+    return out
+
+
+def report_listening_sockets(rank):
+    import torch.distributed as dist
+
+    dist.barrier()  # every rank is connected: all sockets are up
+    return listening_addresses([os.getpid(), os.getppid()]) if rank == 0 else []

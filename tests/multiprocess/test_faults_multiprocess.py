@@ -1,0 +1,66 @@
+"""Every fault ends the run cleanly, in bounded time, naming the rank at fault."""
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from pipedp import RankFailedError
+from pipedp.runtime.launch import launch
+from workers import signal_at_step
+
+pytestmark = pytest.mark.dist
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def test_a_stopped_rank_ends_the_run_within_the_timeout_and_is_named():
+    start = time.monotonic()
+    with pytest.raises(RankFailedError, match=r"rank 1 failed: stopped \(SIGSTOP\) and stopped answering") as info:
+        launch(signal_at_step, 2, ("SIGSTOP", 3.0), timeout_s=120, op_timeout_s=3.0)
+    elapsed = time.monotonic() - start
+    assert info.value.rank == 1
+    assert "rank 0 then reported: TransportError" in str(info.value) and "got no" in str(info.value)
+    assert elapsed < 3.0 + 25, f"took {elapsed:.0f}s"  # process start + timeout + the launcher's grace
+
+
+def test_a_killed_rank_is_named_not_the_survivor():
+    with pytest.raises(RankFailedError, match="rank 1 failed: killed by SIGKILL") as info:
+        launch(signal_at_step, 2, ("SIGKILL", 30.0), timeout_s=120)
+    assert info.value.rank == 1
+
+
+def alive(pid):
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    with open(f"/proc/{pid}/stat") as f:  # a zombie is dead too
+        return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+
+
+def test_killing_the_launcher_leaves_no_rank_alive(tmp_path):
+    code = ("from pipedp.runtime.launch import launch; from workers import sleep_and_report_pid; "
+            f"launch(sleep_and_report_pid, 2, ({str(tmp_path)!r},), timeout_s=600)")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([ROOT, os.path.join(ROOT, "tests", "multiprocess")]))
+    launcher = subprocess.Popen([sys.executable, "-c", code], env=env)
+    deadline = time.monotonic() + 60
+    while len(list(tmp_path.glob("rank*.pid"))) < 2 and time.monotonic() < deadline:
+        time.sleep(0.2)
+    pids = [int(p.read_text()) for p in tmp_path.glob("rank*.pid")]
+    assert len(pids) == 2 and all(alive(p) for p in pids)
+    launcher.send_signal(signal.SIGKILL)
+    launcher.wait()
+    deadline = time.monotonic() + 10
+    while any(alive(p) for p in pids) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not any(alive(p) for p in pids), "ranks outlived their launcher"
+
+
+def test_the_launcher_and_its_ranks_listen_on_loopback_only():
+    from workers import report_listening_sockets
+
+    addresses = launch(report_listening_sockets, 2, timeout_s=60)[0]
+    assert addresses, "no listening socket found: the check would pass vacuously"
+    assert set(addresses) == {"0100007F"}, addresses  # 127.0.0.1, little-endian hex in /proc/net/tcp
