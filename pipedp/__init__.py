@@ -11,6 +11,7 @@ checks this):
     split/                   blocks, adapters (Sequential, pipeline_blocks, HF, graph capture), partition
     runtime/                 capture, stage, executor, transports, in-process / distributed runtimes, launch
     train/                   PipelineDPTrainer, training state, fit loop, checkpoints
+    audit/                   the one-run privacy audit
     cli/                     the `pipedp` command
 
 Heavy names (the trainer, torch) load on first use, so `pipedp schedule show` stays light.

@@ -117,3 +117,14 @@ def test_bad_data_files_give_one_clear_line(tmp_path, content, message):
     out = pipedp("train", "--inprocess", "--data", str(path))
     assert out.returncode == 2 and "Traceback" not in out.stderr
     assert message in out.stderr
+
+
+def test_audit_prints_the_bound_and_draws_the_scores(tmp_path):
+    png = tmp_path / "audit.png"
+    out = pipedp("audit", "--inprocess", "--canaries", "400", "--steps", "4", "--png", str(png))
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "accountant epsilon" in out.stdout and "empirical epsilon lower bound" in out.stdout
+    assert "verdict: PASSED" in out.stdout
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    leak = pipedp("audit", "--inprocess", "--canaries", "400", "--steps", "4", "--noise-multiplier", "0")
+    assert leak.returncode == 0 and "accountant epsilon            inf" in leak.stdout  # no claim to break

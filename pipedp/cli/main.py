@@ -63,6 +63,24 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--threads", type=_positive_int, default=1, help="torch threads per process")
     t.add_argument("--no-progress", action="store_true")
 
+    a = sub.add_parser("audit", help="one-run privacy audit: empirical epsilon lower bound vs the accountant")
+    a.add_argument("--kind", default="whitebox", choices=["whitebox", "blackbox"],
+                   help="whitebox: gradient canaries on their own coordinates; blackbox: canary sequences on the GPT job")
+    a.add_argument("--canaries", type=_positive_int, default=1000)
+    a.add_argument("--steps", type=_positive_int, default=None, help="DP steps (default: whitebox 10, blackbox 100)")
+    a.add_argument("--sample-rate", type=_positive_float, default=None, help="default: whitebox 0.5, blackbox 0.01")
+    a.add_argument("--noise-multiplier", type=float, default=3.0)
+    a.add_argument("--max-grad-norm", type=_positive_float, default=1.0)
+    a.add_argument("--lr", type=_positive_float, default=0.1)
+    a.add_argument("--delta", type=_positive_float, default=1e-5)
+    a.add_argument("--confidence", type=_positive_float, default=0.95)
+    a.add_argument("--stages", type=_positive_int, default=2)
+    a.add_argument("--microbatches", type=_positive_int, default=4)
+    a.add_argument("--seed", type=int, default=0)
+    a.add_argument("--inprocess", action="store_true", help="every stage in this process")
+    a.add_argument("--png", default=None, help="draw the score histograms (included vs excluded) here")
+    a.add_argument("--json", default=None, help="write the whole result here")
+
     s = sub.add_parser("schedule", help="inspect pipeline schedules")
     ssub = s.add_subparsers(dest="schedule_command", required=True, parser_class=_Parser)
     show = ssub.add_parser("show", help="per-rank timeline, bubble fraction and peak in-flight micro-batches")
@@ -82,6 +100,10 @@ def main(argv: Optional[List[str]] = None) -> int:
 
             print(show(args.name, args.stages, args.microbatches, args.costs, args.png))
             return 0
+        if args.command == "audit":
+            from .audit import run as run_audit_command
+
+            return run_audit_command(args)
         from .job import run
 
         return run(args)

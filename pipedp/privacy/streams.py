@@ -19,9 +19,10 @@ class Stream(enum.IntEnum):
     NOISE = 1  # keys: (step, stage)
     SAMPLING = 2  # keys: (step,)
     TRUNCATION = 3  # keys: (step,)
+    AUDIT = 4  # keys: (0,): which canaries a privacy audit includes
 
 
-KEY_LENGTH = {Stream.NOISE: 2, Stream.SAMPLING: 1, Stream.TRUNCATION: 1}
+KEY_LENGTH = {Stream.NOISE: 2, Stream.SAMPLING: 1, Stream.TRUNCATION: 1, Stream.AUDIT: 1}
 
 
 def stream_seed(purpose: Stream, seed: int, *keys: int) -> int:

@@ -64,3 +64,14 @@ def test_the_launcher_and_its_ranks_listen_on_loopback_only():
     addresses = launch(report_listening_sockets, 2, timeout_s=60)[0]
     assert addresses, "no listening socket found: the check would pass vacuously"
     assert set(addresses) == {"0100007F"}, addresses  # 127.0.0.1, little-endian hex in /proc/net/tcp
+
+
+def test_the_audit_over_processes_equals_the_in_process_one(tmp_path):
+    from pipedp.audit.run import AuditConfig, AuditResult, audit_rank, run_audit
+
+    config = AuditConfig(canaries=300, steps=4)
+    over_processes = AuditResult.from_dict(launch(audit_rank, 2, (config,), timeout_s=300)[0])
+    in_process = run_audit(config)
+    assert over_processes.scores == in_process.scores  # the same noise, draw for draw
+    assert over_processes.epsilon_lower_bound == in_process.epsilon_lower_bound
+    assert over_processes.passed

@@ -15,8 +15,9 @@ LAYERS = {
     "pipedp.split": 2,
     "pipedp.runtime": 3,
     "pipedp.train": 4,
-    "pipedp.cli": 5,
-    "pipedp": 6,  # the package's __init__ / __main__ (the public surface)
+    "pipedp.audit": 5,
+    "pipedp.cli": 6,
+    "pipedp": 7,  # the package's __init__ / __main__ (the public surface)
 }
 
 
