@@ -66,7 +66,7 @@ class PipelineConfig:
         _at_least(self, "replicas", 1)
         if self.microbatch_size is not None:
             _at_least(self, "microbatch_size", 1)
-        _one_of(self, "schedule", self.schedule.lower().replace("-", "").replace("_", ""))
+        _one_of(self, "schedule", schedules.canonical_name(self.schedule))
         _one_of(self, "grad_mode")
         _one_of(self, "transport")
         _finite(self, "timeout", minimum=0.0, strict=True)

@@ -4,13 +4,15 @@ Layer 0: imports nothing of pipedp, torch or torch.distributed. It stays a top-l
 package (the design card fixes the folder), so it can be used and tested on its own.
 """
 from .actions import COMPUTE_KINDS, Action, Kind, Schedule
-from .builders import BUILDERS, build, gpipe, one_f_one_b
+from .builders import gpipe, one_f_one_b
+from .registry import BUILDERS, build, canonical_name
+from .zero_bubble import dp_zero_bubble
 from .simulator import DeadlockError, SimResult, simulate
 from .validator import ScheduleError, validate
 
 __all__ = [
     "Action", "Kind", "Schedule", "COMPUTE_KINDS",
-    "BUILDERS", "build", "gpipe", "one_f_one_b",
+    "BUILDERS", "build", "canonical_name", "gpipe", "one_f_one_b", "dp_zero_bubble",
     "simulate", "SimResult", "DeadlockError",
     "validate", "ScheduleError",
 ]

@@ -14,12 +14,12 @@ is correct; this one is fast.
 """
 from __future__ import annotations
 
-from typing import Callable, Dict, List
+from typing import Dict, List
 
 from .actions import Action, Kind, Schedule
 
 
-def _forward(stage: int, stages: int, mb: int) -> List[Action]:
+def forward_actions(stage: int, stages: int, mb: int) -> List[Action]:
     acts = []
     if stage > 0:
         acts.append(Action(stage, Kind.RECV_F, mb))
@@ -29,7 +29,7 @@ def _forward(stage: int, stages: int, mb: int) -> List[Action]:
     return acts
 
 
-def _backward(stage: int, stages: int, mb: int) -> List[Action]:
+def backward_actions(stage: int, stages: int, mb: int) -> List[Action]:
     acts = []
     if stage < stages - 1:
         acts.append(Action(stage, Kind.RECV_B, mb))
@@ -57,7 +57,7 @@ def _with_weight_passes(stage: int, microbatches: int, backward_order: List[List
     return out
 
 
-def _check_sizes(stages: int, microbatches: int) -> None:
+def check_sizes(stages: int, microbatches: int) -> None:
     if stages < 1:
         raise ValueError(f"stages must be >= 1, got {stages}")
     if microbatches < 1:
@@ -66,11 +66,11 @@ def _check_sizes(stages: int, microbatches: int) -> None:
 
 def gpipe(stages: int, microbatches: int) -> Schedule:
     """All forwards, then all backwards (GPipe): every stage holds all m micro-batches."""
-    _check_sizes(stages, microbatches)
+    check_sizes(stages, microbatches)
     actions: Dict[int, List[Action]] = {}
     for s in range(stages):
-        blocks = [_forward(s, stages, j) for j in range(microbatches)]
-        blocks += [_backward(s, stages, j) for j in range(microbatches)]
+        blocks = [forward_actions(s, stages, j) for j in range(microbatches)]
+        blocks += [backward_actions(s, stages, j) for j in range(microbatches)]
         actions[s] = _with_weight_passes(s, microbatches, blocks)
     return Schedule("gpipe", stages, microbatches, actions)
 
@@ -80,27 +80,17 @@ def one_f_one_b(stages: int, microbatches: int) -> Schedule:
 
     Stage s holds at most stages - s micro-batches' autograd graphs at once.
     """
-    _check_sizes(stages, microbatches)
+    check_sizes(stages, microbatches)
     actions: Dict[int, List[Action]] = {}
     for s in range(stages):
         warmup = min(stages - s, microbatches)
-        blocks = [_forward(s, stages, j) for j in range(warmup)]
+        blocks = [forward_actions(s, stages, j) for j in range(warmup)]
         next_f, next_b = warmup, 0
         while next_b < microbatches:
-            blocks.append(_backward(s, stages, next_b))
+            blocks.append(backward_actions(s, stages, next_b))
             next_b += 1
             if next_f < microbatches:
-                blocks.append(_forward(s, stages, next_f))
+                blocks.append(forward_actions(s, stages, next_f))
                 next_f += 1
         actions[s] = _with_weight_passes(s, microbatches, blocks)
     return Schedule("1f1b", stages, microbatches, actions)
-
-
-BUILDERS: Dict[str, Callable[[int, int], Schedule]] = {"gpipe": gpipe, "1f1b": one_f_one_b}
-
-
-def build(name: str, stages: int, microbatches: int) -> Schedule:
-    key = name.lower().replace("-", "").replace("_", "")
-    if key not in BUILDERS:
-        raise ValueError(f"unknown schedule {name!r}: choose one of {sorted(BUILDERS)}")
-    return BUILDERS[key](stages, microbatches)

@@ -13,7 +13,7 @@ behind a receive that waits for it.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import List
+from typing import Dict, List
 
 import torch
 import torch.distributed as dist
@@ -54,7 +54,7 @@ class DistTransport:
         self.channel_group = {0: groups.activations, 1: groups.gradients}
         self.group = groups.norms
         self.device = device
-        self._pending: List = []
+        self._pending: Dict[tuple, List] = {}  # (channel, mb) -> [(work, tensor kept alive)]
 
     def send(self, kind: Kind, mb: int, tensor: torch.Tensor) -> None:
         tensor = tensor.detach().contiguous()
@@ -66,8 +66,10 @@ class DistTransport:
         header[:4] = torch.tensor([mb, _CHANNEL[kind], _DTYPES.index(tensor.dtype), tensor.dim()])
         header[4 : 4 + tensor.dim()] = torch.tensor(tensor.shape, dtype=torch.int64)
         dst, group = self.peer[kind], self.channel_group[_CHANNEL[kind]]
-        self._pending.append((dist.isend(header.to(self.device), dst, group=group), header))
-        self._pending.append((dist.isend(tensor, dst, group=group), tensor))
+        header = header.to(self.device)
+        self._pending[(_CHANNEL[kind], mb)] = [
+            (dist.isend(header, dst, group=group), header), (dist.isend(tensor, dst, group=group), tensor)
+        ]
 
     def recv(self, kind: Kind, mb: int) -> torch.Tensor:
         src, group = self.peer[kind], self.channel_group[_CHANNEL[kind]]
@@ -99,7 +101,13 @@ class DistTransport:
         work = dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=self.group, async_op=True)
         return DistReduction(work, tensor)
 
-    def finish_pass(self) -> None:
-        for work, _ in self._pending:
+    def release(self, kind: Kind, mb: int) -> None:
+        """The peer has received what this stage sent as ``kind`` for ``mb``: complete it, free it."""
+        for work, _ in self._pending.pop((_CHANNEL[kind], mb), []):
             work.wait()
-        self._pending = []
+
+    def finish_pass(self) -> None:
+        for sends in self._pending.values():
+            for work, _ in sends:
+                work.wait()
+        self._pending = {}

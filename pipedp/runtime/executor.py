@@ -126,6 +126,9 @@ class Executor:
         state = self._pass
         total = state.reductions[mb].wait()  # may raise WouldBlock: nothing changed yet
         del state.reductions[mb]
+        if self.reduce_norms and not self.stage.is_first:
+            # every stage joined mb's reduction, the previous one after receiving our gradient of mb
+            self.transport.release(Kind.SEND_B, mb)
         mask = state.batch.masks[mb]
         if self.stage.is_last:
             state.dropped += ((mask > 0) & ~torch.isfinite(total.to(mask.device))).sum().to(torch.float64)
@@ -142,6 +145,8 @@ class Executor:
 
     def _recv_backward(self, mb: int) -> None:
         self._pass.grads_in[mb] = self.transport.recv(Kind.RECV_B, mb)
+        # the next stage computed this gradient from our activation of mb: it has received it
+        self.transport.release(Kind.SEND_F, mb)
 
 
 def run_in_process(executors: List[Executor]) -> None:

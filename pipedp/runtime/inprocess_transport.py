@@ -73,5 +73,8 @@ class InProcessTransport:
         parts[self.stage] = squared_norms
         return InProcessReduction(self.hub, mb)
 
+    def release(self, kind: Kind, mb: int) -> None:
+        """Nothing is held for a send in one process."""
+
     def finish_pass(self) -> None:
         """Nothing to wait for in one process; the hub checks and clears once all stages are done."""

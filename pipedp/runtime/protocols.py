@@ -35,6 +35,10 @@ class Transport(Protocol):
 
     def norm_reduce_start(self, mb: int, squared_norms: torch.Tensor) -> PendingReduction: ...
 
+    def release(self, kind: Kind, mb: int) -> None:
+        """The peer has received this stage's ``kind`` send (SEND_F / SEND_B) of ``mb``: free it."""
+        ...
+
     def finish_pass(self) -> None:
         """Complete whatever this pass left in flight."""
         ...

@@ -49,7 +49,7 @@ def run_pipedp(model_name, n, mode, dtype, stages, microbatches, schedule):
 
 @pytest.mark.parametrize("model_name", ["mlp", "gpt"])
 @pytest.mark.parametrize("mode", ["ghost", "materialize"])
-@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "dp-zb", "dp-zb-2x"])
 @pytest.mark.parametrize("stages", [1, 2, 3, 4])
 @pytest.mark.parametrize("microbatches", [1, 2, 4, 8])
 @pytest.mark.parametrize("n", [16, 13])  # 13 does not divide: padded rows

@@ -70,3 +70,22 @@ def test_simulator_is_fast_at_scale():
     result = simulate(build("1f1b", 64, 512))
     assert time.perf_counter() - start < 20
     assert result.peak_inflight[0] == 64
+
+
+@pytest.mark.parametrize("name, factor", [("dp-zb", 1), ("dp-zb-2x", 2)])
+@given(p=st.integers(1, 8), m=st.integers(1, 24), f=st.floats(0.3, 2), i=st.floats(0.3, 3), w=st.floats(0.1, 2))
+@settings(max_examples=40, deadline=None)
+def test_dp_zero_bubble_is_valid_bounded_and_never_slower_than_1f1b(name, factor, p, m, f, i, w):
+    costs = {Kind.F: f, Kind.I: i, Kind.W: w}
+    schedule = build(name, p, m, costs)
+    validate(schedule)  # sends meet receives in order, F < I < NORM_REDUCE < W, no deadlock
+    result = simulate(schedule, costs)
+    assert max(result.peak_captured) <= factor * p + 1  # DP captures: 1F1B's bound (x2 for -2x)
+    assert result.makespan <= simulate(build("1f1b", p, m), costs).makespan * (1 + 1e-9)
+
+
+def test_dp_zero_bubble_fills_bubbles_where_1f1b_leaves_them():
+    costs = {Kind.F: 1.0, Kind.I: 2.0, Kind.W: 0.7}  # I heavier than F, as per-sample norms make it
+    one_f = simulate(build("1f1b", 4, 8), costs)
+    zb = simulate(build("dp-zb-2x", 4, 8, costs), costs)
+    assert zb.makespan < 0.96 * one_f.makespan and zb.bubble_fraction < one_f.bubble_fraction

@@ -1,0 +1,106 @@
+"""Peak memory per process against the number of micro-batches at a fixed micro-batch size:
+1F1B's point is memory bounded by about p micro-batches however large m is.
+
+    python -m bench.memory_sweep                     # m in {8, 32, 128}, micro-batches of 4, 2 stages
+
+Per-process peak RSS above the process's state after building the model and one warm-up
+step at the same m (so the table shows what a step holds, not the model or the allocator's
+first-touch), for torch's Schedule1F1B (no DP) and pipedp's 1F1B and dp-zb.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import warnings
+from typing import Dict, List
+
+import torch
+import torch.distributed as dist
+import torch.distributed.pipelining  # noqa: F401  (imported before any measured phase)
+
+import pipedp.train.trainer  # noqa: F401
+
+from pipedp.models import GPTConfig
+from pipedp.runtime.launch import launch
+
+from .memory import PeakMemory
+from .presets import _gpt
+
+PRESET = _gpt(GPTConfig(vocab_size=256, seq_len=64, d_model=256, n_heads=4, n_layers=4),
+              "GPT-style, 4 layers, d=256, T=64", "gpt-256")
+
+
+def _pipedp_step(schedule: str, m: int, size: int):
+    from pipedp import PipelineDPTrainer
+
+    torch.manual_seed(0)
+    trainer = PipelineDPTrainer(PRESET.build(), PRESET.loss, lambda p: torch.optim.SGD(p, lr=1e-3), stages=2,
+                                microbatches=m, schedule=schedule, noise_multiplier=1.0, expected_batch_size=m * size)
+    x, y = PRESET.make_batch(m * size, 0)
+    return lambda: trainer.step(x, y)
+
+
+def _torch_step(m: int, size: int):
+    from torch.distributed.pipelining import PipelineStage, Schedule1F1B
+
+    from .parts import rank_part
+
+    rank = dist.get_rank()
+    torch.manual_seed(0)
+    module = rank_part(PRESET.build(), 2, rank)
+    sched = Schedule1F1B(PipelineStage(module, rank, 2, torch.device("cpu")), n_microbatches=m,
+                         loss_fn=PRESET.mean_loss)
+    opt = torch.optim.SGD(module.parameters(), lr=1e-3)
+    x, y = PRESET.make_batch(m * size, 0)
+
+    def step():
+        opt.zero_grad(set_to_none=True)
+        sched.step(x) if rank == 0 else sched.step(target=y, losses=[])
+        opt.step()
+
+    return step
+
+
+def sweep(rank: int, ms: List[int], size: int) -> List[Dict]:
+    warnings.filterwarnings("ignore")
+    rows = []
+    for name in ("torch-1f1b", "pipedp-1f1b", "pipedp-dp-zb"):
+        for m in ms:
+            step = _torch_step(m, size) if name == "torch-1f1b" else _pipedp_step(name[len("pipedp-"):], m, size)
+            step()  # warm-up at this m
+            dist.barrier()
+            with PeakMemory() as mem:
+                step()
+            gathered: List = [None] * dist.get_world_size()
+            dist.all_gather_object(gathered, mem.peak_mib)
+            rows.append({"name": name, "microbatches": m, "peak_mib": gathered})
+            del step
+    return rows
+
+
+def main(argv=None) -> Dict:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--microbatches", default="8,32,128")
+    p.add_argument("--microbatch-size", type=int, default=4)
+    p.add_argument("--out", default="bench/results")
+    args = p.parse_args(argv)
+    ms = [int(v) for v in args.microbatches.split(",")]
+    rows = launch(sweep, 2, (ms, args.microbatch_size), timeout_s=3600)[0]
+    print(f"**{PRESET.note}**, 2 stages, micro-batches of {args.microbatch_size}; per-process peak MiB above the "
+          f"state after a warm-up step (`python -m bench.memory_sweep`)\n")
+    print("| contender | " + " | ".join(f"m={m}" for m in ms) + f" | m={ms[-1]} / m={ms[0]} |")
+    print("|---|" + "---|" * (len(ms) + 1))
+    for name in dict.fromkeys(r["name"] for r in rows):
+        mine = [r for r in rows if r["name"] == name]
+        cells = [" / ".join(f"{v:.0f}" for v in r["peak_mib"]) for r in mine]
+        growth = max(mine[-1]["peak_mib"]) / max(1e-9, max(mine[0]["peak_mib"]))
+        print(f"| {name} | " + " | ".join(cells) + f" | {growth:.2f} |")
+    os.makedirs(args.out, exist_ok=True)
+    with open(os.path.join(args.out, "memory-sweep.json"), "w") as f:
+        json.dump(rows, f, indent=1)
+    return {"rows": rows}
+
+
+if __name__ == "__main__":
+    main()
