@@ -44,6 +44,9 @@ PRESETS = {
     "gpt": _gpt(GPTConfig(vocab_size=256, seq_len=64, d_model=128, n_heads=4, n_layers=4), "GPT-style, 4 layers, d=128, T=64", "gpt"),
     # long sequences, narrow layers: materialising [n, out, in] is cheap, ghost's [n, T, T] is not
     "gpt-long": _gpt(GPTConfig(vocab_size=256, seq_len=256, d_model=32, n_heads=4, n_layers=4), "GPT-style, d=32, T=256", "gpt-long"),
+    # matrix work dominates: d=512, T=128, 8 layers (the per-micro-batch fixed costs weigh less)
+    "gpt-wide": _gpt(GPTConfig(vocab_size=256, seq_len=128, d_model=512, n_heads=8, n_layers=8),
+                     "GPT-style, 8 layers, d=512, T=128", "gpt-wide"),
     "mlp": _mlp((512, 1024, 1024, 1024, 1024, 10), "mlp", "MLP 512-1024x4-10"),
     "tiny": _gpt(GPTConfig(vocab_size=32, seq_len=8, d_model=16, n_heads=2, n_layers=2), "smoke-test size", "tiny"),
 }

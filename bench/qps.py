@@ -54,10 +54,13 @@ def main(argv=None) -> dict:
     singles = [single_process(n, preset, args.batch, args.warmup, args.reps)
                for n in ("plain", "opacus-hooks", "opacus-ghost")]
     plan = [{"kind": "naive", "name": "naive-split", "microbatches": 1}]
-    for s in schedules:
+    # torch has GPipe and 1F1B; pipedp's dp-zb schedules are compared with torch's 1F1B
+    torch_schedules = sorted({s if s in ("gpipe", "1f1b") else "1f1b" for s in schedules})
+    for s in torch_schedules:
         # torch's Schedule1F1B refuses fewer micro-batches than stages
         plan += [{"kind": "torch", "name": f"torch-{s}", "schedule": s, "microbatches": m} for m in mbs
                  if not (s == "1f1b" and m < args.stages)]
+    for s in schedules:
         for mode in modes:
             plan += [{"kind": "pipedp", "name": f"pipedp-{s}-{mode}", "schedule": s, "mode": mode, "microbatches": m}
                      for m in mbs]

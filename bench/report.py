@@ -12,7 +12,7 @@ def _find(rows, name, m=None):
 
 
 def ratios(rows: List[Dict], stages: int) -> List[Dict]:
-    """Per pipedp row: DP cost vs torch (same schedule and m), speedup over the naive split,
+    """Per pipedp row: DP cost vs torch (same schedule and m; dp-zb against torch's 1F1B), speedup over the naive split,
     efficiency against the ideal p*m/(m+p-1) speedup over m=1, memory vs torch."""
     naive = _find(rows, "naive-split")
     out = []
@@ -20,7 +20,7 @@ def ratios(rows: List[Dict], stages: int) -> List[Dict]:
         if not r["name"].startswith("pipedp-"):
             continue
         m, schedule = r["microbatches"], r["schedule"]
-        torch_row = _find(rows, f"torch-{schedule}", m)
+        torch_row = _find(rows, f"torch-{schedule if schedule in ('gpipe', '1f1b') else '1f1b'}", m)
         one = _find(rows, r["name"], 1)
         ideal = stages * m / (m + stages - 1)
         out.append({

@@ -19,7 +19,7 @@ import schedules
 from .errors import ConfigError
 
 GRAD_MODES = ("ghost", "materialize")
-CLIPPING_MODES = ("flat", "per_stage")
+CLIPPING_MODES = ("flat", "per_stage", "per_layer")
 ACCOUNTANTS = ("prv", "rdp", "gdp")
 TRANSPORTS = ("auto", "inprocess", "distributed")
 MAX_TARGET_EPSILON = 100.0  # calibrating beyond it is meaningless, and prv's search slows to minutes
@@ -47,6 +47,9 @@ class PipelineConfig:
     stages: int = option(2, "pipeline stages (processes per replica)", resume=True)
     microbatches: int = option(4, "micro-batches per pipeline pass", resume=True)
     schedule: str = option("1f1b", "pipeline schedule", choices=sorted(schedules.BUILDERS), resume=True)
+    schedule_costs: Optional[Tuple[float, float, float]] = option(
+        None, "relative costs of F, I and W that the cost-aware schedules (dp-zb) place actions by "
+        "(default equal; python -m bench.schedule_sim measures them)", cli=False, resume=True)
     microbatch_size: Optional[int] = option(
         None, "static micro-batch size; a larger logical batch runs as several passes (virtual steps)")
     grad_mode: str = option("ghost", "per-sample norms: ghost (Gram matrices where cheaper) or materialize",
@@ -67,6 +70,10 @@ class PipelineConfig:
         if self.microbatch_size is not None:
             _at_least(self, "microbatch_size", 1)
         _one_of(self, "schedule", schedules.canonical_name(self.schedule))
+        if self.schedule_costs is not None and (len(self.schedule_costs) != 3 or not all(
+                isinstance(c, (int, float)) and math.isfinite(c) and c >= 0 for c in self.schedule_costs)):
+            raise ConfigError(f"schedule_costs: three finite costs (F, I, W) >= 0, got {self.schedule_costs!r}",
+                              "schedule_costs")
         _one_of(self, "grad_mode")
         _one_of(self, "transport")
         _finite(self, "timeout", minimum=0.0, strict=True)
@@ -81,10 +88,11 @@ class PrivacyConfig:
         None, "the clipped sum is divided by this (Opacus semantics); required", cli=False, resume=True)
     noise_multiplier: float = option(1.0, "sigma: noise std = sigma * max_grad_norm", exclusive="noise",
                                      resume=True)
-    max_grad_norm: Union[float, Tuple[float, ...]] = option(
-        1.0, "clipping norm C (per_stage: one value split as C/sqrt(stages), or one per stage)", resume=True)
-    clipping: str = option("flat", "flat: one norm over all stages; per_stage: each stage clips its own part",
-                           choices=CLIPPING_MODES, resume=True)
+    max_grad_norm: Union[float, Tuple[float, ...], Dict[str, float]] = option(
+        1.0, "clipping norm C (per_stage: split as C/sqrt(stages), or one per stage; per_layer: split as "
+        "C/sqrt(layers), or a {layer name: C} dict)", resume=True)
+    clipping: str = option("flat", "flat: one norm over all stages; per_stage / per_layer: each stage / layer "
+                           "clips its own part (no cross-stage norm sum)", choices=CLIPPING_MODES, resume=True)
     sample_rate: Optional[float] = option(None, "Poisson rate q, for sampling and accounting", cli=False,
                                           resume=True)
     accountant: str = option("prv", "Opacus accountant", choices=ACCOUNTANTS, resume=True)
@@ -104,7 +112,8 @@ class PrivacyConfig:
                               "expected_batch_size")
         _at_least(self, "expected_batch_size", 1)
         _finite(self, "noise_multiplier", minimum=0.0)
-        norms = self.max_grad_norm if isinstance(self.max_grad_norm, (tuple, list)) else (self.max_grad_norm,)
+        norms = self.max_grad_norm if isinstance(self.max_grad_norm, (tuple, list)) else (
+            tuple(self.max_grad_norm.values()) if isinstance(self.max_grad_norm, dict) else (self.max_grad_norm,))
         for c in norms:
             if not (isinstance(c, (int, float)) and math.isfinite(c) and c > 0):
                 raise ConfigError(f"max_grad_norm: must be > 0 and finite, got {self.max_grad_norm}", "max_grad_norm")
@@ -175,7 +184,7 @@ def describe(config: Any, only_resume: bool = False) -> Dict[str, Any]:
         value = getattr(config, f.name)
         if isinstance(value, tuple):
             value = list(value)
-        elif value is not None and not isinstance(value, (bool, int, float, str, list)):
+        elif value is not None and not isinstance(value, (bool, int, float, str, list, dict)):
             value = getattr(value, "describe", lambda: type(value).__name__)()  # a balance rule: by name
         out[f.name] = value
     return out

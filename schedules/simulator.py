@@ -56,7 +56,10 @@ def _dependency(action: Action, stages: int) -> Optional[Tuple]:
     return None
 
 
-def simulate(schedule: Schedule, costs: Optional[Costs] = None, comm_latency: float = 0.0) -> SimResult:
+def simulate(schedule: Schedule, costs: Optional[Costs] = None, comm_latency: float = 0.0,
+             reduce_latency: float = 0.0) -> SimResult:
+    """``comm_latency``: from a send's end to its receive's earliest start; ``reduce_latency``: from
+    the last stage joining a norm reduction to its result being there."""
     cost = _cost_fn(costs)
     p = schedule.stages
     position = [0] * p
@@ -110,7 +113,7 @@ def simulate(schedule: Schedule, costs: Optional[Costs] = None, comm_latency: fl
                 joined.append(end)
                 if len(joined) == p:
                     fired.append(("reduce", a.microbatch))
-                    event_time[fired[-1]] = max(joined)
+                    event_time[fired[-1]] = max(joined) + reduce_latency
             position[s] += 1
             for key in fired:
                 for other in waiting.pop(key, []):

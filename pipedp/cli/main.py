@@ -84,7 +84,7 @@ def build_parser() -> argparse.ArgumentParser:
     s = sub.add_parser("schedule", help="inspect pipeline schedules")
     ssub = s.add_subparsers(dest="schedule_command", required=True, parser_class=_Parser)
     show = ssub.add_parser("show", help="per-rank timeline, bubble fraction and peak in-flight micro-batches")
-    show.add_argument("name", help="gpipe or 1f1b")
+    show.add_argument("name", help="gpipe, 1f1b, dp-zb or dp-zb-2x")
     show.add_argument("--stages", type=_positive_int, required=True)
     show.add_argument("--microbatches", type=_positive_int, required=True)
     show.add_argument("--costs", default="F=1,I=1,W=1", help="relative action costs, e.g. F=1,I=2,W=1")

@@ -20,9 +20,9 @@ def parse_costs(text: str) -> Dict[Kind, float]:
 
 
 def show(name: str, stages: int, microbatches: int, costs: str = "F=1,I=1,W=1", png: Optional[str] = None) -> str:
-    schedule = schedules.build(name, stages, microbatches)
-    schedules.validate(schedule)
     table = parse_costs(costs)
+    schedule = schedules.build(name, stages, microbatches, table)  # dp-zb places its W passes by these costs
+    schedules.validate(schedule)
     result = schedules.simulate(schedule, table)
     unit = min(v for v in table.values() if v > 0)
     width = int(round(result.makespan / unit))

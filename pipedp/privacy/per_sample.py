@@ -81,8 +81,23 @@ def _functorch_grads(unit, inputs, backprops) -> Dict[nn.Parameter, torch.Tensor
     return {p: g for (_, p), g in zip(named, grads)}
 
 
+class GramCache:
+    """Input Gram matrices a a^T, each computed once: projections that read the same hidden state
+    (q/k/v, gate/up) share it. Keyed by the tensor's storage and layout; live for one micro-batch's
+    norms, while every captured input is still held (so no address can be reused)."""
+
+    def __init__(self) -> None:
+        self._grams: Dict[tuple, torch.Tensor] = {}
+
+    def gram(self, a3: torch.Tensor) -> torch.Tensor:
+        key = (a3.data_ptr(), tuple(a3.shape), tuple(a3.stride()), a3.dtype)
+        if key not in self._grams:
+            self._grams[key] = _gram(a3)
+        return self._grams[key]
+
+
 def ghost_squared_norms(
-    unit: nn.Module, inputs: Sequence[torch.Tensor], backprops: torch.Tensor
+    unit: nn.Module, inputs: Sequence[torch.Tensor], backprops: torch.Tensor, grams: Optional[GramCache] = None
 ) -> Optional[Dict[nn.Parameter, torch.Tensor]]:
     """{param: [n]} squared norms without materialising per-sample gradients, or None where no
     ghost formula applies or where materialising is cheaper.
@@ -96,7 +111,7 @@ def ghost_squared_norms(
     if _has_trainable_children(unit):
         return None
     if type(unit) is nn.Linear or _is_conv1d(unit):
-        return _linear_ghost(unit, inputs[0], backprops)
+        return _linear_ghost(unit, inputs[0], backprops, grams or GramCache())
     if type(unit) is nn.Embedding:
         return _embedding_ghost(unit, inputs[0], backprops)
     sampler = NORM_SAMPLERS.get(type(unit))
@@ -115,7 +130,7 @@ def gram_norms(a3: torch.Tensor, g3: torch.Tensor) -> torch.Tensor:
     return (_gram(g3) * _gram(a3)).sum((1, 2))
 
 
-def _linear_ghost(unit, a, g) -> Optional[Dict[nn.Parameter, torch.Tensor]]:
+def _linear_ghost(unit, a, g, grams: GramCache) -> Optional[Dict[nn.Parameter, torch.Tensor]]:
     n = g.shape[0]
     g3 = g.reshape(n, -1, g.shape[-1])
     a3 = a.reshape(n, -1, a.shape[-1]).to(g.dtype)
@@ -127,7 +142,7 @@ def _linear_ghost(unit, a, g) -> Optional[Dict[nn.Parameter, torch.Tensor]]:
         if tokens == 1:
             out[unit.weight] = g3[:, 0].pow(2).sum(1) * a3[:, 0].pow(2).sum(1)
         else:
-            out[unit.weight] = gram_norms(a3, g3)
+            out[unit.weight] = (_gram(g3) * grams.gram(a3)).sum((1, 2))
     if unit.bias is not None and unit.bias.requires_grad:
         out[unit.bias] = g3.sum(1).pow(2).sum(1)
     return out

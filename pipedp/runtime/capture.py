@@ -11,12 +11,13 @@ from __future__ import annotations
 
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Dict, Iterator, List, Optional, Tuple
+from typing import Dict, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 import torch.nn as nn
 
 from ..errors import UnsupportedModelError
+from ..split.blocks import Block
 
 
 @dataclass
@@ -32,6 +33,13 @@ def find_units(named_modules: Iterator[Tuple[str, nn.Module]]) -> Dict[str, nn.M
         if any(p.requires_grad for p in module.parameters(recurse=False)):
             units[name if name not in units else f"{name}#{len(units)}"] = module
     return units
+
+
+def block_units(blocks: Sequence[Block]) -> Dict[str, nn.Module]:
+    """The units of a stage's blocks, under the model's own qualified names."""
+    return find_units(
+        (b.qualified(n) if n else b.name or type(m).__name__, m) for b in blocks for n, m in b.module.named_modules()
+    )
 
 
 class ActivationCapture:

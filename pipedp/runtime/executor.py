@@ -51,8 +51,11 @@ class Executor:
         self.stage = stage
         self.transport = transport
         self.actions = actions
-        self.clip_norm = clipping.stage_norms[stage.index]
         self.reduce_norms = clipping.across_stages
+        if clipping.per_layer:  # one threshold per unit, in the stage's unit order: [units, 1]
+            self.clip_norm = torch.tensor([[clipping.layer_norm(name)] for name in stage.units], dtype=torch.float64)
+        else:
+            self.clip_norm = torch.tensor(clipping.stage_norms[stage.index], dtype=torch.float64)
         self.handlers: Dict[Kind, Callable[[int], None]] = {
             Kind.F: self._forward,
             Kind.I: self._backward_input,
@@ -131,7 +134,9 @@ class Executor:
             self.transport.release(Kind.SEND_B, mb)
         mask = state.batch.masks[mb]
         if self.stage.is_last:
-            state.dropped += ((mask > 0) & ~torch.isfinite(total.to(mask.device))).sum().to(torch.float64)
+            finite = torch.isfinite(total.to(mask.device))
+            finite = finite.all(0) if finite.dim() == 2 else finite  # per_layer: any layer's norm
+            state.dropped += ((mask > 0) & ~finite).sum().to(torch.float64)
         self.stage.weight(mb, clip_factors(total, self.clip_norm, mask))
 
     def _send_forward(self, mb: int) -> None:

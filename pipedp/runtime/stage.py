@@ -17,9 +17,9 @@ import torch.nn as nn
 
 from ..config import GRAD_MODES
 from ..errors import BatchError, UnsupportedModelError
-from ..privacy.per_sample import clipped_grad_sum, ghost_squared_norms, per_sample_grads
+from ..privacy.per_sample import GramCache, clipped_grad_sum, ghost_squared_norms, per_sample_grads
 from ..split.blocks import Block
-from .capture import ActivationCapture, LayerCall, find_units
+from .capture import ActivationCapture, LayerCall, block_units
 
 
 @dataclass
@@ -33,7 +33,7 @@ class MicroBatchState:
 
 class BackwardResult(NamedTuple):
     input_grad: Optional[torch.Tensor]  # None on the first stage
-    squared_norms: torch.Tensor  # [size] float64: this stage's per-sample squared gradient norms
+    squared_norms: torch.Tensor  # float64 [size] (per_layer: [units, size]): per-sample squared norms
 
 
 class Stage:
@@ -44,6 +44,7 @@ class Stage:
         blocks: Sequence[Block],
         loss_fn: Optional[Callable] = None,
         grad_mode: str = "ghost",
+        per_layer: bool = False,
     ):
         if grad_mode not in GRAD_MODES:
             raise ValueError(f"unknown grad_mode {grad_mode!r}: choose one of {GRAD_MODES}")
@@ -53,9 +54,7 @@ class Stage:
         self.blocks = list(blocks)
         self.loss_fn = loss_fn
         self.grad_mode = grad_mode
-        self.units = find_units(
-            (b.qualified(n) if n else b.name or type(m).__name__, m) for b in self.blocks for n, m in b.module.named_modules()
-        )
+        self.units = block_units(self.blocks)
         self.parameters: List[nn.Parameter] = _unique(
             p for b in self.blocks for p in b.module.parameters() if p.requires_grad
         )
@@ -64,6 +63,12 @@ class Stage:
         self._shares_params = {
             name for name, m in self.units.items() if any(id(p) in shared for p in m.parameters(recurse=False))
         }
+        if per_layer and self._shares_params:
+            raise UnsupportedModelError(
+                f"per_layer clipping: layers {sorted(self._shares_params)} share a parameter, so no layer owns "
+                "its gradient alone; use clipping='flat' or 'per_stage'"
+            )
+        self.per_layer = per_layer
         self.capture = ActivationCapture(self.units)
         self.pending: Dict[int, MicroBatchState] = {}
         self.clipped_sum: Dict[nn.Parameter, torch.Tensor] = {}
@@ -164,20 +169,33 @@ class Stage:
         return BackwardResult(input_grad, self._squared_norms(state))
 
     def _squared_norms(self, state: MicroBatchState) -> torch.Tensor:
-        parts: List[torch.Tensor] = []  # per-parameter [n] squared norms, summed once at the end
+        """[n] float64: the stage's per-sample squared gradient norms; per_layer: [units, n], one row
+        per unit in ``self.units`` order (zeros for a unit this micro-batch did not call)."""
+        per_unit: Dict[str, List[torch.Tensor]] = {}  # unit -> per-parameter [n] squared norms
         materialized: Dict[nn.Parameter, torch.Tensor] = {}
+        owner: Dict[nn.Parameter, str] = {}
+        grams = GramCache()  # layers reading one input share its Gram matrix
         for name, calls in state.calls.items():
             unit = self.units[name]
             backprops = state.backprops[name]
             can_ghost = self.grad_mode == "ghost" and len(calls) == 1 and name not in self._shares_params
-            norms = ghost_squared_norms(unit, calls[0].inputs, backprops[0]) if can_ghost else None
+            norms = ghost_squared_norms(unit, calls[0].inputs, backprops[0], grams) if can_ghost else None
             if norms is not None:
-                parts.extend(n.reshape(state.size) for n in norms.values())
+                per_unit.setdefault(name, []).extend(n.reshape(state.size) for n in norms.values())
                 continue
             for call, bp in zip(calls, backprops):
                 for p, g in per_sample_grads(unit, call.inputs, bp).items():
                     materialized[p] = materialized[p] + g if p in materialized else g
-        parts.extend(g.reshape(state.size, -1).pow(2).sum(1) for g in materialized.values())
+                    owner.setdefault(p, name)
+        for p, g in materialized.items():
+            per_unit.setdefault(owner[p], []).append(g.reshape(state.size, -1).pow(2).sum(1))
+        if self.per_layer:
+            zero = torch.zeros(state.size, dtype=torch.float64)
+            return torch.stack([
+                torch.stack([v.to(torch.float64) for v in per_unit[name]]).sum(0) if name in per_unit else zero
+                for name in self.units
+            ])
+        parts = [v for values in per_unit.values() for v in values]
         if not parts:
             return torch.zeros(state.size, dtype=torch.float64)
         if len({p.dtype for p in parts}) > 1:  # layers of several dtypes
@@ -186,7 +204,9 @@ class Stage:
 
     # ---- W -------------------------------------------------------------------------------
     def weight(self, mb: int, clip_factors: torch.Tensor) -> None:
+        """``clip_factors``: [n], or [units, n] (a row per unit, ``self.units`` order) for per_layer."""
         state = self.pending.pop(mb)
+        rows = {name: u for u, name in enumerate(self.units)}
         # rows with clip factor 0 (padding, or a sample whose norm was not finite) must add exactly
         # nothing, and 0 * NaN is NaN: their inputs and output-grads are zeroed, not just scaled
         dropped = clip_factors == 0
@@ -194,14 +214,17 @@ class Stage:
         shaped: Dict[tuple, torch.Tensor] = {}  # the clip factors broadcastable to each backprop
         for name, calls in state.calls.items():
             unit = self.units[name]
+            row = rows[name] if clip_factors.dim() == 2 else None
+            factors = clip_factors[row] if row is not None else clip_factors
+            unit_dropped = dropped[row] if row is not None else dropped
             for call, bp in zip(calls, state.backprops[name]):
-                key = (bp.dtype, bp.dim())
+                key = (bp.dtype, bp.dim(), row)
                 if key not in shaped:
-                    shaped[key] = clip_factors.to(bp.dtype).reshape((-1,) + (1,) * (bp.dim() - 1))
+                    shaped[key] = factors.to(bp.dtype).reshape((-1,) + (1,) * (bp.dim() - 1))
                 scaled, inputs = bp * shaped[key], call.inputs
                 if any_dropped:
-                    scaled = _zero_rows(scaled, dropped)
-                    inputs = tuple(_zero_rows(a, dropped) if a.is_floating_point() else a for a in inputs)
+                    scaled = _zero_rows(scaled, unit_dropped)
+                    inputs = tuple(_zero_rows(a, unit_dropped) if a.is_floating_point() else a for a in inputs)
                 for p, g in clipped_grad_sum(unit, inputs, scaled).items():
                     if p in self.clipped_sum:
                         self.clipped_sum[p] += g

@@ -20,6 +20,7 @@ import torch.nn as nn
 from opacus.accountants import create_accountant
 
 import schedules
+from schedules import Kind
 
 from ..config import PipelineConfig, PrivacyConfig, describe, split_options
 from ..errors import ConfigError, NonFiniteError, PipeDPError, PrivacyBudgetExceeded
@@ -27,6 +28,7 @@ from ..privacy.accounting import calibrate_noise, spent_epsilon, steps_within_bu
 from ..privacy.clipping import Clipping
 from ..privacy.noise import add_noise
 from ..privacy.validation import validate_model
+from ..runtime.capture import block_units
 from ..runtime.create import create_runtime
 from ..runtime.microbatch import check_batch, make_pass, microbatch_size_for, plan_passes, replica_rows
 from ..runtime.protocols import Runtime
@@ -79,10 +81,11 @@ class PipelineDPTrainer:
     N(0, (noise_multiplier * max_grad_norm)^2), divided by ``expected_batch_size``, and
     given to one optimizer per stage. ``clipping="per_stage"`` clips each stage's part on
     its own instead (``max_grad_norm`` a list of per-stage norms, or one norm split as
-    C / sqrt(stages)); the noise is then scaled to sqrt(sum C_k^2).
+    C / sqrt(stages)); the noise is then scaled to sqrt(sum C_k^2); ``clipping="per_layer"`` does
+    the same per layer.
 
-    Options are the fields of ``PipelineConfig`` (stages, microbatches, schedule,
-    microbatch_size, grad_mode, replicas, balance, untie_weights, transport) and
+    Options are the fields of ``PipelineConfig`` (stages, microbatches, schedule, schedule_costs,
+    microbatch_size, grad_mode, replicas, balance, untie_weights, timeout, transport) and
     ``PrivacyConfig`` (expected_batch_size, noise_multiplier, max_grad_norm, clipping,
     sample_rate, accountant, delta, target_epsilon, total_steps, epochs, max_epsilon,
     secure_mode, seed), passed as keywords or as the config objects themselves.
@@ -116,8 +119,9 @@ class PipelineDPTrainer:
             sigma = calibrate_noise(privacy.target_epsilon, privacy.delta, sample_rate, steps, privacy.accountant)
             privacy = dataclasses.replace(privacy, noise_multiplier=sigma)
         self.pipeline, self.privacy = pipeline, privacy
-        self.clipping = Clipping.make(privacy.clipping, privacy.max_grad_norm, pipeline.stages)
-        self.schedule = schedules.build(pipeline.schedule, pipeline.stages, pipeline.microbatches)
+        action_costs = None if pipeline.schedule_costs is None else dict(
+            zip((Kind.F, Kind.I, Kind.W), pipeline.schedule_costs))
+        self.schedule = schedules.build(pipeline.schedule, pipeline.stages, pipeline.microbatches, action_costs)
         schedules.validate(self.schedule)
         validate_model(model)
         self.model = model
@@ -128,6 +132,8 @@ class PipelineDPTrainer:
         blocks = model_blocks(model, pipeline.untie_weights)
         costs = block_costs(blocks, pipeline.balance)
         stage_blocks = partition(blocks, pipeline.stages, pipeline.balance, costs)
+        layers = [name for stage in stage_blocks for name in block_units(stage)]
+        self.clipping = Clipping.make(privacy.clipping, privacy.max_grad_norm, pipeline.stages, layers)
         self.partition_report = report(stage_blocks, costs, cost_unit(pipeline.balance))
         self.runtime: Runtime = create_runtime(
             pipeline, self.schedule, self.clipping, stage_blocks, loss_fn, self.run_config(),

@@ -121,3 +121,13 @@ def test_per_stage_clipping_in_processes_equals_in_process():
     want = parity(0, [dict(cfg, transport="inprocess")], N)[0]
     assert max_relative_error(got, want) < 1e-12
     assert max_relative_error(got, opacus_reference("ghost")) > 1e-6  # not flat clipping (equal runs agree to 1e-12)
+
+
+def test_per_layer_clipping_in_processes_equals_in_process():
+    from workers import parity
+
+    cfg = dict(stages=2, microbatches=3, schedule="dp-zb", grad_mode="ghost", clipping="per_layer", max_grad_norm=0.05)
+    got = launch(parity, 2, ([cfg], N), timeout_s=300)[0][0]
+    want = parity(0, [dict(cfg, transport="inprocess")], N)[0]
+    assert max_relative_error(got, want) < 1e-12
+    assert max_relative_error(got, opacus_reference("ghost")) > 1e-6  # not flat clipping

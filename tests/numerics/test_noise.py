@@ -77,3 +77,10 @@ def test_per_stage_clipping_noise_std_is_sigma_times_total_sensitivity():
     noise = [c - n for c, n in zip(params_after(0.0, **kw), params_after(SIGMA, **kw))]
     flat = torch.cat([z.flatten() for z in noise])
     assert flat.std().item() == pytest.approx(SIGMA * 1.3 / EBS, rel=0.05)
+
+
+def test_per_layer_clipping_noise_std_is_sigma_times_total_sensitivity():
+    kw = dict(clipping="per_layer", max_grad_norm=1.3)  # split equally: sqrt(sum C_g^2) = 1.3
+    noise = [c - n for c, n in zip(params_after(0.0, **kw), params_after(SIGMA, **kw))]
+    flat = torch.cat([z.flatten() for z in noise])
+    assert flat.std().item() == pytest.approx(SIGMA * 1.3 / EBS, rel=0.05)

@@ -135,3 +135,33 @@ def test_per_stage_noise_is_scaled_to_the_total_sensitivity():
         Clipping.make("flat", [0.3, 0.4], 2)
     with pytest.raises(ValueError, match="got 3 max_grad_norm values for 2 stages"):
         Clipping.make("per_stage", [1, 2, 3], 2)
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "dp-zb"])
+@pytest.mark.parametrize("mode", ["ghost", "materialize"])
+def test_per_layer_clipping_matches_the_layer_wise_loop(schedule, mode):
+    torch.manual_seed(1)
+    cfg = GPTConfig(vocab_size=16, seq_len=6, d_model=8, n_heads=2, n_layers=2)
+    model = tiny_gpt(cfg).double()
+    x, y = torch.randint(0, 16, (7, 6)), torch.randint(0, 16, (7, 6))
+    layers = {name.rsplit(".", 1)[0] for name, _ in model.named_parameters()}  # modules owning parameters
+    clips = {layer: 0.01 * (1 + i % 3) for i, layer in enumerate(sorted(layers))}
+    groups = [((layer + ".",), c) for layer, c in clips.items()]
+    want = loop_clipped_sum(copy.deepcopy(model), token_loss, x, y, None, groups=groups)
+    got = pipedp_clipped_sum(model, token_loss, x, y, clips, stages=3, microbatches=3, schedule=schedule,
+                             clipping="per_layer", grad_mode=mode)
+    assert max_relative_error(got, want) < 1e-10
+    flat = loop_clipped_sum(copy.deepcopy(model), token_loss, x, y, 0.03)
+    assert max_relative_error(got, flat) > 1e-3
+
+
+def test_per_layer_thresholds_are_checked_and_split_equally():
+    from pipedp.privacy.clipping import Clipping
+
+    equal = Clipping.make("per_layer", 1.0, 2, ["a", "b", "c", "d"])
+    assert equal.layer_norms == (("a", 0.5), ("b", 0.5), ("c", 0.5), ("d", 0.5))
+    assert equal.sensitivity == pytest.approx(1.0)
+    with pytest.raises(ValueError, match=r"missing \['b'\], unknown \['z'\]"):
+        Clipping.make("per_layer", {"a": 1.0, "z": 1.0}, 1, ["a", "b"])
+    with pytest.raises(ValueError, match="needs clipping='per_layer'"):
+        Clipping.make("per_stage", {"a": 1.0}, 1)
