@@ -178,7 +178,7 @@ def _apply_lr(trainer: PipelineDPTrainer, lr: float) -> Optional[float]:
     """Give a resumed run the --lr it was started with; return the checkpoint's lr if it differed."""
     saved = None
     for opt in trainer.state.optimizers:
-        for group in opt.param_groups:
+        for group in opt.param_groups if opt is not None else []:
             if group["lr"] != lr:
                 saved, group["lr"] = group["lr"], lr
     return saved

@@ -256,7 +256,7 @@ def save(directory: str, state: TrainingState, runtime: Runtime, identity: Dict[
     hashes = {}
     if runtime.replica == 0:
         for stage, opt in zip(runtime.local_stages, state.optimizers):
-            payload = {"params": stage.named_state(), "optimizer": opt.state_dict()}
+            payload = {"params": stage.named_state(), "optimizer": opt.state_dict() if opt is not None else {}}
             hashes[stage.index] = write_stage(directory, state.step, stage.index, payload)
     merged: Dict[int, str] = {}
     for part in runtime.all_gather(hashes):  # also the barrier: every stage file is complete
@@ -280,7 +280,8 @@ def load(directory: str, state: TrainingState, runtime: Runtime, identity: Dict[
     for stage, opt in zip(runtime.local_stages, state.optimizers):
         payload = read_stage(manifest, stage.index)
         stage.load_named_state(payload["params"])
-        opt.load_state_dict(payload["optimizer"])
+        if opt is not None:
+            opt.load_state_dict(payload["optimizer"])
     saved = manifest["accountant"]
     state.accountant.load_state_dict({"mechanism": saved["mechanism"], "history": [tuple(h) for h in saved["history"]]})
     state.step = int(manifest["step"])

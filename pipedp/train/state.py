@@ -6,7 +6,7 @@ Saved and restored as a whole by checkpoint.py: the step counter, the privacy ac
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import List
+from typing import List, Optional
 
 import torch
 from opacus.accountants import IAccountant
@@ -16,4 +16,4 @@ from opacus.accountants import IAccountant
 class TrainingState:
     step: int  # DP steps taken (the next step's index)
     accountant: IAccountant
-    optimizers: List[torch.optim.Optimizer]  # one per local stage, in the runtime's stage order
+    optimizers: List[Optional[torch.optim.Optimizer]]  # per local stage (None: nothing to train there)

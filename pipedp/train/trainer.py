@@ -58,10 +58,10 @@ def _check_finite(stage: Any, values: List[torch.Tensor], step: int, what: str) 
         )
 
 
-def _check_optimizer_options(optimizers: List[torch.optim.Optimizer]) -> None:
+def _check_optimizer_options(optimizers: List[Optional[torch.optim.Optimizer]]) -> None:
     """An infinite or NaN learning rate (or beta, weight decay...) would wreck every parameter."""
     for opt in optimizers:
-        for group in opt.param_groups:
+        for group in opt.param_groups if opt is not None else []:
             for key, value in group.items():
                 values = value if isinstance(value, tuple) else (value,)
                 if any(isinstance(v, float) and not math.isfinite(v) for v in values):
@@ -143,7 +143,8 @@ class PipelineDPTrainer:
         self.state = TrainingState(
             step=0,
             accountant=create_accountant(mechanism=privacy.accountant),
-            optimizers=[optimizer(stage.parameters) for stage in self.runtime.local_stages],
+            # a stage with nothing to train (e.g. a frozen embedding) gets no optimizer
+            optimizers=[optimizer(stage.parameters) if stage.parameters else None for stage in self.runtime.local_stages],
         )
         _check_optimizer_options(self.state.optimizers)
 
@@ -185,6 +186,8 @@ class PipelineDPTrainer:
             for p, g in zip(stage.parameters, grads):
                 p.grad = (g / self.privacy.expected_batch_size).to(p.dtype)
             _check_finite(stage, [p.grad for p in stage.parameters], self.state.step + 1, "noisy clipped gradient")
+            if opt is None:  # nothing to train on this stage
+                continue
             opt.step()
             opt.zero_grad(set_to_none=True)
             _check_finite(stage, list(stage.parameters), self.state.step + 1, "value after the optimizer step")

@@ -165,3 +165,17 @@ def test_per_layer_thresholds_are_checked_and_split_equally():
         Clipping.make("per_layer", {"a": 1.0, "z": 1.0}, 1, ["a", "b"])
     with pytest.raises(ValueError, match="needs clipping='per_layer'"):
         Clipping.make("per_stage", {"a": 1.0}, 1)
+
+
+@pytest.mark.parametrize("mode", ["ghost", "materialize"])
+def test_a_fully_frozen_stage_trains_the_rest_exactly(mode, tmp_path):
+    torch.manual_seed(2)
+    model = mlp((5, 7, 7, 7, 3)).double()  # uniform over 3 stages: [0,1,2] [3,4] [5,6]
+    for p in list(model.parameters())[:4]:  # blocks 0 and 2: the whole first stage
+        p.requires_grad_(False)
+    x, y = torch.randn(9, 5, dtype=torch.float64), torch.randint(0, 3, (9,))
+    want = loop_clipped_sum(copy.deepcopy(model), class_loss, x, y, 0.05)
+    got = pipedp_clipped_sum(model, class_loss, x, y, 0.05, stages=3, microbatches=2, grad_mode=mode,
+                             balance="uniform")
+    assert max_relative_error({k: v for k, v in got.items() if k in want}, want) < 1e-10
+    assert all(float(got[k].abs().max()) == 0 for k in ("0.weight", "0.bias", "2.weight", "2.bias"))
