@@ -2,9 +2,9 @@
 
 Ranks form a stages x replicas mesh: rank = replica * stages + stage. The pipeline group
 of a replica holds its stages (P2P and the per-sample norm all-reduce); the data-parallel
-group of a stage holds that stage on every replica (sum of clipped gradients). The
-pipeline and data-parallel groups are explicit objects held here; the default (world)
-group serves the checks that involve every rank.
+group of a stage holds that stage on every replica (sum of clipped gradients); a group of
+every rank serves the step's checks and totals. All are explicit objects held here, each
+created with the run's timeout (the default group only serves the first agreement check).
 
 What it changes on the user's model: on each rank, the blocks of the other stages are
 moved to the meta device (their memory is freed); only this rank's stage stays real.

@@ -26,8 +26,8 @@ class PassState:
     """Everything one pass keeps between the actions of a stage, keyed by micro-batch id."""
 
     batch: PassBatch
-    loss_sum: torch.Tensor = field(default_factory=lambda: torch.zeros((), dtype=torch.float64))
-    dropped: torch.Tensor = field(default_factory=lambda: torch.zeros((), dtype=torch.float64))  # non-finite samples
+    loss_sum: torch.Tensor  # float64 scalar on the batch's device
+    dropped: torch.Tensor  # real rows left out for a non-finite norm (last stage), likewise
     received: Dict[int, torch.Tensor] = field(default_factory=dict)  # activations in
     outgoing: Dict[int, torch.Tensor] = field(default_factory=dict)  # activations out
     grads_in: Dict[int, torch.Tensor] = field(default_factory=dict)
@@ -70,7 +70,9 @@ class Executor:
         self.state: Optional[PassState] = None  # None between passes
 
     def start_pass(self, batch: PassBatch) -> None:
-        self.state = PassState(batch)
+        device = batch.masks[0].device
+        zero = torch.zeros((), dtype=torch.float64, device=device)
+        self.state = PassState(batch, zero, zero.clone())
         self.position = 0
 
     @property
@@ -129,15 +131,16 @@ class Executor:
         state = self._pass
         total = state.reductions[mb].wait()  # may raise WouldBlock: nothing changed yet
         del state.reductions[mb]
+        mask = state.batch.masks[mb]
+        total = total.to(mask.device)  # the stage's device (a distributed reduction comes back on the CPU)
         if self.reduce_norms and not self.stage.is_first:
             # every stage joined mb's reduction, the previous one after receiving our gradient of mb
             self.transport.release(Kind.SEND_B, mb)
-        mask = state.batch.masks[mb]
         if self.stage.is_last:
-            finite = torch.isfinite(total.to(mask.device))
+            finite = torch.isfinite(total)
             finite = finite.all(0) if finite.dim() == 2 else finite  # per_layer: any layer's norm
             state.dropped += ((mask > 0) & ~finite).sum().to(torch.float64)
-        self.stage.weight(mb, clip_factors(total, self.clip_norm, mask))
+        self.stage.weight(mb, clip_factors(total, self.clip_norm.to(mask.device), mask))
 
     def _send_forward(self, mb: int) -> None:
         self.transport.send(Kind.SEND_F, mb, self._pass.outgoing.pop(mb))
