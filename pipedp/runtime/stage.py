@@ -69,6 +69,7 @@ class Stage:
                 "its gradient alone; use clipping='flat' or 'per_stage'"
             )
         self.per_layer = per_layer
+        self.verified = False  # the first backward checks that the captures see every parameter use
         self.capture = ActivationCapture(self.units)
         self.pending: Dict[int, MicroBatchState] = {}
         self.clipped_sum: Dict[nn.Parameter, torch.Tensor] = {}
@@ -150,12 +151,18 @@ class Stage:
         wants_input = state.input is not None and state.input.requires_grad
         if wants_input:
             targets.append(state.input)
+        # the first backward also asks autograd for the parameters' gradients (same pass, no extra
+        # backward), to check that the captures see every use of every parameter (see _verify)
+        verify = not self.verified and bool(self.parameters) and state.output.requires_grad
+        extra = list(self.parameters) if verify else []
         grads = []
-        if targets and state.output.requires_grad:
+        if (targets or extra) and state.output.requires_grad:
             grads = torch.autograd.grad(
-                state.output, targets, grad_output.to(state.output.dtype), allow_unused=True
+                state.output, targets + extra, grad_output.to(state.output.dtype), allow_unused=True
             )
-        grads = list(grads) + [None] * (len(targets) - len(grads))
+        grads = list(grads) + [None] * (len(targets) + len(extra) - len(grads))
+        param_grads = grads[len(targets):]
+        grads = grads[: len(targets)]
         input_grad = grads.pop() if wants_input else None
         if input_grad is None and wants_input:
             input_grad = torch.zeros_like(state.input)
@@ -166,7 +173,37 @@ class Stage:
             call.output = None  # frees the graph once state.output goes too
         state.output = None
         state.input = None
+        if verify:
+            self._verify(state, param_grads)
+            self.verified = True
         return BackwardResult(input_grad, self._squared_norms(state))
+
+    def _verify(self, state: MicroBatchState, autograd_grads: List[Optional[torch.Tensor]]) -> None:
+        """Refuse a model whose parameters are used outside the calls of the modules that own them
+        (e.g. a weight read functionally by another module, PEFT's LoRA on an embedding): their
+        per-sample gradients would miss that use, silently. Check, once: the sum over the
+        micro-batch of the per-sample gradients as the captures see them (the W pass with clip
+        factor 1) must equal autograd's gradient of the same micro-batch."""
+        seen: Dict[nn.Parameter, torch.Tensor] = {}
+        for name, calls in state.calls.items():
+            for call, bp in zip(calls, state.backprops[name]):
+                for p, g in clipped_grad_sum(self.units[name], call.inputs, bp).items():
+                    seen[p] = seen[p] + g if p in seen else g
+        names = self.parameter_names()
+        missed = []
+        for name, p, want in zip(names, self.parameters, autograd_grads):
+            want = torch.zeros_like(p) if want is None else want.detach()
+            got = seen.get(p, torch.zeros_like(p)).to(want.dtype)
+            scale = max(float(want.abs().max()), float(got.abs().max()), 1e-30)
+            if float((got - want).abs().max()) > 1e-3 * scale:
+                missed.append(name)
+        if missed:
+            raise UnsupportedModelError(
+                f"stage {self.index}: the gradient of {', '.join(missed[:6])} is not all seen by per-sample "
+                "clipping: the parameter is used outside the call of the module that owns it (a weight read "
+                "functionally by another module, or an adapter such as LoRA on an embedding), so its per-sample "
+                "gradients would be wrong; call the owning module instead, or freeze the parameter"
+            )
 
     def _squared_norms(self, state: MicroBatchState) -> torch.Tensor:
         """[n] float64: the stage's per-sample squared gradient norms; per_layer: [units, n], one row

@@ -83,3 +83,27 @@ def test_layer_called_with_keyword_arguments_is_refused():
     model = nn.Sequential(KwargCall(), nn.Linear(8, 4))
     with pytest.raises(UnsupportedModelError, match=r"called with keyword arguments \['input'\]"):
         trainer(model, stages=1).step(torch.randn(4, 8), torch.randint(0, 4, (4,)))
+
+
+class TiedFunctionally(torch.nn.Module):
+    """A head that reads the embedding's weight functionally: the embedding module is called for the
+    ids, but this second use of its weight happens outside any call of the module that owns it."""
+
+    def __init__(self, embedding):
+        super().__init__()
+        self.embedding = embedding
+
+    def forward(self, h):
+        return torch.nn.functional.linear(h, self.embedding.weight)
+
+
+def test_a_parameter_used_outside_its_module_is_refused_by_name():
+    torch.manual_seed(0)
+    embedding = torch.nn.Embedding(10, 4)
+    model = torch.nn.Sequential(embedding, torch.nn.Linear(4, 4), TiedFunctionally(embedding))
+    trainer = PipelineDPTrainer(model, lambda out, y: torch.nn.functional.cross_entropy(
+        out.reshape(-1, 10), y.reshape(-1), reduction="none").reshape(y.shape).mean(1),
+        stages=1, microbatches=2, expected_batch_size=4)
+    x, y = torch.randint(0, 10, (4, 3)), torch.randint(0, 10, (4, 3))
+    with pytest.raises(UnsupportedModelError, match=r"gradient of 0\.weight is not all seen by per-sample clipping"):
+        trainer.step(x, y)
