@@ -3,11 +3,12 @@
 A model is a pipeline of blocks when it has a ``pipeline_blocks()`` method returning
 ``[(name, module), ...]`` in forward order (each block taking the previous block's output
 tensor), when it is an ``nn.Sequential`` (its children), a known Hugging Face causal LM
-(hf.py), or a ``SplitModel`` marked for graph capture (graph.py).
+(hf.py), a PEFT ``PeftModel`` around any of these, or a ``SplitModel`` marked for graph
+capture (graph.py).
 """
 from __future__ import annotations
 
-from typing import List
+from typing import List, Optional, Tuple
 
 import torch.nn as nn
 
@@ -18,6 +19,10 @@ from .hf import hf_blocks
 
 
 def model_blocks(model: nn.Module, untie_weights: bool = False) -> List[Block]:
+    peft = _peft_wrapped(model)
+    if peft is not None:  # a PeftModel: split the model it wraps, under the PeftModel's own names
+        prefix, inner = peft
+        return [Block(f"{prefix}.{b.name}" if b.name else prefix, b.module) for b in model_blocks(inner, untie_weights)]
     if hasattr(model, "pipeline_blocks"):
         blocks = [Block(name, module) for name, module in model.pipeline_blocks()]
     elif isinstance(model, nn.Sequential):
@@ -27,6 +32,15 @@ def model_blocks(model: nn.Module, untie_weights: bool = False) -> List[Block]:
     if not blocks:
         raise UnsupportedModelError(f"{type(model).__name__} has no blocks to split")
     return blocks
+
+
+def _peft_wrapped(model: nn.Module) -> Optional[Tuple[str, nn.Module]]:
+    """("base_model.model", the wrapped model) for a PEFT PeftModel (its adapter layers stay inside)."""
+    if type(model).__module__.startswith("peft.") and isinstance(getattr(model, "base_model", None), nn.Module):
+        inner = getattr(model.base_model, "model", None)
+        if isinstance(inner, nn.Module):
+            return "base_model.model", inner
+    return None
 
 
 def _adapted(model: nn.Module, untie_weights: bool) -> List[Block]:

@@ -1,0 +1,69 @@
+"""PEFT LoRA through the pipeline: LoRA on linear layers equals the batch-size-1 loop oracle; LoRA on
+an embedding (its weights used outside any module call) is refused by name, no longer silently wrong."""
+import copy
+
+import pytest
+import torch
+
+peft = pytest.importorskip("peft")
+transformers = pytest.importorskip("transformers")
+
+from oracles import loop_clipped_sum, max_relative_error  # noqa: E402
+from pipedp import PipelineDPTrainer, UnsupportedModelError  # noqa: E402
+from pipedp.models import token_loss  # noqa: E402
+
+
+def lora_llama(targets):
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(vocab_size=40, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
+                                   num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=32,
+                                   tie_word_embeddings=False)
+    model = transformers.LlamaForCausalLM(cfg).double()
+    lora = peft.get_peft_model(model, peft.LoraConfig(r=4, target_modules=targets, init_lora_weights=False))
+    return lora.base_model.model  # the LlamaForCausalLM with LoRA layers inside
+
+
+def batch():
+    g = torch.Generator().manual_seed(1)
+    return torch.randint(0, 40, (6, 8), generator=g), torch.randint(0, 40, (6, 8), generator=g)
+
+
+@pytest.mark.parametrize("mode", ["ghost", "materialize"])
+def test_lora_on_linear_layers_matches_the_loop_oracle(mode):
+    model = lora_llama(["q_proj", "v_proj", "down_proj"])
+    x, y = batch()
+    want = loop_clipped_sum(copy.deepcopy(model), lambda out, t: token_loss(out.logits, t), x, y, 0.05)
+    before = {k: v.detach().clone() for k, v in model.named_parameters()}
+    PipelineDPTrainer(model, token_loss, lambda p: torch.optim.SGD(p, lr=1.0), stages=2, microbatches=3,
+                      noise_multiplier=0.0, max_grad_norm=0.05, expected_batch_size=1, grad_mode=mode).step(x, y)
+    got = {k: before[k] - p.detach() for k, p in model.named_parameters()}
+    assert max_relative_error(got, want) < 1e-8
+    assert any("lora_A" in k and float(v.abs().max()) > 0 for k, v in got.items())
+    assert all(float(v.abs().max()) == 0 for k, v in got.items() if "lora" not in k)  # the base stays frozen
+
+
+def test_lora_on_an_embedding_is_refused_by_name():
+    model = lora_llama(["embed_tokens"])
+    trainer = PipelineDPTrainer(model, token_loss, stages=2, microbatches=2, expected_batch_size=4)
+    with pytest.raises(UnsupportedModelError, match=r"embed_tokens\.lora_embedding_A\.default.*not all seen"):
+        trainer.step(*batch())
+
+
+def test_a_peft_model_is_accepted_directly_under_its_own_names():
+    inner = lora_llama(["q_proj", "v_proj"])
+    wrapped = copy.deepcopy(inner)
+    torch.manual_seed(0)
+    cfg = peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj"], init_lora_weights=False)
+    torch.manual_seed(0)
+    model = peft.get_peft_model(transformers.LlamaForCausalLM(wrapped.config).double(), cfg)
+    model.base_model.model.load_state_dict(inner.state_dict())  # the same weights as the inner-model run
+    x, y = batch()
+    want = loop_clipped_sum(copy.deepcopy(inner), lambda out, t: token_loss(out.logits, t), x, y, 0.05)
+    trainer = PipelineDPTrainer(model, token_loss, lambda p: torch.optim.SGD(p, lr=1.0), stages=2, microbatches=3,
+                                noise_multiplier=0.0, max_grad_norm=0.05, expected_batch_size=1)
+    before = {k: v.detach().clone() for k, v in model.named_parameters()}
+    trainer.step(x, y)
+    state = trainer.state_dict()
+    assert list(state) == list(model.state_dict())  # the PeftModel's own names, all of them
+    got = {k.removeprefix("base_model.model."): before[k] - p.detach() for k, p in model.named_parameters()}
+    assert max_relative_error(got, want) < 1e-8
