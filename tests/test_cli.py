@@ -4,6 +4,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -41,6 +42,7 @@ def test_schedule_show(tmp_path):
     [
         (["train", "--stages", "0"], "--stages: must be >= 1, got 0"),
         (["train", "--delta", "1"], "--delta: must be in (0, 1), got 1.0"),
+        (["train", "--export", "out"], "--export writes a Hugging Face folder"),
         (["train", "--target-epsilon", "1e9"], "--target-epsilon: 1e+09 is above 100"),
         (["train", "--timeout", "0"], "--timeout: must be > 0 and finite"),
         (["train", "--lr", "inf"], "--lr: must be > 0 and finite"),
@@ -77,9 +79,14 @@ def test_train_a_local_hugging_face_model_on_a_jsonl_dataset(tmp_path):
     data = tmp_path / "data.jsonl"
     data.write_text("\n".join('{"text": "the cat sat on the mat, the dog sat on the log."}' for _ in range(60)))
     out = pipedp("train", "--model", str(folder), "--data", str(data), "--steps", "3", "--seq-len", "16",
-                 "--batch-size", "8", "--checkpoint-dir", str(tmp_path / "ck"), "--no-progress")
+                 "--batch-size", "8", "--checkpoint-dir", str(tmp_path / "ck"), "--no-progress",
+                 "--export", str(tmp_path / "out"))
     assert out.returncode == 0, out.stderr[-3000:]
-    assert "done: 3 steps" in out.stdout and "epsilon" in out.stdout
+    assert "done: 3 steps" in out.stdout and "epsilon" in out.stdout and "exported:" in out.stdout
+    trained = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "out"))
+    original = transformers.GPT2LMHeadModel.from_pretrained(folder)
+    assert not torch.equal(trained.transformer.h[0].mlp.c_fc.weight, original.transformer.h[0].mlp.c_fc.weight)
+    assert transformers.AutoTokenizer.from_pretrained(str(tmp_path / "out"))("cat")["input_ids"]
 
 
 def test_non_finite_losses_are_reported_and_fail_the_run(tmp_path):

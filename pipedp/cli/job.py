@@ -36,6 +36,7 @@ class Job:
     checkpoint_dir: Optional[str]
     checkpoint_every: int
     checkpoint_key: Optional[str]  # None: PIPEDP_CHECKPOINT_KEY if set, else unsigned checkpoints
+    export: Optional[str]  # a folder for the trained Hugging Face model (rank 0 writes it)
     keep_last: Optional[int]
     resume: bool
     threads: int
@@ -72,6 +73,9 @@ def resolve(args) -> Job:
             f"model {args.model!r} is neither 'tiny-gpt' nor a local folder: pass a Hugging Face model folder "
             "(with config.json and weights)"
         )
+    if args.export is not None and args.model == "tiny-gpt":
+        raise ValueError("--export writes a Hugging Face folder: it needs --model pointing at a Hugging Face model "
+                         "folder (the built-in tiny-gpt is saved in the checkpoints)")
     if args.data is not None and not os.path.exists(args.data):
         raise FileNotFoundError(f"dataset {args.data!r} does not exist: pass a local .txt or .jsonl file")
     pipeline, privacy = configs_from_args(
@@ -82,7 +86,7 @@ def resolve(args) -> Job:
     job = Job(
         pipeline=pipeline, privacy=privacy, model=args.model, data=args.data, steps=0, lr=args.lr,
         seq_len=args.seq_len, checkpoint_dir=args.checkpoint_dir, checkpoint_every=args.checkpoint_every,
-        checkpoint_key=args.checkpoint_key, keep_last=args.keep_last, resume=args.resume, threads=args.threads, progress=not args.no_progress, inprocess=args.inprocess,
+        checkpoint_key=args.checkpoint_key, export=args.export, keep_last=args.keep_last, resume=args.resume, threads=args.threads, progress=not args.no_progress, inprocess=args.inprocess,
     )
     x, _, _ = load_dataset(job)
     n = len(x)
@@ -153,6 +157,13 @@ def train_rank(rank: int, job: Job) -> dict:
                          keep_last=job.keep_last, callback=on_step)
     bar.close()
     elapsed = time.perf_counter() - t0
+    if job.export:
+        trainer.save_pretrained(job.export)  # every rank takes part; rank 0 writes
+        if lead:
+            from transformers import AutoTokenizer
+
+            AutoTokenizer.from_pretrained(job.model, local_files_only=True).save_pretrained(job.export)
+            print(f"exported: {job.export} (transformers' from_pretrained loads it)", flush=True)
     summary = {
         "steps": result.steps, "epsilon": result.epsilon, "delta": privacy.delta, "loss": result.loss,
         "first_loss": state["first_loss"], "seconds": elapsed, "samples_per_s": state["samples"] / max(elapsed, 1e-9),

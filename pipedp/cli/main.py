@@ -54,6 +54,8 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--seq-len", type=_positive_int, default=32)
     t.add_argument("--checkpoint-dir", default=DEFAULT_CHECKPOINTS)
     t.add_argument("--checkpoint-every", type=_positive_int, default=50)
+    t.add_argument("--export", default=None, help="after training, write the Hugging Face model (config + "
+                   "safetensors + tokenizer) to this folder")
     t.add_argument("--keep-last", type=_positive_int, default=3, help="keep only the newest N checkpoints")
     t.add_argument("--checkpoint-key", default=None,
                    help="HMAC key that signs checkpoints and refuses unsigned or altered ones on --resume "

@@ -37,6 +37,7 @@ from ..split.balance import cost_unit, report
 from ..split.blocks import model_signature
 from ..split.partition import block_costs, partition
 from . import checkpoint
+from .export import save_pretrained
 from .loop import FitResult, fit
 from .state import TrainingState
 
@@ -217,6 +218,11 @@ class PipelineDPTrainer:
     def state_dict(self) -> Optional[Dict[str, torch.Tensor]]:
         """The whole model's state dict with its original names (multi-process: on rank 0; None elsewhere)."""
         return self.runtime.gather_state()
+
+    def save_pretrained(self, path: str) -> None:
+        """Write a Hugging Face folder (for a PeftModel: the adapter folder) that
+        ``from_pretrained`` loads as the trained model. Every rank calls it; rank 0 writes."""
+        save_pretrained(self.model, self.runtime.gather_state(), path)
 
     def check_budget(self) -> None:
         """Raise PrivacyBudgetExceeded if one more step would spend more than max_epsilon."""

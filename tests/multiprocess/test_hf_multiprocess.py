@@ -34,3 +34,16 @@ def test_llama_stage_loading_in_processes_equals_whole_model(tmp_path):
     x = torch.randint(0, 40, (6, 8), generator=g)
     trainer.step(x, torch.randint(0, 40, (6, 8), generator=g))
     assert max_relative_error(results[0][1], trainer.state_dict()) < 1e-6
+
+
+def test_save_pretrained_from_two_processes_round_trips(tmp_path):
+    import transformers
+
+    from workers import llama_export
+
+    launch(llama_export, 2, (str(tmp_path / "export"),), timeout_s=300)
+    g = torch.Generator().manual_seed(1)
+    x = torch.randint(0, 40, (6, 8), generator=g)
+    reloaded = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "export")).double()
+    want = llama_export(0, None)  # the same step in one process
+    assert torch.allclose(reloaded(x).logits, want, rtol=0, atol=1e-10)

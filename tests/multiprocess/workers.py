@@ -160,3 +160,25 @@ def report_listening_sockets(rank):
 
     dist.barrier()  # every rank is connected: all sockets are up
     return listening_addresses([os.getpid(), os.getppid()]) if rank == 0 else []
+
+
+def llama_export(rank, path):
+    """One noisy DP step of a tiny Llama on 2 stages, then a Hugging Face folder written by rank 0."""
+    import transformers
+
+    from pipedp.models import token_loss as lm_loss
+
+    cfg = transformers.LlamaConfig(vocab_size=40, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
+                                   num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=32)
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(cfg).double()
+    kw = {} if path else {"transport": "inprocess"}
+    trainer = PipelineDPTrainer(model, lm_loss, lambda p: torch.optim.SGD(p, lr=0.5), stages=2, microbatches=2,
+                                noise_multiplier=1.0, expected_batch_size=6, **kw)
+    g = torch.Generator().manual_seed(1)
+    x, y = torch.randint(0, 40, (6, 8), generator=g), torch.randint(0, 40, (6, 8), generator=g)
+    trainer.step(x, y)
+    if path:
+        trainer.save_pretrained(path)
+        return None
+    return model(x).logits.detach()

@@ -67,3 +67,27 @@ def test_a_peft_model_is_accepted_directly_under_its_own_names():
     assert list(state) == list(model.state_dict())  # the PeftModel's own names, all of them
     got = {k.removeprefix("base_model.model."): before[k] - p.detach() for k, p in model.named_parameters()}
     assert max_relative_error(got, want) < 1e-8
+
+
+def test_save_pretrained_round_trips_a_model_and_an_adapter(tmp_path):
+    x, y = batch()
+    cfg = transformers.LlamaConfig(vocab_size=40, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
+                                   num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=32)
+    torch.manual_seed(0)
+    plain = transformers.LlamaForCausalLM(cfg).double()
+    trainer = PipelineDPTrainer(plain, token_loss, lambda p: torch.optim.SGD(p, lr=0.5), stages=2, microbatches=2,
+                                noise_multiplier=1.0, expected_batch_size=6)
+    trainer.step(x, y)
+    trainer.save_pretrained(str(tmp_path / "model"))
+    reloaded = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "model")).double()
+    assert torch.equal(reloaded(x).logits, plain(x).logits)
+
+    lora = peft.get_peft_model(copy.deepcopy(reloaded), peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj"],
+                                                                       init_lora_weights=False))
+    trainer = PipelineDPTrainer(lora, token_loss, lambda p: torch.optim.SGD(p, lr=0.5), stages=2, microbatches=2,
+                                noise_multiplier=1.0, expected_batch_size=6)
+    trainer.step(x, y)
+    trainer.save_pretrained(str(tmp_path / "adapter"))
+    adapted = peft.PeftModel.from_pretrained(copy.deepcopy(reloaded), str(tmp_path / "adapter"))
+    assert torch.equal(adapted(x).logits, lora(x).logits)
+    assert not torch.equal(adapted(x).logits, reloaded(x).logits)  # the adapter really moved
