@@ -21,6 +21,13 @@ def validate_model(model: nn.Module) -> None:
                 "per-sample gradients (and DP) are undefined: replace it with nn.GroupNorm / nn.LayerNorm, "
                 "or run opacus.validators.ModuleValidator.fix(model)"
             )
+        use_dora = getattr(module, "use_dora", None)  # PEFT LoRA layers: {adapter name: bool}
+        if isinstance(use_dora, dict) and any(use_dora.values()):
+            problems.append(
+                f"layer {name!r} is a DoRA adapter (PEFT use_dora=True): its magnitude term runs lora_A on the "
+                "weight matrix itself, not on the samples, which pipedp's per-sample capture cannot follow; "
+                "use plain LoRA (use_dora=False)"
+            )
     if not problems:
         # Opacus's own validators (LSTM -> DPLSTM, MultiheadAttention -> DPMultiheadAttention, ...)
         for err in ModuleValidator.validate(model, strict=False):

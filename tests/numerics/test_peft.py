@@ -91,3 +91,12 @@ def test_save_pretrained_round_trips_a_model_and_an_adapter(tmp_path):
     adapted = peft.PeftModel.from_pretrained(copy.deepcopy(reloaded), str(tmp_path / "adapter"))
     assert torch.equal(adapted(x).logits, lora(x).logits)
     assert not torch.equal(adapted(x).logits, reloaded(x).logits)  # the adapter really moved
+
+
+def test_dora_is_refused_by_name():
+    cfg = transformers.LlamaConfig(vocab_size=40, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
+                                   num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=32)
+    model = peft.get_peft_model(transformers.LlamaForCausalLM(cfg),
+                                peft.LoraConfig(r=4, target_modules=["q_proj"], use_dora=True))
+    with pytest.raises(UnsupportedModelError, match=r"q_proj' is a DoRA adapter.*use plain LoRA"):
+        PipelineDPTrainer(model, token_loss, stages=2, expected_batch_size=4)
