@@ -21,6 +21,14 @@ def validate_model(model: nn.Module) -> None:
                 "per-sample gradients (and DP) are undefined: replace it with nn.GroupNorm / nn.LayerNorm, "
                 "or run opacus.validators.ModuleValidator.fix(model)"
             )
+        checkpointing = getattr(module, "_gradient_checkpointing_func", None)  # Hugging Face layers
+        if getattr(module, "gradient_checkpointing", False) is True and \
+                getattr(checkpointing, "keywords", {}).get("use_reentrant", True):
+            problems.append(
+                f"layer {name!r} uses reentrant activation checkpointing, which torch cannot combine with "
+                "the per-layer gradients pipedp asks autograd for: enable it with "
+                "gradient_checkpointing_kwargs={'use_reentrant': False} (exact), or disable it"
+            )
         use_dora = getattr(module, "use_dora", None)  # PEFT LoRA layers: {adapter name: bool}
         if isinstance(use_dora, dict) and any(use_dora.values()):
             problems.append(

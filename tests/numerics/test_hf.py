@@ -9,7 +9,7 @@ transformers = pytest.importorskip("transformers")
 from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM  # noqa: E402
 
 from oracles import loop_clipped_sum, max_relative_error  # noqa: E402
-from pipedp import PartitionError, PipelineDPTrainer  # noqa: E402
+from pipedp import PartitionError, PipelineDPTrainer, UnsupportedModelError  # noqa: E402
 from pipedp.split.hf_loading import build_on_meta, load_pipeline_stage, resident_parameter_bytes  # noqa: E402
 from pipedp.models import token_loss  # noqa: E402
 from pipedp.split.adapters import model_blocks
@@ -116,3 +116,26 @@ def test_checkpoint_loads_stage_by_stage(build, tmp_path):
         for b in stage:
             out = b.module(out)
     assert torch.allclose(out, whole(x).logits, atol=1e-5)
+
+
+@pytest.mark.parametrize("reentrant", [True, False])
+def test_activation_checkpointing_non_reentrant_is_exact_reentrant_is_refused(reentrant):
+    model = llama()
+    model.train()
+    oracle_model = copy.deepcopy(model)
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": reentrant})
+    x, y = batch()
+    make = lambda: PipelineDPTrainer(model, token_loss, lambda p: torch.optim.SGD(p, lr=1.0), stages=2,  # noqa: E731
+                                     microbatches=3, noise_multiplier=0.0, max_grad_norm=0.3, expected_batch_size=1,
+                                     untie_weights=True)
+    if reentrant:
+        with pytest.raises(UnsupportedModelError, match="reentrant activation checkpointing.*use_reentrant': False"):
+            make()
+        return
+    trainer = make()
+    oracle_model.lm_head.weight = torch.nn.Parameter(oracle_model.lm_head.weight.detach().clone())
+    want = loop_clipped_sum(oracle_model, lambda out, t: token_loss(out.logits, t), x, y, 0.3)
+    before = {k: v.detach().clone() for k, v in model.named_parameters()}
+    trainer.step(x, y)
+    got = {k: before[k] - p.detach() for k, p in model.named_parameters()}
+    assert max_relative_error(got, want) < 1e-8
