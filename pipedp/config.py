@@ -22,6 +22,7 @@ GRAD_MODES = ("ghost", "materialize")
 CLIPPING_MODES = ("flat", "per_stage", "per_layer")
 ACCOUNTANTS = ("prv", "rdp", "gdp")
 TRANSPORTS = ("auto", "inprocess", "distributed")
+PRECISIONS = ("32", "bf16-mixed")
 MAX_TARGET_EPSILON = 100.0  # calibrating beyond it is meaningless, and prv's search slows to minutes
 
 # "params", "uniform", a list of per-block costs, or a function of the blocks returning one
@@ -55,6 +56,8 @@ class PipelineConfig:
     grad_mode: str = option("ghost", "per-sample norms: ghost (Gram matrices where cheaper) or materialize",
                             choices=GRAD_MODES, resume=True)
     replicas: int = option(1, "data-parallel replicas (world size = stages x replicas)", resume=True)
+    precision: str = option("32", "32: as the model is; bf16-mixed: bf16 autocast forward, float32 weights, "
+                            "optimizer and per-sample arithmetic", choices=PRECISIONS, resume=True)
     balance: Balance = option("params", "how blocks are grouped into stages: 'params', 'uniform', a list of "
                               "block costs or pipedp.measured_costs(sample)", cli=False)
     untie_weights: bool = option(False, "give a head tied to the input embedding its own copy", cli=False)
@@ -76,6 +79,7 @@ class PipelineConfig:
                               "schedule_costs")
         _one_of(self, "grad_mode")
         _one_of(self, "transport")
+        _one_of(self, "precision")
         _finite(self, "timeout", minimum=0.0, strict=True)
         return self
 

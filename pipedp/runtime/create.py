@@ -35,6 +35,7 @@ def create_runtime(
     if pipeline.replicas != 1:
         raise ConfigError("replicas > 1 needs one process per (stage, replica): launch with torchrun", "replicas")
     stages = [
-        Stage(i, len(stage_blocks), blocks, loss_fn, pipeline.grad_mode, clipping.per_layer) for i, blocks in enumerate(stage_blocks)
+        Stage(i, len(stage_blocks), blocks, loss_fn, pipeline.grad_mode, clipping.per_layer,
+                  pipeline.precision) for i, blocks in enumerate(stage_blocks)
     ]
     return InProcessRuntime(stages, schedule, clipping, state_keys)

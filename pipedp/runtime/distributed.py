@@ -119,7 +119,8 @@ class DistributedRuntime:
         for s, blocks in enumerate(stage_blocks):
             for b in blocks:  # keep only this rank's stage; free the rest
                 b.module.to(device if s == mesh.stage else "meta")
-        stage = Stage(mesh.stage, mesh.stages, stage_blocks[mesh.stage], loss_fn, pipeline.grad_mode, clipping.per_layer)
+        stage = Stage(mesh.stage, mesh.stages, stage_blocks[mesh.stage], loss_fn, pipeline.grad_mode, clipping.per_layer,
+                  pipeline.precision)
         mine = _checksum(stage)
         checksums: List[Optional[tuple]] = [None] * world
         dist.all_gather_object(checksums, (mesh.stage, mine))
