@@ -26,7 +26,7 @@ from ..privacy.clipping import Clipping
 from ..split.blocks import Block
 from .dist_transport import DistTransport, PipelineGroups
 from .executor import Executor
-from .microbatch import PassBatch
+from .microbatch import Inputs, PassBatch, rows, tensors_of
 from .stage import Stage
 
 
@@ -143,15 +143,16 @@ class DistributedRuntime:
         executor = Executor(stage, transport, schedule.for_stage(mesh.stage), clipping)
         return cls(mesh, stage, executor, dp_groups[mesh.stage], world_group, device, state_keys)
 
-    def check_same_batch(self, inputs: torch.Tensor, targets: torch.Tensor) -> None:
+    def check_same_batch(self, inputs: Inputs, targets: torch.Tensor) -> None:
         """Every rank must step on the same logical batch: compare its size and a fingerprint."""
-        mine = torch.tensor([float(inputs.shape[0]), _fingerprint(inputs), _fingerprint(targets)], dtype=torch.float64)
+        mine = torch.tensor([float(rows(inputs)), sum(_fingerprint(t) for t in tensors_of(inputs)),
+                             _fingerprint(targets)], dtype=torch.float64)
         extremes = torch.cat([mine, -mine]).to(self.device)  # one MAX all-reduce gives both max and -min
         self._collective("batch check", lambda: dist.all_reduce(extremes, op=dist.ReduceOp.MAX, group=self.world_group))
         high, low = extremes.cpu().split(3)
         if not (torch.equal(high, mine) and torch.equal(-low, mine)):
             raise BatchError(
-                f"ranks got different logical batches (rank {self.mesh.rank} has {inputs.shape[0]} rows; sizes "
+                f"ranks got different logical batches (rank {self.mesh.rank} has {rows(inputs)} rows; sizes "
                 f"across ranks range {int(-low[0])}..{int(high[0])}, and/or the contents differ): every rank must "
                 "call step() with the same inputs and targets"
             )

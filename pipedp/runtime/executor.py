@@ -106,8 +106,10 @@ class Executor:
     # ---- handlers --------------------------------------------------------------------------
     def _forward(self, mb: int) -> None:
         state, stage = self._pass, self.stage
-        x = state.batch.inputs[mb] if stage.is_first else state.received.pop(mb)
-        out = stage.forward(mb, x, state.batch.targets[mb] if stage.is_last else None)
+        inputs = state.batch.inputs[mb]
+        x = inputs if stage.is_first else state.received.pop(mb)
+        side = inputs if isinstance(inputs, dict) else None  # every stage sees its micro-batch's masks
+        out = stage.forward(mb, x, state.batch.targets[mb] if stage.is_last else None, side)
         if stage.is_last:
             real = state.batch.masks[mb] > 0
             state.loss_sum += torch.where(real, out.detach().to(torch.float64), 0.0).sum()

@@ -10,7 +10,7 @@ from schedules import Schedule
 from ..privacy.clipping import Clipping
 from .executor import Executor, run_in_process
 from .inprocess_transport import InProcessHub
-from .microbatch import PassBatch
+from .microbatch import Inputs, PassBatch
 from .stage import Stage
 
 
@@ -32,7 +32,7 @@ class InProcessRuntime:
     def local_stages(self) -> List[Stage]:
         return self._stages
 
-    def check_same_batch(self, inputs: torch.Tensor, targets: torch.Tensor) -> None:
+    def check_same_batch(self, inputs: Inputs, targets: torch.Tensor) -> None:
         """Only one process: nothing to compare."""
 
     def run_pass(self, batch: PassBatch) -> torch.Tensor:

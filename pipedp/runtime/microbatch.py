@@ -2,36 +2,71 @@
 
 Padded rows repeat the last real row (so any loss stays finite on them) and carry mask 0:
 their loss is never counted and their clip factor is 0, so they change nothing.
+
+Inputs are a tensor, or a dict of batch-first tensors (e.g. ``{"input_ids": ..,
+"attention_mask": ..}`` as Hugging Face tokenizers return): every function here treats the
+dict row-wise, and every stage sees its micro-batch's dict (the side inputs, such as masks,
+never travel through the activation pipe).
 """
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import List, Optional
+from typing import Dict, List, Optional, Union
 
 import torch
 
 from ..errors import BatchError
 
 
+Inputs = Union[torch.Tensor, Dict[str, torch.Tensor]]
+
+
+def rows(inputs: Inputs) -> int:
+    """The batch size of a tensor or of a dict of batch-first tensors."""
+    return int(next(iter(inputs.values())).shape[0]) if isinstance(inputs, dict) else int(inputs.shape[0])
+
+
+def take(inputs: Inputs, index) -> Inputs:
+    """``inputs[index]`` row-wise (a slice or an index tensor)."""
+    return {k: v[index] for k, v in inputs.items()} if isinstance(inputs, dict) else inputs[index]
+
+
+def to_device(inputs: Inputs, device) -> Inputs:
+    return {k: v.to(device) for k, v in inputs.items()} if isinstance(inputs, dict) else inputs.to(device)
+
+
+def tensors_of(inputs: Inputs) -> List[torch.Tensor]:
+    return list(inputs.values()) if isinstance(inputs, dict) else [inputs]
+
+
 @dataclass
 class PassBatch:
     """The micro-batches of one pipeline pass (all of one shape)."""
 
-    inputs: List[torch.Tensor]
+    inputs: List[Inputs]
     targets: List[torch.Tensor]
     masks: List[torch.Tensor]  # float, 1 for a real row, 0 for padding
 
     def to(self, device) -> "PassBatch":
-        move = lambda ts: [t.to(device) for t in ts]  # noqa: E731
-        return PassBatch(move(self.inputs), move(self.targets), move(self.masks))
+        return PassBatch([to_device(x, device) for x in self.inputs], [t.to(device) for t in self.targets],
+                         [m.to(device) for m in self.masks])
 
 
 def check_batch(inputs, targets) -> int:
+    if isinstance(inputs, dict):
+        if not inputs or not all(isinstance(v, torch.Tensor) and v.dim() > 0 for v in inputs.values()):
+            raise BatchError("a dict of inputs must hold batch-first tensors (e.g. input_ids, attention_mask)")
+        sizes = {k: int(v.shape[0]) for k, v in inputs.items()}
+        if len(set(sizes.values())) > 1:
+            raise BatchError(f"the input tensors disagree on the batch size: {sizes}")
+        if not isinstance(targets, torch.Tensor) or targets.dim() == 0 or targets.shape[0] != rows(inputs):
+            raise BatchError(f"targets must be a batch-first tensor of {rows(inputs)} rows like the inputs {sizes}")
+        return rows(inputs)
     if not isinstance(inputs, torch.Tensor) or not isinstance(targets, torch.Tensor):
         raise BatchError(
-            f"inputs and targets must be tensors with the batch dimension first, got "
-            f"{type(inputs).__name__} and {type(targets).__name__}"
+            f"inputs and targets must be tensors (inputs: or a dict of tensors) with the batch dimension "
+            f"first, got {type(inputs).__name__} and {type(targets).__name__}"
         )
     if inputs.dim() == 0 or targets.dim() == 0:
         raise BatchError("inputs and targets need a batch dimension first; got a 0-d tensor")
@@ -64,14 +99,21 @@ def microbatch_size_for(rows: int, microbatches: int, microbatch_size: Optional[
     return microbatch_size if microbatch_size is not None else max(1, math.ceil(rows / microbatches))
 
 
-def make_pass(inputs: torch.Tensor, targets: torch.Tensor, microbatches: int, size: int) -> PassBatch:
-    rows = inputs.shape[0]
+def _padded(t: torch.Tensor, pad: int) -> torch.Tensor:
+    return torch.cat([t, t[-1:].expand(pad, *t.shape[1:])]) if pad else t
+
+
+def make_pass(inputs: Inputs, targets: torch.Tensor, microbatches: int, size: int) -> PassBatch:
+    n = rows(inputs)
     total = microbatches * size
-    if rows > total:
-        raise BatchError(f"{rows} rows do not fit {microbatches} micro-batches of {size}")
-    pad = total - rows
-    mask = torch.cat([torch.ones(rows), torch.zeros(pad)])
-    if pad:
-        inputs = torch.cat([inputs, inputs[-1:].expand(pad, *inputs.shape[1:])])
-        targets = torch.cat([targets, targets[-1:].expand(pad, *targets.shape[1:])])
-    return PassBatch(list(inputs.split(size)), list(targets.split(size)), list(mask.split(size)))
+    if n > total:
+        raise BatchError(f"{n} rows do not fit {microbatches} micro-batches of {size}")
+    pad = total - n
+    mask = torch.cat([torch.ones(n), torch.zeros(pad)])
+    targets = _padded(targets, pad)
+    if isinstance(inputs, dict):
+        split = {k: _padded(v, pad).split(size) for k, v in inputs.items()}
+        parts: List[Inputs] = [{k: split[k][i] for k in split} for i in range(microbatches)]
+    else:
+        parts = list(_padded(inputs, pad).split(size))
+    return PassBatch(parts, list(targets.split(size)), list(mask.split(size)))

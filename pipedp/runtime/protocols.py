@@ -10,7 +10,7 @@ import torch
 
 from schedules import Kind
 
-from .microbatch import PassBatch
+from .microbatch import Inputs, PassBatch
 from .stage import Stage
 
 
@@ -54,7 +54,7 @@ class Runtime(Protocol):
     @property
     def local_stages(self) -> List[Stage]: ...
 
-    def check_same_batch(self, inputs: torch.Tensor, targets: torch.Tensor) -> None: ...
+    def check_same_batch(self, inputs: Inputs, targets: torch.Tensor) -> None: ...
 
     def run_pass(self, batch: PassBatch) -> torch.Tensor:
         """One pipeline pass; returns float64 [2]: the sum of this replica's real-row losses and

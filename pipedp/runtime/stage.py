@@ -10,6 +10,7 @@
 from __future__ import annotations
 
 import contextlib
+import inspect
 from dataclasses import dataclass, field
 from typing import Callable, Dict, List, NamedTuple, Optional, Sequence
 
@@ -21,6 +22,7 @@ from ..errors import BatchError, UnsupportedModelError
 from ..privacy.per_sample import GramCache, clipped_grad_sum, ghost_squared_norms, per_sample_grads
 from ..split.blocks import Block
 from .capture import ActivationCapture, LayerCall, block_units
+from .microbatch import Inputs, rows
 
 
 @dataclass
@@ -72,6 +74,7 @@ class Stage:
             )
         self.per_layer = per_layer
         self.precision = precision
+        self._side_blocks = {id(b) for b in self.blocks if "side_inputs" in inspect.signature(b.module.forward).parameters}
         self.verified = False  # the first backward checks that the captures see every parameter use
         self.capture = ActivationCapture(self.units)
         self.pending: Dict[int, MicroBatchState] = {}
@@ -81,11 +84,11 @@ class Stage:
         """Remove the capture hooks from the user's modules (the stage cannot run afterwards)."""
         self.capture.close()
 
-    def _compute_precision(self, x: torch.Tensor):
+    def _compute_precision(self, device: torch.device):
         """bf16-mixed: the forward under bf16 autocast (parameters, optimizer and the per-sample
         arithmetic stay float32); otherwise nothing changes."""
         if self.precision == "bf16-mixed":
-            return torch.autocast(device_type=x.device.type, dtype=torch.bfloat16)
+            return torch.autocast(device_type=device.type, dtype=torch.bfloat16)
         return contextlib.nullcontext()
 
     def parameter_names(self) -> List[str]:
@@ -109,15 +112,20 @@ class Stage:
             b.module.load_state_dict({k: state[q] for k, q in own.items()})
 
     # ---- F -------------------------------------------------------------------------------
-    def forward(self, mb: int, x: torch.Tensor, targets=None) -> torch.Tensor:
-        size = x.shape[0]
-        if not self.is_first and x.is_floating_point():
+    def forward(self, mb: int, x: Inputs, targets=None, side_inputs: Optional[Dict[str, torch.Tensor]] = None
+                ) -> torch.Tensor:
+        """``x``: the micro-batch's inputs (first stage: a tensor or a dict of tensors) or the previous
+        stage's output; ``side_inputs``: the micro-batch's input dict, handed to every block whose
+        forward takes ``side_inputs`` (e.g. Hugging Face layers reading the attention mask)."""
+        size = rows(x)
+        if isinstance(x, torch.Tensor) and not self.is_first and x.is_floating_point():
             x = x.detach().requires_grad_(True)
-        state = MicroBatchState(size=size, input=x)
-        with self.capture.recording(mb, size), self._compute_precision(x):
+        state = MicroBatchState(size=size, input=x if isinstance(x, torch.Tensor) else None)
+        device = (x if isinstance(x, torch.Tensor) else next(iter(x.values()))).device
+        with self.capture.recording(mb, size), self._compute_precision(device):
             out = x
             for b in self.blocks:
-                out = b.module(out)
+                out = b.module(out, side_inputs=side_inputs) if id(b) in self._side_blocks else b.module(out)
                 if isinstance(out, tuple) and len(out) == 1:  # captured graphs return 1-tuples
                     out = out[0]
             state.calls = self.capture.pop(mb)

@@ -4,11 +4,11 @@ GPT2LMHeadModel:  [embeddings (wte + wpe)] [block 0] ... [block L-1] [ln_f + lm_
 LlamaForCausalLM: [embed_tokens] [decoder layer 0] ... [decoder layer L-1] [norm + lm_head]
 
 Only the hidden state travels between stages. What a layer needs besides it is recomputed
-where it is used: position ids (0..T-1 for every sequence), the causal mask (an explicit
-additive [1, 1, T, T] mask, valid for the eager and sdpa attention implementations), and
-Llama's rotary embeddings (each decoder block holds its own small rotary module, so no
-module is shared across stages). Sequences are unpadded and full length, as the CLI's
-windows are.
+where it is used: position ids (0..T-1 for every sequence, as the whole model's forward
+uses), the attention mask (an explicit additive mask: causal, plus the padding of the
+micro-batch's ``attention_mask`` when the inputs are a dict, valid for the eager and sdpa
+attention implementations), and Llama's rotary embeddings (each decoder block holds its own
+small rotary module, so no module is shared across stages).
 
 Every block wraps the model's own submodules under their original attribute paths, so a
 block's state dict keys, prefixed with its name, are the model's own keys.
@@ -16,21 +16,36 @@ block's state dict keys, prefixed with its name, are the model's own keys.
 from __future__ import annotations
 
 import copy
-from typing import List, Optional
+from typing import Dict, List, Optional
 
 import torch
 import torch.nn as nn
 
-from ..errors import UnsupportedModelError
+from ..errors import BatchError, UnsupportedModelError
 from .blocks import Block
 
 SUPPORTED_ATTENTION = ("eager", "sdpa")
 
 
-def _causal_mask(hidden: torch.Tensor) -> torch.Tensor:
+def _attention_mask(hidden: torch.Tensor, side_inputs: Optional[Dict[str, torch.Tensor]] = None) -> torch.Tensor:
+    """The additive mask: causal, plus the padding of the micro-batch's ``attention_mask`` (1 keep,
+    0 pad) when the inputs carry one; [1, 1, T, T] or [n, 1, T, T], with the dtype's minimum for
+    "masked" (never -inf: a fully masked padding query stays finite, as in Hugging Face's own)."""
     t = hidden.shape[1]
-    mask = torch.full((t, t), torch.finfo(hidden.dtype).min, device=hidden.device, dtype=hidden.dtype)
-    return torch.triu(mask, diagonal=1)[None, None]
+    low = torch.finfo(hidden.dtype).min
+    mask = torch.triu(torch.full((t, t), low, device=hidden.device, dtype=hidden.dtype), diagonal=1)[None, None]
+    padding = (side_inputs or {}).get("attention_mask")
+    if padding is None:
+        return mask
+    if padding.shape != hidden.shape[:2]:
+        raise BatchError(f"attention_mask of shape {tuple(padding.shape)} does not match the sequences "
+                         f"{tuple(hidden.shape[:2])}: give one [batch, seq_len] mask of 1 (token) and 0 (padding)")
+    keys = (padding[:, None, None, :] == 0).to(hidden.device)
+    return mask.masked_fill(keys, low)
+
+
+def _ids(inputs) -> torch.Tensor:
+    return inputs["input_ids"] if isinstance(inputs, dict) else inputs
 
 
 def _positions(hidden_or_ids: torch.Tensor) -> torch.Tensor:
@@ -54,7 +69,8 @@ class GPT2Embeddings(nn.Module):
         super().__init__()
         self.wte, self.wpe, self.drop = transformer.wte, transformer.wpe, transformer.drop
 
-    def forward(self, ids):
+    def forward(self, inputs):
+        ids = _ids(inputs)
         return self.drop(self.wte(ids) + self.wpe(_positions(ids)))
 
 
@@ -66,8 +82,8 @@ class GPT2Layer(nn.Module):
         self.index = str(index)
         self.add_module(self.index, block)
 
-    def forward(self, hidden):
-        return _first(getattr(self, self.index)(hidden, attention_mask=_causal_mask(hidden)))
+    def forward(self, hidden, side_inputs=None):
+        return _first(getattr(self, self.index)(hidden, attention_mask=_attention_mask(hidden, side_inputs)))
 
 
 class GPT2Head(nn.Module):
@@ -85,8 +101,8 @@ class LlamaEmbeddings(nn.Module):
         super().__init__()
         self.model = _holder(embed_tokens=model.model.embed_tokens)
 
-    def forward(self, ids):
-        return self.model.embed_tokens(ids)
+    def forward(self, inputs):
+        return self.model.embed_tokens(_ids(inputs))
 
 
 class LlamaLayer(nn.Module):
@@ -105,11 +121,11 @@ class LlamaLayer(nn.Module):
         """Recompute the rotary frequencies (not stored in checkpoints; lost by to_empty)."""
         self.rotary = type(self.rotary)(config=self.rotary.config).to(device)
 
-    def forward(self, hidden):
-        positions = _positions(hidden)
+    def forward(self, hidden, side_inputs=None):
+        positions = _positions(hidden)  # 0..T-1, as the whole model's own forward uses (padding or not)
         cos_sin = self.rotary(hidden, positions)
-        return _first(getattr(self, self.index)(hidden, attention_mask=_causal_mask(hidden), position_ids=positions,
-                                                position_embeddings=cos_sin))
+        return _first(getattr(self, self.index)(hidden, attention_mask=_attention_mask(hidden, side_inputs),
+                                                position_ids=positions, position_embeddings=cos_sin))
 
 
 class LlamaHead(nn.Module):

@@ -16,6 +16,7 @@ import torch
 from ..config import steps_for_epochs
 from ..errors import CheckpointError, PipeDPError, PrivacyBudgetExceeded
 from ..privacy.sampling import poisson_indices, truncate, truncation_probability
+from ..runtime.microbatch import rows, take
 from .checkpoint import FolderLock
 
 if TYPE_CHECKING:
@@ -33,6 +34,7 @@ class FitResult:
 
 
 def _as_tensors(dataset):
+    """(inputs, targets): inputs a tensor or a dict of batch-first tensors."""
     if isinstance(dataset, (tuple, list)) and len(dataset) == 2:
         return dataset[0], dataset[1]
     tensors = getattr(dataset, "tensors", None)  # TensorDataset
@@ -86,8 +88,8 @@ def fit(
         raise PipeDPError("fit() takes exactly one of steps or epochs")
     total = steps if steps is not None else steps_for_epochs(epochs, q)
     inputs, targets = _as_tensors(dataset)
-    if len(inputs) != len(targets):
-        raise PipeDPError(f"fit() got {len(inputs)} inputs but {len(targets)} targets: pass one target per input")
+    if rows(inputs) != len(targets):
+        raise PipeDPError(f"fit() got {rows(inputs)} inputs but {len(targets)} targets: pass one target per input")
     if max_logical_batch is not None and max_logical_batch < 1:
         raise PipeDPError(f"max_logical_batch must be >= 1, got {max_logical_batch}")
     if resume and checkpoint_dir is None:
@@ -121,7 +123,7 @@ def _lock(trainer: "PipelineDPTrainer", directory: str) -> FolderLock:
 
 def _train(trainer, inputs, targets, total, checkpoint_dir, checkpoint_every, resume, max_logical_batch,
            checkpoint_key, keep_last, callback):
-    privacy, q, n = trainer.privacy, trainer.privacy.sample_rate, len(inputs)
+    privacy, q, n = trainer.privacy, trainer.privacy.sample_rate, rows(inputs)
     if resume:
         if os.path.exists(os.path.join(checkpoint_dir, "latest")):
             trainer.load_checkpoint(checkpoint_dir, checkpoint_key)
@@ -144,7 +146,7 @@ def _train(trainer, inputs, targets, total, checkpoint_dir, checkpoint_every, re
         if privacy.secure_mode:  # OS randomness differs per rank: every rank takes rank 0's draw
             index = trainer.runtime.broadcast(index)
         try:
-            loss = trainer.step(inputs[index], targets[index])
+            loss = trainer.step(take(inputs, index), targets[index])
         except PrivacyBudgetExceeded as exc:
             stopped = str(exc)
             warnings.warn(stopped, stacklevel=4)

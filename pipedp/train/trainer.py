@@ -30,7 +30,9 @@ from ..privacy.noise import add_noise
 from ..privacy.validation import validate_model
 from ..runtime.capture import block_units
 from ..runtime.create import create_runtime
-from ..runtime.microbatch import check_batch, make_pass, microbatch_size_for, plan_passes, replica_rows
+from ..runtime.microbatch import (
+    Inputs, check_batch, make_pass, microbatch_size_for, plan_passes, replica_rows, rows as batch_rows, take,
+)
 from ..runtime.protocols import Runtime
 from ..split.adapters import model_blocks
 from ..split.balance import cost_unit, report
@@ -150,20 +152,21 @@ class PipelineDPTrainer:
         _check_optimizer_options(self.state.optimizers)
 
     # ---- one DP-SGD step ---------------------------------------------------------------------
-    def step(self, inputs: torch.Tensor, targets: torch.Tensor) -> float:
+    def step(self, inputs: Inputs, targets: torch.Tensor) -> float:
         """One DP-SGD step on a logical batch of any size >= 0; returns its mean loss
-        (NaN for an empty batch, whose update is noise only)."""
+        (NaN for an empty batch, whose update is noise only). ``inputs``: a tensor, or a dict of
+        batch-first tensors such as ``{"input_ids": .., "attention_mask": ..}``."""
         n = check_batch(inputs, targets)
         self.last_batch_size = n
         self.check_budget()
         self.runtime.check_same_batch(inputs, targets)
         pipeline = self.pipeline
-        rows = replica_rows(n, pipeline.replicas, self.runtime.replica)
-        inputs, targets = inputs[rows], targets[rows]
+        mine = replica_rows(n, pipeline.replicas, self.runtime.replica)
+        inputs, targets = take(inputs, mine), targets[mine]
         totals = torch.zeros(2, dtype=torch.float64)  # loss sum, samples left out for a non-finite norm
-        for part in plan_passes(inputs.shape[0], pipeline.microbatches, pipeline.microbatch_size):
+        for part in plan_passes(batch_rows(inputs), pipeline.microbatches, pipeline.microbatch_size):
             size = microbatch_size_for(part.stop - part.start, pipeline.microbatches, pipeline.microbatch_size)
-            batch = make_pass(inputs[part], targets[part], pipeline.microbatches, size)
+            batch = make_pass(take(inputs, part), targets[part], pipeline.microbatches, size)
             totals = totals + self.runtime.run_pass(batch)
         self._apply_update()
         if self.privacy.sample_rate is not None:

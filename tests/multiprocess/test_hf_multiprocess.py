@@ -47,3 +47,11 @@ def test_save_pretrained_from_two_processes_round_trips(tmp_path):
     reloaded = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "export")).double()
     want = llama_export(0, None)  # the same step in one process
     assert torch.allclose(reloaded(x).logits, want, rtol=0, atol=1e-10)
+
+
+def test_attention_masks_over_two_processes_equal_the_in_process_run():
+    from workers import llama_padded_step
+
+    got = launch(llama_padded_step, 2, (), timeout_s=300)[0]
+    want = llama_padded_step(0, inprocess=True)
+    assert max_relative_error(got, want) < 1e-12

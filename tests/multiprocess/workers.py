@@ -182,3 +182,26 @@ def llama_export(rank, path):
         trainer.save_pretrained(path)
         return None
     return model(x).logits.detach()
+
+
+def llama_padded_step(rank, inprocess=False):
+    """One noisy step of a tiny Llama on a left-padded dict batch (input_ids + attention_mask)."""
+    import transformers
+
+    from pipedp.models import token_loss as lm_loss
+
+    cfg = transformers.LlamaConfig(vocab_size=40, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
+                                   num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=32)
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(cfg).double()
+    g = torch.Generator().manual_seed(2)
+    ids, labels = torch.randint(1, 40, (5, 8), generator=g), torch.randint(1, 40, (5, 8), generator=g)
+    mask = torch.ones(5, 8, dtype=torch.long)
+    for i, pad in enumerate([0, 3, 5, 1, 2]):
+        mask[i, :pad] = 0
+    ids, labels = ids.masked_fill(mask == 0, 0), labels.masked_fill(mask == 0, -100)
+    kw = {"transport": "inprocess"} if inprocess else {}
+    trainer = PipelineDPTrainer(model, lm_loss, lambda p: torch.optim.SGD(p, lr=0.5), stages=2, microbatches=2,
+                                noise_multiplier=1.0, max_grad_norm=0.3, expected_batch_size=5, **kw)
+    trainer.step({"input_ids": ids, "attention_mask": mask}, labels)
+    return trainer.state_dict()
