@@ -106,11 +106,13 @@ class LlamaEmbeddings(nn.Module):
 
 
 class LlamaLayer(nn.Module):
-    """model.layers.{i}, with a private rotary module (buffers only, never shared across stages)."""
+    """model.layers.{i} of a Llama-like decoder, with a private rotary module (buffers only, never
+    shared across stages). ``window``: the layer's sliding attention window, if it has one."""
 
-    def __init__(self, index: int, layer, rotary: nn.Module):
+    def __init__(self, index: int, layer, rotary: nn.Module, window: Optional[int] = None):
         super().__init__()
         self.index = str(index)
+        self.window = window
         self.add_module(self.index, layer)
         if any(b.is_meta for b in rotary.buffers()):
             self.rotary = type(rotary)(config=rotary.config)  # built on meta: recompute the frequencies
@@ -122,6 +124,12 @@ class LlamaLayer(nn.Module):
         self.rotary = type(self.rotary)(config=self.rotary.config).to(device)
 
     def forward(self, hidden, side_inputs=None):
+        if self.window is not None and hidden.shape[1] > self.window:
+            raise UnsupportedModelError(
+                f"decoder layer {self.index} attends within a sliding window of {self.window} tokens, shorter than "
+                f"these sequences ({hidden.shape[1]}): pipedp builds full causal masks, which would be wrong here; "
+                f"use sequences of at most {self.window} tokens"
+            )
         positions = _positions(hidden)  # 0..T-1, as the whole model's own forward uses (padding or not)
         cos_sin = self.rotary(hidden, positions)
         return _first(getattr(self, self.index)(hidden, attention_mask=_attention_mask(hidden, side_inputs),
@@ -163,23 +171,46 @@ def gpt2_blocks(model, untie_weights: bool = False) -> List[Block]:
     return blocks
 
 
+# Llama-like decoders: model.model.{embed_tokens, layers, norm, rotary_emb} + lm_head, decoder layers
+# called as layer(hidden, attention_mask=, position_ids=, position_embeddings=), nothing after the head
+# (each family checked against the loop oracle in tests/numerics/test_hf.py).
+LLAMA_LIKE = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma")
+
+
+def _sliding_window(config, index: int) -> Optional[int]:
+    window = getattr(config, "sliding_window", None)
+    types = getattr(config, "layer_types", None)
+    if types is not None:
+        return window if types[index] == "sliding_attention" else None
+    return window
+
+
 def llama_blocks(model, untie_weights: bool = False) -> List[Block]:
     _check_attention(model)
     if untie_weights:
         _untie(model, model.lm_head, model.model.embed_tokens)
     blocks = [Block("", LlamaEmbeddings(model))]
     with torch.device("cpu"):
-        blocks += [Block("model.layers", LlamaLayer(i, layer, model.model.rotary_emb))
+        blocks += [Block("model.layers", LlamaLayer(i, layer, model.model.rotary_emb, _sliding_window(model.config, i)))
                    for i, layer in enumerate(model.model.layers)]
     blocks.append(Block("", LlamaHead(model)))
     return blocks
 
 
 def hf_blocks(model: nn.Module, untie_weights: bool = False) -> Optional[List[Block]]:
-    """Blocks for a known Hugging Face architecture, or None."""
+    """Blocks for a known Hugging Face causal LM; a model of transformers that is not one is refused,
+    naming what is supported."""
     name = type(model).__name__
     if name == "GPT2LMHeadModel":
         return gpt2_blocks(model, untie_weights)
-    if name == "LlamaForCausalLM":
+    model_type = getattr(getattr(model, "config", None), "model_type", None)
+    if name.endswith("ForCausalLM") and model_type in LLAMA_LIKE:
         return llama_blocks(model, untie_weights)
+    if name.endswith("ForCausalLM") or name.endswith("LMHeadModel"):
+        raise UnsupportedModelError(
+            f"{name} (model_type {model_type!r}) is not one of the Hugging Face families pipedp splits exactly: "
+            f"gpt2 and the Llama-like {list(LLAMA_LIKE)}; its layers may need masks, scalings or logit "
+            "caps pipedp does not rebuild. Give the model a pipeline_blocks() method, or mark split points "
+            "with pipe_split() and wrap it in pipedp.SplitModel"
+        )
     return None

@@ -15,6 +15,7 @@ import torch.nn as nn
 from ..errors import CheckpointError
 from .adapters import model_blocks
 from .blocks import Block
+from .hf import LLAMA_LIKE
 from .partition import partition
 
 
@@ -104,7 +105,7 @@ def tied_aliases(model: nn.Module) -> Dict[str, str]:
     name = type(model).__name__
     if name == "GPT2LMHeadModel":
         return {"lm_head.weight": "transformer.wte.weight"}
-    if name == "LlamaForCausalLM":
+    if name.endswith("ForCausalLM") and getattr(model.config, "model_type", None) in LLAMA_LIKE:
         return {"lm_head.weight": "model.embed_tokens.weight"}
     return {}
 

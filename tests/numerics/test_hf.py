@@ -184,3 +184,47 @@ def test_padded_batches_with_attention_masks_match_the_loop_oracle(build, side, 
         unmasked = copy.deepcopy(oracle_model)
         assert max_relative_error(got, loop_clipped_sum(unmasked, lambda o, t: token_loss(o.logits, t),
                                                         inputs["input_ids"], labels, 0.3)) > 1e-4
+
+
+def family(model_type, **extra):
+    torch.manual_seed(0)
+    common = dict(vocab_size=VOCAB, hidden_size=16, intermediate_size=32, num_hidden_layers=3, num_attention_heads=2,
+                  num_key_value_heads=1, max_position_embeddings=32, bos_token_id=0, eos_token_id=0, pad_token_id=0)
+    if model_type == "gemma":
+        common["head_dim"] = 8
+    cfg = transformers.AutoConfig.for_model(model_type, **{**common, **extra})
+    return transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa").double()
+
+
+FAMILIES = [("mistral", {"sliding_window": None}), ("mistral", {"sliding_window": 8}), ("qwen2", {}),
+            ("qwen3", {}), ("phi3", {}), ("gemma", {})]
+
+
+@pytest.mark.parametrize("model_type, extra", FAMILIES)
+@pytest.mark.parametrize("stages", [2, 3])
+@pytest.mark.parametrize("mode", ["ghost", "materialize"])
+def test_llama_like_families_match_the_loop_oracle(model_type, extra, stages, mode):
+    model = family(model_type, **extra)
+    x, y = batch()
+    oracle_model = copy.deepcopy(model)
+    oracle_model.lm_head.weight = torch.nn.Parameter(oracle_model.lm_head.weight.detach().clone())  # untied
+    want = loop_clipped_sum(oracle_model, lambda out, t: token_loss(out.logits, t), x, y, 0.3)
+    trainer = PipelineDPTrainer(model, token_loss, lambda p: torch.optim.SGD(p, lr=1.0), stages=stages,
+                                microbatches=3, noise_multiplier=0.0, max_grad_norm=0.3, expected_batch_size=1,
+                                grad_mode=mode, untie_weights=True)
+    before = {k: v.detach().clone() for k, v in model.named_parameters()}
+    trainer.step(x, y)
+    got = {k: before[k] - p.detach() for k, p in model.named_parameters()}
+    assert max_relative_error(got, want) < 1e-8
+
+
+def test_a_sliding_window_shorter_than_the_sequence_is_refused_and_other_families_by_name():
+    short = family("mistral", sliding_window=4)  # SEQ = 8 > 4
+    trainer = PipelineDPTrainer(short, token_loss, stages=2, microbatches=2, expected_batch_size=4, untie_weights=True)
+    with pytest.raises(UnsupportedModelError, match="sliding window of 4 tokens, shorter than these sequences"):
+        trainer.step(*batch())
+    torch.manual_seed(0)
+    neox = transformers.GPTNeoXForCausalLM(transformers.GPTNeoXConfig(
+        vocab_size=VOCAB, hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2))
+    with pytest.raises(UnsupportedModelError, match=r"GPTNeoXForCausalLM \(model_type 'gpt_neox'\) is not one of"):
+        PipelineDPTrainer(neox, token_loss, stages=2, expected_batch_size=4)
