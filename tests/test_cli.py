@@ -135,3 +135,31 @@ def test_audit_prints_the_bound_and_draws_the_scores(tmp_path):
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     leak = pipedp("audit", "--inprocess", "--canaries", "400", "--steps", "4", "--noise-multiplier", "0")
     assert leak.returncode == 0 and "accountant epsilon            inf" in leak.stdout  # no claim to break
+
+
+@pytest.mark.dist
+def test_lora_on_a_local_gpt2_over_two_processes_exports_an_adapter(tmp_path):
+    transformers = pytest.importorskip("transformers")
+    peft = pytest.importorskip("peft")
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    chars = sorted(set("abcdefghijklmnopqrstuvwxyz .,"))
+    tok = Tokenizer(models.WordLevel({c: i for i, c in enumerate(["[UNK]"] + chars)}, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Split("", "isolated")
+    fast = transformers.PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="[UNK]")
+    cfg = transformers.GPT2Config(vocab_size=len(chars) + 1, n_positions=32, n_embd=16, n_layer=2, n_head=2,
+                                  bos_token_id=0, eos_token_id=0)
+    folder = tmp_path / "tiny-gpt2"
+    transformers.GPT2LMHeadModel(cfg).save_pretrained(folder)
+    fast.save_pretrained(folder)
+    data = tmp_path / "data.txt"
+    data.write_text("the cat sat on the mat, the dog sat on the log. " * 40)
+    out = pipedp("train", "--model", str(folder), "--data", str(data), "--steps", "3", "--seq-len", "16",
+                 "--batch-size", "8", "--checkpoint-dir", str(tmp_path / "ck"), "--no-progress",
+                 "--lora-r", "4", "--lora-targets", "c_attn", "--export", str(tmp_path / "adapter"))
+    assert out.returncode == 0, out.stderr[-3000:]
+    base = transformers.GPT2LMHeadModel.from_pretrained(folder)
+    adapted = peft.PeftModel.from_pretrained(transformers.GPT2LMHeadModel.from_pretrained(folder),
+                                             str(tmp_path / "adapter"))
+    x = torch.randint(0, len(chars) + 1, (2, 16))
+    assert not torch.allclose(adapted(x).logits, base(x).logits)  # the trained adapter changes the model

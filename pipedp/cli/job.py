@@ -6,7 +6,7 @@ import os
 import time
 import warnings
 from dataclasses import dataclass, replace
-from typing import Optional
+from typing import Optional, Tuple
 
 import torch
 
@@ -15,7 +15,9 @@ from ..errors import PipeDPError
 from ..models import GPTConfig, tiny_gpt, token_loss
 from ..privacy.accounting import calibrate_noise
 from ..runtime.launch import init_from_env, launch
+from ..split.adapters import model_blocks
 from ..split.hf_loading import load_local_model, load_pipeline_stage, tokenize_for_model
+from ..split.partition import block_costs
 from ..train.trainer import PipelineDPTrainer
 from ..data import CharTokenizer, generated_corpus, read_text, windows
 from .flags import DEFAULT_STEPS, configs_from_args
@@ -37,6 +39,8 @@ class Job:
     checkpoint_every: int
     checkpoint_key: Optional[str]  # None: PIPEDP_CHECKPOINT_KEY if set, else unsigned checkpoints
     export: Optional[str]  # a folder for the trained Hugging Face model (rank 0 writes it)
+    lora_r: Optional[int]  # LoRA rank: train LoRA adapters (PEFT) on lora_targets, the base frozen
+    lora_targets: Tuple[str, ...]
     keep_last: Optional[int]
     resume: bool
     threads: int
@@ -66,6 +70,15 @@ def build_model(job: Job, vocab_size: Optional[int], rank: int):
     return load_pipeline_stage(job.model, stages, rank % stages, untie_weights=job.pipeline.untie_weights)
 
 
+def with_lora(model, job: Job):
+    """The model with PEFT LoRA adapters on ``job.lora_targets`` (the base frozen), seeded alike on every rank."""
+    from peft import LoraConfig, get_peft_model
+
+    torch.manual_seed(job.privacy.seed)
+    config = LoraConfig(r=job.lora_r, lora_alpha=2 * job.lora_r, lora_dropout=0.0, target_modules=list(job.lora_targets))
+    return get_peft_model(model, config)
+
+
 def resolve(args) -> Job:
     """Check every flag and file, calibrate the noise: errors surface here, before any process starts."""
     if args.model != "tiny-gpt" and not os.path.isdir(args.model):
@@ -73,6 +86,8 @@ def resolve(args) -> Job:
             f"model {args.model!r} is neither 'tiny-gpt' nor a local folder: pass a Hugging Face model folder "
             "(with config.json and weights)"
         )
+    if args.lora_r is not None and args.model == "tiny-gpt":
+        raise ValueError("--lora-r adds PEFT LoRA adapters to a Hugging Face model: give --model a model folder")
     if args.export is not None and args.model == "tiny-gpt":
         raise ValueError("--export writes a Hugging Face folder: it needs --model pointing at a Hugging Face model "
                          "folder (the built-in tiny-gpt is saved in the checkpoints)")
@@ -86,7 +101,8 @@ def resolve(args) -> Job:
     job = Job(
         pipeline=pipeline, privacy=privacy, model=args.model, data=args.data, steps=0, lr=args.lr,
         seq_len=args.seq_len, checkpoint_dir=args.checkpoint_dir, checkpoint_every=args.checkpoint_every,
-        checkpoint_key=args.checkpoint_key, export=args.export, keep_last=args.keep_last, resume=args.resume, threads=args.threads, progress=not args.no_progress, inprocess=args.inprocess,
+        checkpoint_key=args.checkpoint_key, export=args.export, keep_last=args.keep_last, resume=args.resume,
+        lora_r=args.lora_r, lora_targets=tuple(t for t in args.lora_targets.split(",") if t), threads=args.threads, progress=not args.no_progress, inprocess=args.inprocess,
     )
     x, _, _ = load_dataset(job)
     n = len(x)
@@ -114,8 +130,13 @@ def train_rank(rank: int, job: Job) -> dict:
         warnings.filterwarnings("ignore")
     x, y, vocab = load_dataset(job)
     model = build_model(job, vocab, rank)
+    pipeline = job.pipeline
+    if job.lora_r is not None:
+        # split where the stage loader split the base model, whatever parameters LoRA adds
+        pipeline = replace(pipeline, balance=block_costs(model_blocks(model, pipeline.untie_weights), "params"))
+        model = with_lora(model, job)
     trainer = PipelineDPTrainer(model, token_loss, lambda params: torch.optim.Adam(params, lr=job.lr),
-                                pipeline=job.pipeline, privacy=job.privacy)
+                                pipeline=pipeline, privacy=job.privacy)
     privacy = job.privacy
     if lead:
         print(f"partition: {trainer.partition_report}", flush=True)

@@ -56,6 +56,10 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--checkpoint-every", type=_positive_int, default=50)
     t.add_argument("--export", default=None, help="after training, write the Hugging Face model (config + "
                    "safetensors + tokenizer) to this folder")
+    t.add_argument("--lora-r", type=_positive_int, default=None,
+                   help="train PEFT LoRA adapters of this rank (base weights frozen); needs a Hugging Face --model")
+    t.add_argument("--lora-targets", default="q_proj,v_proj",
+                   help="comma-separated module names LoRA adapts (GPT-2: c_attn)")
     t.add_argument("--keep-last", type=_positive_int, default=3, help="keep only the newest N checkpoints")
     t.add_argument("--checkpoint-key", default=None,
                    help="HMAC key that signs checkpoints and refuses unsigned or altered ones on --resume "
