@@ -55,3 +55,21 @@ def test_attention_masks_over_two_processes_equal_the_in_process_run():
     got = launch(llama_padded_step, 2, (), timeout_s=300)[0]
     want = llama_padded_step(0, inprocess=True)
     assert max_relative_error(got, want) < 1e-12
+
+
+def test_the_llama_lora_example_runs_under_torchrun_and_exports(tmp_path):
+    import os
+    import subprocess
+    import sys
+
+    from pipedp.runtime.launch import free_port
+
+    pytest.importorskip("peft")
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
+                          "--master_port", str(free_port()), os.path.join(root, "examples", "finetune_llama.py"),
+                          "--steps", "3", "--batch-size", "8", "--export", str(tmp_path / "adapter")],
+                         capture_output=True, text=True, timeout=300, cwd=root)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "adapter written to" in out.stdout
+    assert (tmp_path / "adapter" / "adapter_config.json").exists()
