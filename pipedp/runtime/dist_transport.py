@@ -67,9 +67,9 @@ class DistTransport:
         header[4 : 4 + tensor.dim()] = torch.tensor(tensor.shape, dtype=torch.int64)
         dst, group = self.peer[kind], self.channel_group[_CHANNEL[kind]]
         header = header.to(self.device)
-        self._pending[(_CHANNEL[kind], mb)] = [
-            (dist.isend(header, dst, group=group), header), (dist.isend(tensor, dst, group=group), tensor)
-        ]
+        self._pending.setdefault((_CHANNEL[kind], mb), []).extend(
+            [(dist.isend(header, dst, group=group), header), (dist.isend(tensor, dst, group=group), tensor)]
+        )
 
     def recv(self, kind: Kind, mb: int) -> torch.Tensor:
         src, group = self.peer[kind], self.channel_group[_CHANNEL[kind]]

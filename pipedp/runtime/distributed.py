@@ -24,10 +24,11 @@ from ..config import PipelineConfig
 from ..errors import BatchError, ConfigMismatchError, TransportError
 from ..privacy.clipping import Clipping
 from ..split.blocks import Block
+from ..split.partition import Tie
 from .dist_transport import DistTransport, PipelineGroups
 from .executor import Executor
 from .microbatch import Inputs, PassBatch, rows, tensors_of
-from .stage import Stage
+from .stage import Stage, TieRole
 
 
 @dataclass(frozen=True)
@@ -78,6 +79,7 @@ class DistributedRuntime:
         self.stage = stage
         self.executor = executor
         self.dp_group, self.world_group = dp_group, world_group
+        self.tie_group: Any = None  # first and last stage of this replica, when an embedding is tied to the head
         self.state_keys = list(state_keys)
 
     @property
@@ -87,7 +89,7 @@ class DistributedRuntime:
     @classmethod
     def create(
         cls, pipeline: PipelineConfig, schedule: Schedule, clipping: Clipping, stage_blocks: List[List[Block]],
-        loss_fn: Callable, description: Dict[str, Any], state_keys: Sequence[str],
+        loss_fn: Callable, description: Dict[str, Any], state_keys: Sequence[str], tie: Optional[Tie] = None,
     ) -> "DistributedRuntime":
         """``description``: what every rank must agree on (the run's configuration and model signature)."""
         world, rank = dist.get_world_size(), dist.get_rank()
@@ -115,12 +117,14 @@ class DistributedRuntime:
         ]
         dp_groups = [dist.new_group(mesh.data_parallel_ranks(s), timeout=wait) for s in range(mesh.stages)]
         world_group = dist.new_group(list(range(world)), timeout=wait)  # the step's checks and totals
+        tie_groups = [dist.new_group([r * mesh.stages, r * mesh.stages + mesh.stages - 1], timeout=wait)
+                      for r in range(mesh.replicas)] if tie is not None else []
         device = _device_for_backend()
         for s, blocks in enumerate(stage_blocks):
             for b in blocks:  # keep only this rank's stage; free the rest
                 b.module.to(device if s == mesh.stage else "meta")
         stage = Stage(mesh.stage, mesh.stages, stage_blocks[mesh.stage], loss_fn, pipeline.grad_mode, clipping.per_layer,
-                  pipeline.precision)
+                      pipeline.precision, TieRole.for_stage(mesh.stage, mesh.stages, tie, keep=True))
         mine = _checksum(stage)
         checksums: List[Optional[tuple]] = [None] * world
         dist.all_gather_object(checksums, (mesh.stage, mine))
@@ -140,8 +144,10 @@ class DistributedRuntime:
             pipeline_groups[mesh.replica],
             device,
         )
-        executor = Executor(stage, transport, schedule.for_stage(mesh.stage), clipping)
-        return cls(mesh, stage, executor, dp_groups[mesh.stage], world_group, device, state_keys)
+        executor = Executor(stage, transport, schedule.for_stage(mesh.stage), clipping, tied=tie is not None)
+        runtime = cls(mesh, stage, executor, dp_groups[mesh.stage], world_group, device, state_keys)
+        runtime.tie_group = tie_groups[mesh.replica] if tie_groups else None
+        return runtime
 
     def check_same_batch(self, inputs: Inputs, targets: torch.Tensor) -> None:
         """Every rank must step on the same logical batch: compare its size and a fingerprint."""
@@ -169,6 +175,17 @@ class DistributedRuntime:
         self._collective("sum over replicas",
                          lambda: dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=self.dp_group))
         return [chunk.view_as(g) for chunk, g in zip(flat.split([g.numel() for g in grads]), grads)]
+
+    def combine_tied(self, stage: Stage, grads: List[torch.Tensor]) -> List[torch.Tensor]:
+        """Both copies of a tied embedding / head get the sum of both clipped parts (noise added once,
+        by the owner), so they stay equal."""
+        if stage.tie is None or self.tie_group is None:
+            return grads
+        weight = stage.units[stage.tie_unit].weight
+        k = next(i for i, p in enumerate(stage.parameters) if p is weight)
+        total = grads[k].clone()
+        self._collective("tied weight sum", lambda: dist.all_reduce(total, op=dist.ReduceOp.SUM, group=self.tie_group))
+        return [total if i == k else g for i, g in enumerate(grads)]
 
     def total(self, value: torch.Tensor) -> torch.Tensor:
         value = value.to(self.device, torch.float64).clone()

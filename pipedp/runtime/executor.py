@@ -33,6 +33,8 @@ class PassState:
     grads_in: Dict[int, torch.Tensor] = field(default_factory=dict)
     grads_out: Dict[int, torch.Tensor] = field(default_factory=dict)
     norms: Dict[int, torch.Tensor] = field(default_factory=dict)  # this stage's, before the reduction
+    tie_in: Dict[int, torch.Tensor] = field(default_factory=dict)  # tied head's message, travelling to stage 0
+    tie_out: Dict[int, torch.Tensor] = field(default_factory=dict)
     reductions: Dict[int, PendingReduction] = field(default_factory=dict)
 
 
@@ -47,8 +49,12 @@ class LocalReduction:
 
 
 class Executor:
-    def __init__(self, stage: Stage, transport: Transport, actions: List[Action], clipping: Clipping):
+    def __init__(self, stage: Stage, transport: Transport, actions: List[Action], clipping: Clipping,
+                 tied: bool = False):
+        """``tied``: the pipeline's first-stage embedding is tied to its last-stage head; the head's
+        message for the cross term of the norms travels back with every gradient."""
         self.stage = stage
+        self.tied = tied
         self.transport = transport
         self.actions = actions
         self.reduce_norms = clipping.across_stages
@@ -122,7 +128,17 @@ class Executor:
         result = self.stage.backward(mb, grad)
         if result.input_grad is not None:
             state.grads_out[mb] = result.input_grad
-        state.norms[mb] = result.squared_norms
+        norms = result.squared_norms
+        if self.tied:  # ||g_emb + g_head||^2 = ||g_emb||^2 + ||g_head||^2 + 2 <g_emb, g_head>
+            if self.stage.is_last:
+                inputs = state.batch.inputs[mb]
+                ids = inputs["input_ids"] if isinstance(inputs, dict) else inputs
+                state.tie_out[mb] = self.stage.tie_message(mb, ids)
+            elif self.stage.is_first:
+                norms = norms + 2 * self.stage.tie_cross(mb, state.tie_in.pop(mb)).to(norms.device)
+            else:
+                state.tie_out[mb] = state.tie_in.pop(mb)  # relayed towards stage 0
+        state.norms[mb] = norms
 
     def _norm_reduce(self, mb: int) -> None:
         state = self._pass
@@ -152,9 +168,13 @@ class Executor:
 
     def _send_backward(self, mb: int) -> None:
         self.transport.send(Kind.SEND_B, mb, self._pass.grads_out.pop(mb))
+        if self.tied:
+            self.transport.send(Kind.SEND_B, mb, self._pass.tie_out.pop(mb))
 
     def _recv_backward(self, mb: int) -> None:
         self._pass.grads_in[mb] = self.transport.recv(Kind.RECV_B, mb)
+        if self.tied:  # sent right behind the gradient, so it is there too
+            self._pass.tie_in[mb] = self.transport.recv(Kind.RECV_B, mb)
         # the next stage computed this gradient from our activation of mb: it has received it
         self.transport.release(Kind.SEND_F, mb)
 

@@ -19,12 +19,13 @@ class InProcessRuntime:
     replica = 0
     replicas = 1
 
-    def __init__(self, stages: Sequence[Stage], schedule: Schedule, clipping: Clipping, state_keys: Sequence[str]):
+    def __init__(self, stages: Sequence[Stage], schedule: Schedule, clipping: Clipping, state_keys: Sequence[str],
+                 tied: bool = False):
         self._stages: List[Stage] = list(stages)
         self.state_keys = list(state_keys)
         self.hub = InProcessHub(len(stages))
         self.executors = [
-            Executor(stage, self.hub.transport(stage.index), schedule.for_stage(stage.index), clipping)
+            Executor(stage, self.hub.transport(stage.index), schedule.for_stage(stage.index), clipping, tied)
             for stage in stages
         ]
 
@@ -43,6 +44,17 @@ class InProcessRuntime:
         return self.executors[-1].totals()
 
     def sum_over_replicas(self, grads: List[torch.Tensor]) -> List[torch.Tensor]:
+        return grads
+
+    def combine_tied(self, stage: Stage, grads: List[torch.Tensor]) -> List[torch.Tensor]:
+        """The owner adds the head's clipped part of the shared tensor (the partner does not step it)."""
+        if stage.tie is None or stage.tie.role != "owner":
+            return grads
+        partner = self._stages[-1]
+        weight = stage.units[stage.tie_unit].weight
+        k = next(i for i, p in enumerate(stage.parameters) if p is weight)
+        grads = list(grads)
+        grads[k] = grads[k] + partner.take_tied_part()
         return grads
 
     def total(self, value: torch.Tensor) -> torch.Tensor:

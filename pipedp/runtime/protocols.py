@@ -63,6 +63,10 @@ class Runtime(Protocol):
 
     def sum_over_replicas(self, grads: List[torch.Tensor]) -> List[torch.Tensor]: ...
 
+    def combine_tied(self, stage: Stage, grads: List[torch.Tensor]) -> List[torch.Tensor]:
+        """A tied embedding / head: both clipped parts summed into the tensor(s) that get stepped."""
+        ...
+
     def total(self, value: torch.Tensor) -> torch.Tensor:
         """``value`` summed over every rank."""
         ...

@@ -21,6 +21,7 @@ from ..config import GRAD_MODES
 from ..errors import BatchError, UnsupportedModelError
 from ..privacy.per_sample import GramCache, clipped_grad_sum, ghost_squared_norms, per_sample_grads
 from ..split.blocks import Block
+from ..split.partition import Tie
 from .capture import ActivationCapture, LayerCall, block_units
 from .microbatch import Inputs, rows
 
@@ -32,6 +33,25 @@ class MicroBatchState:
     output: Optional[torch.Tensor] = None  # stage output (or per-sample losses on the last stage)
     calls: Dict[str, List[LayerCall]] = field(default_factory=dict)
     backprops: Dict[str, List[torch.Tensor]] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class TieRole:
+    """This stage's side of an embedding / head tie (see pipedp.split.partition.Tie)."""
+
+    role: str  # "owner": the first stage's embedding; "partner": the last stage's head
+    name: str  # the tied parameter's name on this stage
+    keep: bool  # partner only: holds its own copy (another process) rather than the owner's tensor
+
+    @staticmethod
+    def for_stage(stage: int, stages: int, tie: Optional[Tie], keep: bool) -> Optional["TieRole"]:
+        if tie is None:
+            return None
+        if stage == 0:
+            return TieRole("owner", tie.owner, keep)
+        if stage == stages - 1:
+            return TieRole("partner", tie.partner, keep)
+        return None
 
 
 class BackwardResult(NamedTuple):
@@ -49,6 +69,7 @@ class Stage:
         grad_mode: str = "ghost",
         per_layer: bool = False,
         precision: str = "32",
+        tie: Optional["TieRole"] = None,
     ):
         if grad_mode not in GRAD_MODES:
             raise ValueError(f"unknown grad_mode {grad_mode!r}: choose one of {GRAD_MODES}")
@@ -62,6 +83,18 @@ class Stage:
         self.parameters: List[nn.Parameter] = _unique(
             p for b in self.blocks for p in b.module.parameters() if p.requires_grad
         )
+        self.tie = tie
+        self.tie_unit = ""  # the unit holding the tied weight (an Embedding, or the head Linear)
+        self.noise_free: set = set()  # indices into self.parameters whose noise another stage adds
+        if tie is not None:
+            self.tie_unit = next((u for u in self.units if f"{u}.weight" == tie.name), "")
+            if not self.tie_unit:
+                raise UnsupportedModelError(f"stage {index}: tied parameter {tie.name} belongs to no layer here")
+            weight = self.units[self.tie_unit].weight
+            if tie.role == "partner" and not tie.keep:  # in one process the owner steps the shared tensor
+                self.parameters = [p for p in self.parameters if p is not weight]
+            elif tie.role == "partner":  # its own copy (another process): stepped here, noised by the owner
+                self.noise_free = {k for k, p in enumerate(self.parameters) if p is weight}
         shared = _params_in_several_units(self.units)
         # units one of whose parameters another unit also uses: their norms need the summed gradient
         self._shares_params = {
@@ -290,6 +323,44 @@ class Stage:
                         self.clipped_sum[p] += g
                     else:
                         self.clipped_sum[p] = g.clone()
+
+    # ---- an embedding tied to the head on the last stage ----------------------------------
+    def tie_message(self, mb: int, ids: torch.Tensor) -> torch.Tensor:
+        """Partner (last stage), after I(mb): M[i, t] = sum_s B_i[s, x_i[t]] H_i[s], [n, T, d], from the
+        head's output-grads B and inputs H: the owner's cross term is <G_i, M_i> (see tie_cross)."""
+        state = self.pending[mb]
+        calls = state.calls.get(self.tie_unit, [])
+        if len(calls) != 1:
+            raise UnsupportedModelError(f"the tied head {self.tie_unit!r} must run once per micro-batch, ran {len(calls)}")
+        n = state.size
+        head_in = calls[0].inputs[0].reshape(n, -1, calls[0].inputs[0].shape[-1])
+        grads = state.backprops[self.tie_unit][0]
+        grads = grads.reshape(n, -1, grads.shape[-1])
+        ids = ids.reshape(n, -1).to(grads.device)
+        if ids.shape[1] != grads.shape[1]:
+            raise UnsupportedModelError(
+                f"the tied head sees {grads.shape[1]} positions per sample but the inputs have {ids.shape[1]} ids: "
+                "an embedding tied to the head needs the head applied to every input position"
+            )
+        picked = grads.gather(2, ids[:, None, :].expand(n, grads.shape[1], ids.shape[1]))  # [n, s, t] = B[s, x[t]]
+        return torch.bmm(picked.transpose(1, 2), head_in.to(picked.dtype))
+
+    def tie_cross(self, mb: int, message: torch.Tensor) -> torch.Tensor:
+        """Owner (first stage), after I(mb): <g_emb,i, g_head,i> per sample, [n] float64."""
+        state = self.pending[mb]
+        unit = self.units[self.tie_unit]
+        ids = state.calls[self.tie_unit][0].inputs[0]
+        grads = state.backprops[self.tie_unit][0]
+        if unit.padding_idx is not None:  # autograd gives the padding row no gradient
+            grads = grads * (ids != unit.padding_idx).unsqueeze(-1).to(grads.dtype)
+        g3 = grads.reshape(state.size, -1, grads.shape[-1]).double()
+        return (g3 * message.reshape(g3.shape).double()).sum((1, 2))
+
+    def take_tied_part(self) -> torch.Tensor:
+        """Partner in one process: its clipped part of the tied weight, for the owner to add."""
+        weight = self.units[self.tie_unit].weight
+        part = self.clipped_sum.pop(weight, None)
+        return part if part is not None else torch.zeros_like(weight)
 
     def take_clipped_sum(self) -> List[torch.Tensor]:
         """The clipped sums of this stage's parameters (zeros where no sample touched them)."""

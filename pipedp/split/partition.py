@@ -1,7 +1,10 @@
 """Group an ordered list of blocks into contiguous pipeline stages (uniform or balanced)."""
 from __future__ import annotations
 
-from typing import List, Optional, Sequence
+from dataclasses import dataclass
+from typing import Dict, List, Optional, Sequence, Tuple
+
+import torch.nn as nn
 
 from ..config import Balance
 from ..errors import PartitionError
@@ -95,21 +98,50 @@ def partition(
     else:
         ranges = balanced_split(costs if costs is not None else block_costs(blocks, balance), stages)
     stage_blocks = [[blocks[i] for i in r] for r in ranges]
-    check_no_shared_parameters(stage_blocks)
+    find_ties(stage_blocks)  # refuses every sharing across stages but an embedding / head tie
     return stage_blocks
 
 
-def check_no_shared_parameters(stage_blocks: Sequence[Sequence[Block]]) -> None:
-    """A parameter used on two stages (tied weights) would be clipped wrongly: refuse it."""
-    owner = {}
+@dataclass(frozen=True)
+class Tie:
+    """A parameter used on the first stage as an nn.Embedding's weight and on the last stage as an
+    nn.Linear's weight: a language model's input embedding tied to its output head. Its per-sample
+    gradient is the sum of both uses; pipedp computes the cross term of their norms exactly."""
+
+    owner: str  # the parameter's name on the first stage (the embedding's weight)
+    partner: str  # its name on the last stage (the head's weight)
+
+
+def find_ties(stage_blocks: Sequence[Sequence[Block]]) -> List[Tie]:
+    """The tied parameters across stages; refuse every sharing but the embedding / head one."""
+    uses: Dict[int, List[Tuple[int, str, nn.Module]]] = {}
     for s, blocks in enumerate(stage_blocks):
         for b in blocks:
-            for pname, p in b.module.named_parameters():
-                first = owner.setdefault(id(p), (s, b.qualified(pname)))
-                if first[0] != s:
-                    raise PartitionError(
-                        f"parameter {first[1]} (stage {first[0]}) is the same tensor as {b.qualified(pname)} "
-                        f"(stage {s}): tied weights across stages would be clipped with the wrong per-sample "
-                        f"norm. Untie them (e.g. untie_weights=True for Hugging Face models, or give each "
-                        f"its own copy), or choose a split that keeps both on one stage."
-                    )
+            for mname, module in b.module.named_modules():
+                for pname, p in module.named_parameters(recurse=False):
+                    name = b.qualified(f"{mname}.{pname}" if mname else pname)
+                    uses.setdefault(id(p), []).append((s, name, module))
+    ties = []
+    last = len(stage_blocks) - 1
+    for found in uses.values():
+        stages = sorted({s for s, _, _ in found})
+        if len(stages) < 2:
+            continue
+        first = [(n, m) for s, n, m in found if s == 0]
+        head = [(n, m) for s, n, m in found if s == last]
+        embedding_and_head = (
+            stages == [0, last] and len(first) == 1 and len(head) == 1
+            and type(first[0][1]) is nn.Embedding and first[0][0].endswith("weight")
+            and type(head[0][1]) is nn.Linear and head[0][0].endswith("weight")
+        )
+        if embedding_and_head:
+            ties.append(Tie(first[0][0], head[0][0]))
+            continue
+        names = ", ".join(f"{n} (stage {s})" for s, n, _ in found)
+        raise PartitionError(
+            f"parameters {names} are one tensor used on several stages: pipedp computes exact per-sample norms "
+            "for a tie between an nn.Embedding on the first stage and an nn.Linear head on the last, not for this "
+            "sharing. Untie them (e.g. untie_weights=True for Hugging Face models, or give each its own copy), "
+            "or choose a split that keeps both on one stage."
+        )
+    return ties

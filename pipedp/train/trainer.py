@@ -23,7 +23,7 @@ import schedules
 from schedules import Kind
 
 from ..config import PipelineConfig, PrivacyConfig, describe, split_options
-from ..errors import ConfigError, NonFiniteError, PipeDPError, PrivacyBudgetExceeded
+from ..errors import ConfigError, NonFiniteError, PipeDPError, PrivacyBudgetExceeded, UnsupportedModelError
 from ..privacy.accounting import calibrate_noise, spent_epsilon, steps_within_budget
 from ..privacy.clipping import Clipping
 from ..privacy.noise import add_noise
@@ -37,7 +37,7 @@ from ..runtime.protocols import Runtime
 from ..split.adapters import model_blocks
 from ..split.balance import cost_unit, report
 from ..split.blocks import model_signature
-from ..split.partition import block_costs, partition
+from ..split.partition import Tie, block_costs, find_ties, partition
 from . import checkpoint
 from .export import save_pretrained
 from .loop import FitResult, fit
@@ -59,6 +59,18 @@ def _check_finite(stage: Any, values: List[torch.Tensor], step: int, what: str) 
             f"step {step}, stage {stage.index}: the {what} of {', '.join(bad[:5])} is not finite (NaN/inf): "
             "the optimizer step is refused; check the learning rate, max_grad_norm and the data"
         )
+
+
+def _the_tie(ties: List[Tie], clipping: Clipping) -> Optional[Tie]:
+    """The one embedding / head tie pipedp handles across stages, under flat clipping."""
+    if not ties:
+        return None
+    if len(ties) > 1 or not clipping.across_stages:
+        raise UnsupportedModelError(
+            f"tied weights across stages {[t.owner for t in ties]}: pipedp clips one embedding tied to the head "
+            "exactly under clipping='flat'; untie them (untie_weights=True) for per-stage / per-layer clipping"
+        )
+    return ties[0]
 
 
 def _check_optimizer_options(optimizers: List[Optional[torch.optim.Optimizer]]) -> None:
@@ -137,10 +149,11 @@ class PipelineDPTrainer:
         stage_blocks = partition(blocks, pipeline.stages, pipeline.balance, costs)
         layers = [name for stage in stage_blocks for name in block_units(stage)]
         self.clipping = Clipping.make(privacy.clipping, privacy.max_grad_norm, pipeline.stages, layers)
+        tie = _the_tie(find_ties(stage_blocks), self.clipping)
         self.partition_report = report(stage_blocks, costs, cost_unit(pipeline.balance))
         self.runtime: Runtime = create_runtime(
             pipeline, self.schedule, self.clipping, stage_blocks, loss_fn, self.run_config(),
-            list(model.state_dict().keys()),
+            list(model.state_dict().keys()), tie,
         )
         self._finalizer = weakref.finalize(self, self.runtime.close)  # hooks off when the trainer goes
         self.state = TrainingState(
@@ -185,7 +198,8 @@ class PipelineDPTrainer:
         for stage, opt in zip(self.runtime.local_stages, self.state.optimizers):
             grads = stage.take_clipped_sum()
             if self.runtime.replica == 0:  # noise once, before the sum over replicas
-                grads = add_noise(grads, std, self.privacy.seed, self.state.step, stage.index, self.privacy.secure_mode)
+                grads = self._noised(stage, grads, std)
+            grads = self.runtime.combine_tied(stage, grads)  # a tied embedding / head: both parts, noised once
             grads = self.runtime.sum_over_replicas(grads)
             for p, g in zip(stage.parameters, grads):
                 p.grad = (g / self.privacy.expected_batch_size).to(p.dtype)
@@ -195,6 +209,16 @@ class PipelineDPTrainer:
             opt.step()
             opt.zero_grad(set_to_none=True)
             _check_finite(stage, list(stage.parameters), self.state.step + 1, "value after the optimizer step")
+
+    def _noised(self, stage: Any, grads: List[torch.Tensor], std: float) -> List[torch.Tensor]:
+        """grads + the stage's noise, except where another stage adds it (a tied head's copy)."""
+        keep = [k for k in range(len(grads)) if k not in stage.noise_free]
+        noised = add_noise([grads[k] for k in keep], std, self.privacy.seed, self.state.step, stage.index,
+                           self.privacy.secure_mode)
+        out = list(grads)
+        for k, g in zip(keep, noised):
+            out[k] = g
+        return out
 
     # ---- configuration as the checks see it ---------------------------------------------------
     def run_config(self) -> Dict[str, Any]:

@@ -73,3 +73,20 @@ def test_the_llama_lora_example_runs_under_torchrun_and_exports(tmp_path):
     assert out.returncode == 0, out.stderr[-3000:]
     assert "adapter written to" in out.stdout
     assert (tmp_path / "adapter" / "adapter_config.json").exists()
+
+
+def test_tied_embedding_across_two_processes_is_exact_and_stays_tied():
+    import copy
+
+    import transformers
+
+    from oracles import loop_clipped_sum
+    from workers import tied_llama_step
+
+    got = launch(tied_llama_step, 2, (0.0,), timeout_s=300)[0]
+    assert torch.equal(got["model.embed_tokens.weight"], got["lm_head.weight"])  # both copies, one update
+    want = tied_llama_step(0, 0.0, inprocess=True)
+    assert max_relative_error(got, want) < 1e-12
+    noisy = launch(tied_llama_step, 2, (1.0,), timeout_s=300)[0]
+    assert torch.equal(noisy["model.embed_tokens.weight"], noisy["lm_head.weight"])  # the noise added once
+    assert max_relative_error(noisy, tied_llama_step(0, 1.0, inprocess=True)) < 1e-12

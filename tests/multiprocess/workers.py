@@ -205,3 +205,23 @@ def llama_padded_step(rank, inprocess=False):
                                 noise_multiplier=1.0, max_grad_norm=0.3, expected_batch_size=5, **kw)
     trainer.step({"input_ids": ids, "attention_mask": mask}, labels)
     return trainer.state_dict()
+
+
+def tied_llama_step(rank, noise, inprocess=False):
+    """One DP step of a tiny Llama whose embedding is tied to its head, on 2 stages."""
+    import transformers
+
+    from pipedp.models import token_loss as lm_loss
+
+    cfg = transformers.LlamaConfig(vocab_size=40, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
+                                   num_attention_heads=2, num_key_value_heads=1, tie_word_embeddings=True)
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(cfg).double()
+    g = torch.Generator().manual_seed(2)
+    x, y = torch.randint(0, 40, (7, 8), generator=g), torch.randint(0, 40, (7, 8), generator=g)
+    kw = {"transport": "inprocess"} if inprocess else {}
+    trainer = PipelineDPTrainer(model, lm_loss, lambda p: torch.optim.SGD(p, lr=1.0), stages=2, microbatches=3,
+                                noise_multiplier=noise, max_grad_norm=0.3, expected_batch_size=1, **kw)
+    trainer.step(x, y)
+    trainer.step(x, y)  # a second step: the two copies must still be equal
+    return trainer.state_dict()

@@ -82,9 +82,32 @@ def test_gpt2_tied_weights_on_one_stage_match_the_loop_oracle():
     assert max_relative_error(got, want) < 1e-8
 
 
-def test_tied_weights_across_stages_need_untie():
-    with pytest.raises(PartitionError, match="tied weights.*untie_weights=True"):
-        PipelineDPTrainer(gpt2(), token_loss, stages=2, expected_batch_size=4)
+@pytest.mark.parametrize("build", [gpt2, llama])
+@pytest.mark.parametrize("stages", [2, 3])
+@pytest.mark.parametrize("mode", ["ghost", "materialize"])
+def test_tied_embedding_across_stages_matches_the_tied_loop_oracle(build, stages, mode):
+    model = build()
+    model.lm_head.weight = model.get_input_embeddings().weight  # tied, as GPT-2 and Llama-3.2 ship
+    model.config.tie_word_embeddings = True
+    x, y = batch()
+    want = loop_clipped_sum(copy.deepcopy(model), lambda out, t: token_loss(out.logits, t), x, y, 0.3)
+    before = {k: v.detach().clone() for k, v in model.named_parameters()}
+    PipelineDPTrainer(model, token_loss, lambda p: torch.optim.SGD(p, lr=1.0), stages=stages, microbatches=3,
+                      noise_multiplier=0.0, max_grad_norm=0.3, expected_batch_size=1, grad_mode=mode).step(x, y)
+    got = {k: before[k] - p.detach() for k, p in model.named_parameters()}
+    assert max_relative_error(got, want) < 1e-8
+    assert model.lm_head.weight is model.get_input_embeddings().weight  # still one tensor
+    untied = copy.deepcopy(build())  # the cross term matters: DP-SGD on the untied model differs
+    untied.lm_head.weight = torch.nn.Parameter(untied.get_input_embeddings().weight.detach().clone())
+    other = loop_clipped_sum(untied, lambda out, t: token_loss(out.logits, t), x, y, 0.3)
+    name = "transformer.wte.weight" if build is gpt2 else "model.embed_tokens.weight"
+    assert max_relative_error({name: got[name]}, {name: other[name]}) > 1e-3
+
+
+def test_tied_weights_need_flat_clipping():
+    model = gpt2()
+    with pytest.raises(UnsupportedModelError, match="tied weights across stages.*clipping='flat'"):
+        PipelineDPTrainer(model, token_loss, stages=2, expected_batch_size=4, clipping="per_stage")
 
 
 @pytest.mark.parametrize("build", [gpt2, llama])
