@@ -60,7 +60,8 @@ class PipelineConfig:
                             "optimizer and per-sample arithmetic", choices=PRECISIONS, resume=True)
     balance: Balance = option("params", "how blocks are grouped into stages: 'params', 'uniform', a list of "
                               "block costs or pipedp.measured_costs(sample)", cli=False)
-    untie_weights: bool = option(False, "give a head tied to the input embedding its own copy", cli=False)
+    untie_weights: bool = option(False, "give a head tied to the input embedding its own copy (by default a tie "
+                                 "across stages is trained exactly)")
     timeout: float = option(300.0, "seconds one operation between ranks (a receive, a collective) may wait; past it "
                             "the run stops and names the rank that stopped answering")
     transport: str = option("auto", "'auto' (distributed when torch.distributed runs with world size > 1), "

@@ -94,8 +94,7 @@ def resolve(args) -> Job:
     if args.data is not None and not os.path.exists(args.data):
         raise FileNotFoundError(f"dataset {args.data!r} does not exist: pass a local .txt or .jsonl file")
     pipeline, privacy = configs_from_args(
-        args, untie_weights=args.model != "tiny-gpt",  # HF heads tied to embeddings sit on another stage
-        transport="inprocess" if args.inprocess else "auto", expected_batch_size=1,  # set below
+        args, transport="inprocess" if args.inprocess else "auto", expected_batch_size=1,  # set below
     )
     pipeline.validate()
     job = Job(

@@ -138,7 +138,26 @@ def load_pipeline_stage(
     if not 0 <= stage < stages:
         raise ValueError(f"stage must be in 0..{stages - 1}, got {stage}")
     materialize_stage(folder, stage_blocks[stage], tied, device)
+    if not untie_weights:
+        _retie(model)
     return model
+
+
+def _retie(model: nn.Module) -> None:
+    """Materialising a stage gives its modules new tensors, which breaks a tie between the input
+    embedding and the head: point the other side at this rank's real tensor again, so every rank
+    sees the tie (pipedp then trains it exactly across stages; the other side's stage stays on meta)."""
+    if not getattr(model.config, "tie_word_embeddings", False):
+        return
+    embedding, head = model.get_input_embeddings(), model.get_output_embeddings()
+    if embedding is None or head is None:
+        return
+    if not embedding.weight.is_meta:
+        head.weight = embedding.weight
+    elif not head.weight.is_meta:
+        embedding.weight = head.weight
+    else:  # a middle stage: neither is real here; keep them one (meta) tensor all the same
+        head.weight = embedding.weight
 
 
 def resident_parameter_bytes(model: nn.Module) -> int:

@@ -119,6 +119,8 @@ def find_ties(stage_blocks: Sequence[Sequence[Block]]) -> List[Tie]:
         for b in blocks:
             for mname, module in b.module.named_modules():
                 for pname, p in module.named_parameters(recurse=False):
+                    if not p.requires_grad:  # a frozen tensor gets no gradient: sharing it is harmless
+                        continue
                     name = b.qualified(f"{mname}.{pname}" if mname else pname)
                     uses.setdefault(id(p), []).append((s, name, module))
     ties = []

@@ -90,3 +90,18 @@ def test_tied_embedding_across_two_processes_is_exact_and_stays_tied():
     noisy = launch(tied_llama_step, 2, (1.0,), timeout_s=300)[0]
     assert torch.equal(noisy["model.embed_tokens.weight"], noisy["lm_head.weight"])  # the noise added once
     assert max_relative_error(noisy, tied_llama_step(0, 1.0, inprocess=True)) < 1e-12
+
+
+def test_a_tied_checkpoint_loaded_stage_by_stage_trains_tied(tmp_path):
+    import transformers
+
+    from workers import tied_llama_from_folder
+
+    cfg = transformers.LlamaConfig(vocab_size=40, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
+                                   num_attention_heads=2, num_key_value_heads=1, tie_word_embeddings=True)
+    torch.manual_seed(0)
+    transformers.LlamaForCausalLM(cfg).save_pretrained(tmp_path / "tied")
+    got = launch(tied_llama_from_folder, 2, (str(tmp_path / "tied"),), timeout_s=300)[0]
+    want = tied_llama_from_folder(0, str(tmp_path / "tied"), inprocess=True)
+    assert max_relative_error(got, want) < 1e-12
+    assert torch.equal(got["model.embed_tokens.weight"], got["lm_head.weight"])

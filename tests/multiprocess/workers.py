@@ -225,3 +225,21 @@ def tied_llama_step(rank, noise, inprocess=False):
     trainer.step(x, y)
     trainer.step(x, y)  # a second step: the two copies must still be equal
     return trainer.state_dict()
+
+
+def tied_llama_from_folder(rank, folder, inprocess=False):
+    """A tied Llama read stage by stage from a local folder (each rank its own stage), one DP step."""
+    from pipedp.models import token_loss as lm_loss
+    from pipedp.split.hf_loading import load_local_model, load_pipeline_stage
+
+    if inprocess:
+        model = load_local_model(folder).double()
+    else:
+        model = load_pipeline_stage(folder, 2, rank).double()
+    g = torch.Generator().manual_seed(3)
+    x, y = torch.randint(0, 40, (6, 8), generator=g), torch.randint(0, 40, (6, 8), generator=g)
+    kw = {"transport": "inprocess"} if inprocess else {}
+    trainer = PipelineDPTrainer(model, lm_loss, lambda p: torch.optim.SGD(p, lr=1.0), stages=2, microbatches=2,
+                                noise_multiplier=0.0, max_grad_norm=0.3, expected_batch_size=1, **kw)
+    trainer.step(x, y)
+    return trainer.state_dict()
