@@ -354,7 +354,8 @@ class Stage:
         if unit.padding_idx is not None:  # autograd gives the padding row no gradient
             grads = grads * (ids != unit.padding_idx).unsqueeze(-1).to(grads.dtype)
         g3 = grads.reshape(state.size, -1, grads.shape[-1]).double()
-        return (g3 * message.reshape(g3.shape).double()).sum((1, 2))
+        scale = float(getattr(unit, "embed_scale", 1.0))  # a scaled embedding (Gemma): d out / d weight row
+        return scale * (g3 * message.reshape(g3.shape).double()).sum((1, 2))
 
     def take_tied_part(self) -> torch.Tensor:
         """Partner in one process: its clipped part of the tied weight, for the owner to add."""

@@ -112,6 +112,11 @@ class Tie:
     partner: str  # its name on the last stage (the head's weight)
 
 
+def _plain_or_scaled_embedding(module: nn.Module) -> bool:
+    """nn.Embedding, or a subclass whose only change is a constant ``embed_scale`` (Gemma's)."""
+    return type(module) is nn.Embedding or (isinstance(module, nn.Embedding) and hasattr(module, "embed_scale"))
+
+
 def find_ties(stage_blocks: Sequence[Sequence[Block]]) -> List[Tie]:
     """The tied parameters across stages; refuse every sharing but the embedding / head one."""
     uses: Dict[int, List[Tuple[int, str, nn.Module]]] = {}
@@ -133,7 +138,7 @@ def find_ties(stage_blocks: Sequence[Sequence[Block]]) -> List[Tie]:
         head = [(n, m) for s, n, m in found if s == last]
         embedding_and_head = (
             stages == [0, last] and len(first) == 1 and len(head) == 1
-            and type(first[0][1]) is nn.Embedding and first[0][0].endswith("weight")
+            and _plain_or_scaled_embedding(first[0][1]) and first[0][0].endswith("weight")
             and type(head[0][1]) is nn.Linear and head[0][0].endswith("weight")
         )
         if embedding_and_head:

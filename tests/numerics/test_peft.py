@@ -29,8 +29,9 @@ def batch():
 
 
 @pytest.mark.parametrize("mode", ["ghost", "materialize"])
-def test_lora_on_linear_layers_matches_the_loop_oracle(mode):
-    model = lora_llama(["q_proj", "v_proj", "down_proj"])
+@pytest.mark.parametrize("targets", [["q_proj", "v_proj", "down_proj"], "all-linear"])
+def test_lora_on_linear_layers_matches_the_loop_oracle(mode, targets):
+    model = lora_llama(targets)
     x, y = batch()
     want = loop_clipped_sum(copy.deepcopy(model), lambda out, t: token_loss(out.logits, t), x, y, 0.05)
     before = {k: v.detach().clone() for k, v in model.named_parameters()}
