@@ -16,6 +16,7 @@ block's state dict keys, prefixed with its name, are the model's own keys.
 from __future__ import annotations
 
 import copy
+from dataclasses import dataclass
 from typing import Dict, List, Optional
 
 import torch
@@ -96,13 +97,38 @@ class GPT2Head(nn.Module):
         return self.lm_head(self.transformer.ln_f(hidden))
 
 
-class LlamaEmbeddings(nn.Module):
-    def __init__(self, model):
+@dataclass(frozen=True)
+class DecoderSpec:
+    """Where a rotary decoder keeps its parts: ``model.<body>.<embed>`` (then ``<dropout>``),
+    ``<body>.layers``, ``<body>.<norm>``, ``<body>.rotary_emb`` and the head ``model.<head>``."""
+
+    body: str = "model"
+    embed: str = "embed_tokens"
+    dropout: Optional[str] = None
+    norm: str = "norm"
+    head: str = "lm_head"
+
+
+LLAMA_SPEC = DecoderSpec()
+NEOX_SPEC = DecoderSpec(body="gpt_neox", embed="embed_in", dropout="emb_dropout", norm="final_layer_norm")
+
+
+class DecoderEmbeddings(nn.Module):
+    """<body>.<embed> (and <body>.<dropout>), under the model's own names."""
+
+    def __init__(self, model, spec: DecoderSpec):
         super().__init__()
-        self.model = _holder(embed_tokens=model.model.embed_tokens)
+        body = getattr(model, spec.body)
+        parts = {spec.embed: getattr(body, spec.embed)}
+        if spec.dropout:
+            parts[spec.dropout] = getattr(body, spec.dropout)
+        self.spec = spec
+        self.add_module(spec.body, _holder(**parts))
 
     def forward(self, inputs):
-        return self.model.embed_tokens(_ids(inputs))
+        body = getattr(self, self.spec.body)
+        out = getattr(body, self.spec.embed)(_ids(inputs))
+        return getattr(body, self.spec.dropout)(out) if self.spec.dropout else out
 
 
 class LlamaLayer(nn.Module):
@@ -136,14 +162,18 @@ class LlamaLayer(nn.Module):
                                                 position_ids=positions, position_embeddings=cos_sin))
 
 
-class LlamaHead(nn.Module):
-    def __init__(self, model):
+class DecoderHead(nn.Module):
+    """<body>.<norm> then the head, under the model's own names."""
+
+    def __init__(self, model, spec: DecoderSpec):
         super().__init__()
-        self.model = _holder(norm=model.model.norm)
-        self.lm_head = model.lm_head
+        self.spec = spec
+        self.add_module(spec.body, _holder(**{spec.norm: getattr(getattr(model, spec.body), spec.norm)}))
+        self.add_module(spec.head, getattr(model, spec.head))
 
     def forward(self, hidden):
-        return self.lm_head(self.model.norm(hidden))
+        norm = getattr(getattr(self, self.spec.body), self.spec.norm)
+        return getattr(self, self.spec.head)(norm(hidden))
 
 
 def _untie(model: nn.Module, head: nn.Module, embedding: nn.Module) -> None:
@@ -175,6 +205,7 @@ def gpt2_blocks(model, untie_weights: bool = False) -> List[Block]:
 # called as layer(hidden, attention_mask=, position_ids=, position_embeddings=), nothing after the head
 # (each family checked against the loop oracle in tests/numerics/test_hf.py).
 LLAMA_LIKE = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma")
+SPECS = {**{t: LLAMA_SPEC for t in LLAMA_LIKE}, "gpt_neox": NEOX_SPEC}
 
 
 def _sliding_window(config, index: int) -> Optional[int]:
@@ -185,15 +216,16 @@ def _sliding_window(config, index: int) -> Optional[int]:
     return window
 
 
-def llama_blocks(model, untie_weights: bool = False) -> List[Block]:
+def decoder_blocks(model, spec: DecoderSpec = LLAMA_SPEC, untie_weights: bool = False) -> List[Block]:
     _check_attention(model)
+    body = getattr(model, spec.body)
     if untie_weights:
-        _untie(model, model.lm_head, model.model.embed_tokens)
-    blocks = [Block("", LlamaEmbeddings(model))]
+        _untie(model, getattr(model, spec.head), getattr(body, spec.embed))
+    blocks = [Block("", DecoderEmbeddings(model, spec))]
     with torch.device("cpu"):
-        blocks += [Block("model.layers", LlamaLayer(i, layer, model.model.rotary_emb, _sliding_window(model.config, i)))
-                   for i, layer in enumerate(model.model.layers)]
-    blocks.append(Block("", LlamaHead(model)))
+        blocks += [Block(f"{spec.body}.layers", LlamaLayer(i, layer, body.rotary_emb, _sliding_window(model.config, i)))
+                   for i, layer in enumerate(body.layers)]
+    blocks.append(Block("", DecoderHead(model, spec)))
     return blocks
 
 
@@ -204,12 +236,12 @@ def hf_blocks(model: nn.Module, untie_weights: bool = False) -> Optional[List[Bl
     if name == "GPT2LMHeadModel":
         return gpt2_blocks(model, untie_weights)
     model_type = getattr(getattr(model, "config", None), "model_type", None)
-    if name.endswith("ForCausalLM") and model_type in LLAMA_LIKE:
-        return llama_blocks(model, untie_weights)
+    if name.endswith("ForCausalLM") and model_type in SPECS:
+        return decoder_blocks(model, SPECS[model_type], untie_weights)
     if name.endswith("ForCausalLM") or name.endswith("LMHeadModel"):
         raise UnsupportedModelError(
             f"{name} (model_type {model_type!r}) is not one of the Hugging Face families pipedp splits exactly: "
-            f"gpt2 and the Llama-like {list(LLAMA_LIKE)}; its layers may need masks, scalings or logit "
+            f"gpt2, gpt_neox and the Llama-like {list(LLAMA_LIKE)}; its layers may need masks, scalings or logit "
             "caps pipedp does not rebuild. Give the model a pipeline_blocks() method, or mark split points "
             "with pipe_split() and wrap it in pipedp.SplitModel"
         )

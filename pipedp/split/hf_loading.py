@@ -15,7 +15,7 @@ import torch.nn as nn
 from ..errors import CheckpointError
 from .adapters import model_blocks
 from .blocks import Block
-from .hf import LLAMA_LIKE
+from .hf import SPECS
 from .partition import partition
 
 
@@ -105,8 +105,9 @@ def tied_aliases(model: nn.Module) -> Dict[str, str]:
     name = type(model).__name__
     if name == "GPT2LMHeadModel":
         return {"lm_head.weight": "transformer.wte.weight"}
-    if name.endswith("ForCausalLM") and getattr(model.config, "model_type", None) in LLAMA_LIKE:
-        return {"lm_head.weight": "model.embed_tokens.weight"}
+    spec = SPECS.get(getattr(model.config, "model_type", None)) if name.endswith("ForCausalLM") else None
+    if spec is not None:
+        return {f"{spec.head}.weight": f"{spec.body}.{spec.embed}.weight"}
     return {}
 
 
