@@ -22,7 +22,7 @@ GRAD_MODES = ("ghost", "materialize")
 CLIPPING_MODES = ("flat", "per_stage", "per_layer")
 ACCOUNTANTS = ("prv", "rdp", "gdp")
 TRANSPORTS = ("auto", "inprocess", "distributed")
-PRECISIONS = ("32", "bf16-mixed")
+PRECISIONS = ("32", "bf16-mixed", "bf16-true")
 MAX_TARGET_EPSILON = 100.0  # calibrating beyond it is meaningless, and prv's search slows to minutes
 
 # "params", "uniform", a list of per-block costs, or a function of the blocks returning one
@@ -57,7 +57,8 @@ class PipelineConfig:
                             choices=GRAD_MODES, resume=True)
     replicas: int = option(1, "data-parallel replicas (world size = stages x replicas)", resume=True)
     precision: str = option("32", "32: as the model is; bf16-mixed: bf16 autocast forward, float32 weights, "
-                            "optimizer and per-sample arithmetic", choices=PRECISIONS, resume=True)
+                            "optimizer and per-sample arithmetic; bf16-true: the model in bf16 (weights, "
+                            "optimizer), per-sample arithmetic in float32", choices=PRECISIONS, resume=True)
     balance: Balance = option("params", "how blocks are grouped into stages: 'params', 'uniform', a list of "
                               "block costs or pipedp.measured_costs(sample)", cli=False)
     untie_weights: bool = option(False, "give a head tied to the input embedding its own copy (by default a tie "

@@ -68,6 +68,7 @@ def per_sample_grads(
 
 
 def _functorch_grads(unit, inputs, backprops) -> Dict[nn.Parameter, torch.Tensor]:
+    inputs, backprops, wide = _in_unit_dtype(unit, inputs, backprops)
     named = trainable_direct_params(unit)
     names = [n for n, _ in named]
     values = tuple(p.detach() for _, p in named)
@@ -78,7 +79,7 @@ def _functorch_grads(unit, inputs, backprops) -> Dict[nn.Parameter, torch.Tensor
         return (out * sample_backprop.unsqueeze(0)).sum()
 
     grads = vmap(grad(sample_loss), in_dims=(None, 0, 0))(values, tuple(inputs), backprops)
-    return {p: g for (_, p), g in zip(named, grads)}
+    return {p: g.to(wide) for (_, p), g in zip(named, grads)}
 
 
 class GramCache:
@@ -190,10 +191,19 @@ def clipped_grad_sum(
         return _layer_norm_grads(unit, inputs[0], scaled_backprops)
     named = trainable_direct_params(unit)
     params = [p for _, p in named]
+    inputs, backprops, wide = _in_unit_dtype(unit, inputs, scaled_backprops)
     with torch.enable_grad():
         output = unit(*inputs)
-        grads = torch.autograd.grad(output, params, scaled_backprops, allow_unused=True)
-    return {p: (g if g is not None else torch.zeros_like(p)) for p, g in zip(params, grads)}
+        grads = torch.autograd.grad(output, params, backprops.to(output.dtype), allow_unused=True)
+    return {p: (g.to(wide) if g is not None else torch.zeros_like(p, dtype=wide)) for p, g in zip(params, grads)}
+
+
+def _in_unit_dtype(unit: nn.Module, inputs: Sequence[torch.Tensor], backprops: torch.Tensor):
+    """A layer re-run on its own: its float inputs and output-grads in its parameters' dtype (bf16
+    weights read bf16 inputs), and the dtype its gradients are returned in (float32 at least)."""
+    dtype = next((p.dtype for p in unit.parameters(recurse=False)), backprops.dtype)
+    inputs = tuple(a.to(dtype) if a.is_floating_point() else a for a in inputs)
+    return inputs, backprops.to(dtype), torch.promote_types(backprops.dtype, torch.float32)
 
 
 def _layer_norm_grads(unit: nn.LayerNorm, x: torch.Tensor, g: torch.Tensor) -> Dict[nn.Parameter, torch.Tensor]:

@@ -139,6 +139,8 @@ class PipelineDPTrainer:
         self.schedule = schedules.build(pipeline.schedule, pipeline.stages, pipeline.microbatches, action_costs)
         schedules.validate(self.schedule)
         validate_model(model)
+        if pipeline.precision == "bf16-true":
+            model.to(torch.bfloat16)  # the user's model itself: its weights train in bf16
         self.model = model
         self.last_batch_size = 0
         self.last_dropped_samples = 0  # samples of the last step left out for a non-finite gradient norm
