@@ -83,6 +83,13 @@ class Stage:
         self.parameters: List[nn.Parameter] = _unique(
             p for b in self.blocks for p in b.module.parameters() if p.requires_grad
         )
+        containers = [name for name, unit in self.units.items() if isinstance(unit, (nn.ParameterDict, nn.ParameterList))]
+        if containers:  # never called: the parent reads these tensors functionally, outside any capture
+            raise UnsupportedModelError(
+                f"stage {index}: trainable parameters held in {containers} (ParameterDict / ParameterList, e.g. PEFT's "
+                "LoRA on an embedding) are read by their parent module outside any module call, so their per-sample "
+                "gradients cannot be captured; freeze them, or adapt linear layers instead"
+            )
         self.tie = tie
         self.tie_unit = ""  # the unit holding the tied weight (an Embedding, or the head Linear)
         self.noise_free: set = set()  # indices into self.parameters whose noise another stage adds
