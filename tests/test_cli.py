@@ -85,6 +85,7 @@ def test_train_a_local_hugging_face_model_on_a_jsonl_dataset(tmp_path):
     assert "done: 3 steps" in out.stdout and "epsilon" in out.stdout and "exported:" in out.stdout
     trained = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "out"))
     original = transformers.GPT2LMHeadModel.from_pretrained(folder)
+    assert trained.lm_head.weight is trained.transformer.wte.weight  # trained tied across the stages, exported tied
     assert not torch.equal(trained.transformer.h[0].mlp.c_fc.weight, original.transformer.h[0].mlp.c_fc.weight)
     assert transformers.AutoTokenizer.from_pretrained(str(tmp_path / "out"))("cat")["input_ids"]
 
