@@ -62,9 +62,8 @@ def test_bad_arguments_give_one_clear_line(args, message):
     assert "Traceback" not in out.stderr
 
 
-@pytest.mark.dist
-def test_train_a_local_hugging_face_model_on_a_jsonl_dataset(tmp_path):
-    transformers = pytest.importorskip("transformers")
+def tiny_gpt2_folder(transformers, tmp_path):
+    """A local Hugging Face folder: a tiny GPT-2 (random weights) and a character tokenizer."""
     from tokenizers import Tokenizer, models, pre_tokenizers
 
     chars = sorted(set("abcdefghijklmnopqrstuvwxyz .,"))
@@ -76,6 +75,13 @@ def test_train_a_local_hugging_face_model_on_a_jsonl_dataset(tmp_path):
     folder = tmp_path / "tiny-gpt2"
     transformers.GPT2LMHeadModel(cfg).save_pretrained(folder)
     fast.save_pretrained(folder)
+    return folder, len(chars) + 1
+
+
+@pytest.mark.dist
+def test_train_a_local_hugging_face_model_on_a_jsonl_dataset(tmp_path):
+    transformers = pytest.importorskip("transformers")
+    folder, vocab = tiny_gpt2_folder(transformers, tmp_path)
     data = tmp_path / "data.jsonl"
     data.write_text("\n".join('{"text": "the cat sat on the mat, the dog sat on the log."}' for _ in range(60)))
     out = pipedp("train", "--model", str(folder), "--data", str(data), "--steps", "3", "--seq-len", "16",
@@ -142,17 +148,7 @@ def test_audit_prints_the_bound_and_draws_the_scores(tmp_path):
 def test_lora_on_a_local_gpt2_over_two_processes_exports_an_adapter(tmp_path):
     transformers = pytest.importorskip("transformers")
     peft = pytest.importorskip("peft")
-    from tokenizers import Tokenizer, models, pre_tokenizers
-
-    chars = sorted(set("abcdefghijklmnopqrstuvwxyz .,"))
-    tok = Tokenizer(models.WordLevel({c: i for i, c in enumerate(["[UNK]"] + chars)}, unk_token="[UNK]"))
-    tok.pre_tokenizer = pre_tokenizers.Split("", "isolated")
-    fast = transformers.PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="[UNK]")
-    cfg = transformers.GPT2Config(vocab_size=len(chars) + 1, n_positions=32, n_embd=16, n_layer=2, n_head=2,
-                                  bos_token_id=0, eos_token_id=0)
-    folder = tmp_path / "tiny-gpt2"
-    transformers.GPT2LMHeadModel(cfg).save_pretrained(folder)
-    fast.save_pretrained(folder)
+    folder, vocab = tiny_gpt2_folder(transformers, tmp_path)
     data = tmp_path / "data.txt"
     data.write_text("the cat sat on the mat, the dog sat on the log. " * 40)
     out = pipedp("train", "--model", str(folder), "--data", str(data), "--steps", "3", "--seq-len", "16",
@@ -162,5 +158,5 @@ def test_lora_on_a_local_gpt2_over_two_processes_exports_an_adapter(tmp_path):
     base = transformers.GPT2LMHeadModel.from_pretrained(folder)
     adapted = peft.PeftModel.from_pretrained(transformers.GPT2LMHeadModel.from_pretrained(folder),
                                              str(tmp_path / "adapter"))
-    x = torch.randint(0, len(chars) + 1, (2, 16))
+    x = torch.randint(0, vocab, (2, 16))
     assert not torch.allclose(adapted(x).logits, base(x).logits)  # the trained adapter changes the model
