@@ -160,3 +160,12 @@ def test_lora_on_a_local_gpt2_over_two_processes_exports_an_adapter(tmp_path):
                                              str(tmp_path / "adapter"))
     x = torch.randint(0, vocab, (2, 16))
     assert not torch.allclose(adapted(x).logits, base(x).logits)  # the trained adapter changes the model
+
+
+@pytest.mark.parametrize("command", [["--help"], ["train", "--help"], ["audit", "--help"], ["schedule", "show", "--help"]])
+def test_help_prints_every_flag(command):
+    out = pipedp(*command)
+    assert out.returncode == 0 and "usage:" in out.stdout, out.stderr[-2000:]
+    if command[0] == "train":
+        for flag in ("--stages", "--noise-multiplier", "--target-epsilon", "--precision", "--lora-r", "--export"):
+            assert flag in out.stdout

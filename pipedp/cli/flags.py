@@ -39,19 +39,24 @@ def _scalar_type(cls: Type, f: Field) -> type:
 
 def add_config_flags(parser: argparse.ArgumentParser) -> None:
     groups: Dict[str, Any] = {}
-    for cls in CONFIG_CLASSES:
-        for f in cli_fields(cls):
-            kind = _scalar_type(cls, f)
-            target = parser
-            if f.metadata["exclusive"]:
-                target = groups.setdefault(f.metadata["exclusive"], parser.add_mutually_exclusive_group())
-            default = None if f.default is MISSING else f.default
-            help_text = f.metadata["help"] + (f" (default {default})" if default not in (None, False) else "")
-            if kind is bool:
-                target.add_argument(flag_name(f.name), dest=f.name, action="store_true", help=help_text)
-            else:
-                target.add_argument(flag_name(f.name), dest=f.name, type=kind, default=default,
-                                    choices=f.metadata["choices"], help=help_text)
+    flagged = [(cls, f) for cls in CONFIG_CLASSES for f in cli_fields(cls)]
+    # the flags of one mutually exclusive group must be adjacent, or argparse cannot print the usage
+    flagged.sort(key=lambda cf: cf[1].metadata["exclusive"] or "")
+    for cls, f in flagged:
+        kind = _scalar_type(cls, f)
+        target = parser
+        group = f.metadata["exclusive"]
+        if group:
+            if group not in groups:  # (setdefault would make an empty group every time)
+                groups[group] = parser.add_mutually_exclusive_group()
+            target = groups[group]
+        default = None if f.default is MISSING else f.default
+        help_text = f.metadata["help"] + (f" (default {default})" if default not in (None, False) else "")
+        if kind is bool:
+            target.add_argument(flag_name(f.name), dest=f.name, action="store_true", help=help_text)
+        else:
+            target.add_argument(flag_name(f.name), dest=f.name, type=kind, default=default,
+                                choices=f.metadata["choices"], help=help_text)
 
 
 def configs_from_args(args: argparse.Namespace, **extra: Any) -> Tuple[PipelineConfig, PrivacyConfig]:
