@@ -12,8 +12,10 @@ import time
 import warnings
 from typing import Callable, Dict, List
 
-import opacus  # noqa: F401  (the libraries every contender uses are imported before any measured
-import torch  # phase: no contender's peak memory should include the cost of importing a library)
+# Every library a contender uses is imported here, before any measured phase: no contender's
+# peak memory may include the cost of importing one (the first contender of a process used to).
+import opacus  # noqa: F401
+import torch
 import torch.distributed as dist
 import torch.distributed.pipelining  # noqa: F401
 
