@@ -3,8 +3,8 @@
 A model is a pipeline of blocks when it has a ``pipeline_blocks()`` method returning
 ``[(name, module), ...]`` in forward order (each block taking the previous block's output
 tensor), when it is an ``nn.Sequential`` (its children), a known Hugging Face causal LM
-(hf.py), a PEFT ``PeftModel`` around any of these, or a ``SplitModel`` marked for graph
-capture (graph.py).
+(hf.py), a PEFT ``PeftModel`` around any of these, a ``SplitModel`` marked for graph
+capture (graph.py), and otherwise any module whose forward torch.fx can trace (traced.py).
 """
 from __future__ import annotations
 
@@ -16,6 +16,7 @@ from ..errors import UnsupportedModelError
 from .blocks import Block
 from .graph import captured_blocks
 from .hf import hf_blocks
+from .traced import traced_blocks
 
 
 def model_blocks(model: nn.Module, untie_weights: bool = False) -> List[Block]:
@@ -48,10 +49,13 @@ def _adapted(model: nn.Module, untie_weights: bool) -> List[Block]:
     if blocks is None:
         blocks = captured_blocks(model)
     if blocks is None:
+        blocks = traced_blocks(model)  # the fallback: trace the forward, cut where one tensor crosses
+    if blocks is None:
         raise UnsupportedModelError(
-            f"don't know how to split {type(model).__name__} into pipeline stages: pass an nn.Sequential of "
-            "blocks, give the model a pipeline_blocks() method returning [(name, module), ...] in forward order "
-            "(each block taking the previous block's output tensor), or mark split points with "
-            "torch.distributed.pipelining.pipe_split() in its forward and wrap it with pipedp.SplitModel"
+            f"don't know how to split {type(model).__name__} into pipeline stages (tried: pipeline_blocks(), "
+            "nn.Sequential, the Hugging Face adapters, pipe_split() marks, and tracing its forward, which found "
+            "no point where one tensor crosses): pass an nn.Sequential of blocks, give the model a "
+            "pipeline_blocks() method returning [(name, module), ...] in forward order, or mark split points "
+            "with torch.distributed.pipelining.pipe_split() in its forward and wrap it with pipedp.SplitModel"
         )
     return blocks

@@ -243,3 +243,41 @@ def tied_llama_from_folder(rank, folder, inprocess=False):
                                 noise_multiplier=0.0, max_grad_norm=0.3, expected_batch_size=1, **kw)
     trainer.step(x, y)
     return trainer.state_dict()
+
+
+class _Residual(torch.nn.Module):
+    def __init__(self, d):
+        super().__init__()
+        self.fc, self.ln = torch.nn.Linear(d, d), torch.nn.LayerNorm(d)
+
+    def forward(self, x):
+        return x + torch.tanh(self.fc(self.ln(x)))
+
+
+class LoopNet(torch.nn.Module):
+    """A ModuleList model with its own loop and no marks: split by tracing."""
+
+    def __init__(self):
+        super().__init__()
+        self.inp = torch.nn.Linear(5, 8)
+        self.layers = torch.nn.ModuleList([_Residual(8) for _ in range(4)])
+        self.out = torch.nn.Linear(8, 3)
+
+    def forward(self, x):
+        h = self.inp(x)
+        for layer in self.layers:
+            h = layer(h)
+        return self.out(h)
+
+
+def traced_step(rank, inprocess=False):
+    torch.manual_seed(0)
+    model = LoopNet().double()
+    g = torch.Generator().manual_seed(4)
+    x, y = torch.randn(7, 5, generator=g, dtype=torch.float64), torch.randint(0, 3, (7,), generator=g)
+    kw = {"transport": "inprocess"} if inprocess else {}
+    trainer = PipelineDPTrainer(model, lambda o, t: torch.nn.functional.cross_entropy(o, t, reduction="none"),
+                                lambda p: torch.optim.SGD(p, lr=0.5), stages=2, microbatches=2, noise_multiplier=1.0,
+                                max_grad_norm=0.1, expected_batch_size=7, **kw)
+    trainer.step(x, y)
+    return trainer.state_dict()

@@ -87,3 +87,86 @@ def test_untraceable_model_names_the_problem():
 
     with pytest.raises(UnsupportedModelError, match="graph capture of DataDependent failed"):
         PipelineDPTrainer(SplitModel(DataDependent(), torch.randn(2, 3)), loss, stages=2, expected_batch_size=2)
+
+
+class Residual(torch.nn.Module):
+    def __init__(self, d):
+        super().__init__()
+        self.fc, self.ln = torch.nn.Linear(d, d), torch.nn.LayerNorm(d)
+
+    def forward(self, x):
+        return x + torch.tanh(self.fc(self.ln(x)))
+
+
+class LoopNet(torch.nn.Module):
+    """The most common way models are written: a ModuleList and a loop in forward, no marks."""
+
+    def __init__(self, skip=False):
+        super().__init__()
+        self.skip = skip
+        self.inp = torch.nn.Linear(5, 8)
+        self.layers = torch.nn.ModuleList([Residual(8) for _ in range(4)])
+        self.out = torch.nn.Linear(8, 3)
+
+    def forward(self, x):
+        h = self.inp(x)
+        for layer in self.layers:
+            h = layer(h)
+        out = self.out(h)
+        return out + x.mean(-1, keepdim=True) if self.skip else out  # the input itself reaches the end
+
+
+def seq_loss(out, y):  # per-sample mean over positions
+    return torch.nn.functional.cross_entropy(out.transpose(1, 2), y, reduction="none").mean(1)
+
+
+def loop_net():
+    torch.manual_seed(0)
+    return LoopNet().double()
+
+
+@pytest.mark.parametrize("stages", [2, 3])
+@pytest.mark.parametrize("mode", ["ghost", "materialize"])
+def test_a_module_list_model_splits_automatically_and_matches_the_loop_oracle(stages, mode):
+    model = loop_net()
+    trainer = PipelineDPTrainer(model, seq_loss, lambda p: torch.optim.SGD(p, lr=1.0), stages=stages, microbatches=3,
+                                noise_multiplier=0.0, max_grad_norm=0.05, expected_batch_size=1, grad_mode=mode)
+    assert list(trainer.state_dict()) == list(model.state_dict())  # the model's own names
+    g = torch.Generator().manual_seed(1)
+    for n, t in ((9, 6), (5, 11)):  # one trainer, other batch sizes and sequence lengths
+        x, y = torch.randn(n, t, 5, generator=g, dtype=torch.float64), torch.randint(0, 3, (n, t), generator=g)
+        want = loop_clipped_sum(copy.deepcopy(model), seq_loss, x, y, 0.05)
+        before = {k: v.detach().clone() for k, v in model.named_parameters()}
+        trainer.step(x, y)
+        got = {k: before[k] - p.detach() for k, p in model.named_parameters()}
+        assert max_relative_error(got, want) < 1e-10
+
+
+def test_the_automatic_split_equals_the_hand_made_one():
+    auto, by_hand = loop_net(), loop_net()
+    by_hand.pipeline_blocks = lambda: [("inp", by_hand.inp)] + [(f"layers.{i}", m) for i, m in enumerate(by_hand.layers)] + [
+        ("out", by_hand.out)]
+    g = torch.Generator().manual_seed(2)
+    x, y = torch.randn(8, 4, 5, generator=g, dtype=torch.float64), torch.randint(0, 3, (8, 4), generator=g)
+    for model in (auto, by_hand):
+        PipelineDPTrainer(model, seq_loss, lambda p: torch.optim.SGD(p, lr=1.0), stages=2, microbatches=2,
+                          noise_multiplier=1.0, max_grad_norm=0.05, expected_batch_size=8, seed=3).step(x, y)
+    assert max_relative_error(auto.state_dict(), by_hand.state_dict()) < 1e-12
+
+
+def test_what_cannot_be_split_automatically_is_refused_by_name():
+    torch.manual_seed(0)
+    skip = LoopNet(skip=True).double()  # the input crosses every cut: no single-tensor boundary
+    with pytest.raises(UnsupportedModelError, match="tried: pipeline_blocks.*tracing its forward"):
+        PipelineDPTrainer(skip, seq_loss, stages=2, expected_batch_size=4)
+
+    class Branchy(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = torch.nn.Linear(5, 5), torch.nn.Linear(5, 3)
+
+        def forward(self, x):
+            return self.b(self.a(x) if x.sum() > 0 else x)  # control flow on a tensor's value
+
+    with pytest.raises(UnsupportedModelError, match="could not be traced.*pipeline_blocks"):
+        PipelineDPTrainer(Branchy(), seq_loss, stages=2, expected_batch_size=4)
