@@ -170,3 +170,44 @@ def test_what_cannot_be_split_automatically_is_refused_by_name():
 
     with pytest.raises(UnsupportedModelError, match="could not be traced.*pipeline_blocks"):
         PipelineDPTrainer(Branchy(), seq_loss, stages=2, expected_batch_size=4)
+
+
+class ConvResidual(torch.nn.Module):
+    def __init__(self, c):
+        super().__init__()
+        self.conv, self.norm = torch.nn.Conv2d(c, c, 3, padding=1), torch.nn.GroupNorm(2, c)
+
+    def forward(self, x, scale=1.0):
+        return x + scale * torch.relu(self.norm(self.conv(x)))
+
+
+class SmallCNN(torch.nn.Module):
+    """Images, GroupNorm, residual blocks called with a keyword argument, a loop: no marks."""
+
+    def __init__(self):
+        super().__init__()
+        self.stem = torch.nn.Conv2d(3, 4, 3, padding=1)
+        self.blocks = torch.nn.ModuleList([ConvResidual(4) for _ in range(3)])
+        self.head = torch.nn.Linear(4, 5)
+
+    def forward(self, x):
+        h = self.stem(x)
+        for block in self.blocks:
+            h = block(h, scale=0.5)
+        return self.head(h.mean((2, 3)))
+
+
+@pytest.mark.parametrize("stages", [2, 3])
+@pytest.mark.parametrize("mode", ["ghost", "materialize"])
+def test_a_small_cnn_with_keyword_blocks_splits_automatically(stages, mode):
+    torch.manual_seed(0)
+    model = SmallCNN().double()
+    g = torch.Generator().manual_seed(5)
+    x, y = torch.randn(6, 3, 8, 8, generator=g, dtype=torch.float64), torch.randint(0, 5, (6,), generator=g)
+    want = loop_clipped_sum(copy.deepcopy(model), lambda o, t: F.cross_entropy(o, t, reduction="none"), x, y, 0.05)
+    before = {k: v.detach().clone() for k, v in model.named_parameters()}
+    PipelineDPTrainer(model, lambda o, t: F.cross_entropy(o, t, reduction="none"), lambda p: torch.optim.SGD(p, lr=1.0),
+                      stages=stages, microbatches=2, noise_multiplier=0.0, max_grad_norm=0.05, expected_batch_size=1,
+                      grad_mode=mode).step(x, y)
+    got = {k: before[k] - p.detach() for k, p in model.named_parameters()}
+    assert max_relative_error(got, want) < 1e-10
