@@ -245,32 +245,9 @@ def tied_llama_from_folder(rank, folder, inprocess=False):
     return trainer.state_dict()
 
 
-class _Residual(torch.nn.Module):
-    def __init__(self, d):
-        super().__init__()
-        self.fc, self.ln = torch.nn.Linear(d, d), torch.nn.LayerNorm(d)
-
-    def forward(self, x):
-        return x + torch.tanh(self.fc(self.ln(x)))
-
-
-class LoopNet(torch.nn.Module):
-    """A ModuleList model with its own loop and no marks: split by tracing."""
-
-    def __init__(self):
-        super().__init__()
-        self.inp = torch.nn.Linear(5, 8)
-        self.layers = torch.nn.ModuleList([_Residual(8) for _ in range(4)])
-        self.out = torch.nn.Linear(8, 3)
-
-    def forward(self, x):
-        h = self.inp(x)
-        for layer in self.layers:
-            h = layer(h)
-        return self.out(h)
-
-
 def traced_step(rank, inprocess=False):
+    from loop_models import LoopNet
+
     torch.manual_seed(0)
     model = LoopNet().double()
     g = torch.Generator().manual_seed(4)

@@ -8,6 +8,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.distributed.pipelining import pipe_split
 
+from loop_models import LoopNet
 from oracles import loop_clipped_sum, max_relative_error
 from pipedp import PipelineDPTrainer, UnsupportedModelError
 from pipedp import SplitModel
@@ -87,33 +88,6 @@ def test_untraceable_model_names_the_problem():
 
     with pytest.raises(UnsupportedModelError, match="graph capture of DataDependent failed"):
         PipelineDPTrainer(SplitModel(DataDependent(), torch.randn(2, 3)), loss, stages=2, expected_batch_size=2)
-
-
-class Residual(torch.nn.Module):
-    def __init__(self, d):
-        super().__init__()
-        self.fc, self.ln = torch.nn.Linear(d, d), torch.nn.LayerNorm(d)
-
-    def forward(self, x):
-        return x + torch.tanh(self.fc(self.ln(x)))
-
-
-class LoopNet(torch.nn.Module):
-    """The most common way models are written: a ModuleList and a loop in forward, no marks."""
-
-    def __init__(self, skip=False):
-        super().__init__()
-        self.skip = skip
-        self.inp = torch.nn.Linear(5, 8)
-        self.layers = torch.nn.ModuleList([Residual(8) for _ in range(4)])
-        self.out = torch.nn.Linear(8, 3)
-
-    def forward(self, x):
-        h = self.inp(x)
-        for layer in self.layers:
-            h = layer(h)
-        out = self.out(h)
-        return out + x.mean(-1, keepdim=True) if self.skip else out  # the input itself reaches the end
 
 
 def seq_loss(out, y):  # per-sample mean over positions
