@@ -71,15 +71,15 @@ def _fingerprint(t: torch.Tensor) -> float:
 
 
 class DistributedRuntime:
-    def __init__(self, mesh: Mesh, stage: Stage, executor: Executor, dp_group, world_group, device: torch.device,
-                 state_keys: Sequence[str]):
+    def __init__(self, mesh: Mesh, stage: Stage, executor: Executor, dp_group, world_group, tie_group,
+                 device: torch.device, state_keys: Sequence[str]):
         self.mesh, self.device = mesh, device
         self.rank = mesh.rank
         self.replicas, self.replica = mesh.replicas, mesh.replica
         self.stage = stage
         self.executor = executor
         self.dp_group, self.world_group = dp_group, world_group
-        self.tie_group: Any = None  # first and last stage of this replica, when an embedding is tied to the head
+        self.tie_group = tie_group  # first and last stage of this replica, when an embedding is tied to the head
         self.state_keys = list(state_keys)
 
     @property
@@ -145,9 +145,8 @@ class DistributedRuntime:
             device,
         )
         executor = Executor(stage, transport, schedule.for_stage(mesh.stage), clipping, tied=tie is not None)
-        runtime = cls(mesh, stage, executor, dp_groups[mesh.stage], world_group, device, state_keys)
-        runtime.tie_group = tie_groups[mesh.replica] if tie_groups else None
-        return runtime
+        tie_group = tie_groups[mesh.replica] if tie_groups else None
+        return cls(mesh, stage, executor, dp_groups[mesh.stage], world_group, tie_group, device, state_keys)
 
     def check_same_batch(self, inputs: Inputs, targets: torch.Tensor) -> None:
         """Every rank must step on the same logical batch: compare its size and a fingerprint."""
@@ -181,8 +180,7 @@ class DistributedRuntime:
         by the owner), so they stay equal."""
         if stage.tie is None or self.tie_group is None:
             return grads
-        weight = stage.units[stage.tie_unit].weight
-        k = next(i for i, p in enumerate(stage.parameters) if p is weight)
+        k = stage.tied_index()
         total = grads[k].clone()
         self._collective("tied weight sum", lambda: dist.all_reduce(total, op=dist.ReduceOp.SUM, group=self.tie_group))
         return [total if i == k else g for i, g in enumerate(grads)]

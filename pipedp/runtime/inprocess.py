@@ -51,8 +51,7 @@ class InProcessRuntime:
         if stage.tie is None or stage.tie.role != "owner":
             return grads
         partner = self._stages[-1]
-        weight = stage.units[stage.tie_unit].weight
-        k = next(i for i, p in enumerate(stage.parameters) if p is weight)
+        k = stage.tied_index()
         grads = list(grads)
         grads[k] = grads[k] + partner.take_tied_part()
         return grads

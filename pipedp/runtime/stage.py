@@ -364,6 +364,11 @@ class Stage:
         scale = float(getattr(unit, "embed_scale", 1.0))  # a scaled embedding (Gemma): d out / d weight row
         return scale * (g3 * message.reshape(g3.shape).double()).sum((1, 2))
 
+    def tied_index(self) -> int:
+        """The position of the tied weight in ``self.parameters`` (a stage that steps it)."""
+        weight = self.units[self.tie_unit].weight
+        return next(i for i, p in enumerate(self.parameters) if p is weight)
+
     def take_tied_part(self) -> torch.Tensor:
         """Partner in one process: its clipped part of the tied weight, for the owner to add."""
         weight = self.units[self.tie_unit].weight

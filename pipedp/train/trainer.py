@@ -197,7 +197,8 @@ class PipelineDPTrainer:
 
     def _apply_update(self) -> None:
         std = self.privacy.noise_multiplier * self.clipping.sensitivity
-        for stage, opt in zip(self.runtime.local_stages, self.state.optimizers):
+        stages = self.runtime.local_stages
+        for stage in stages:  # every stage's update is set and checked before any optimizer steps
             grads = stage.take_clipped_sum()
             if self.runtime.replica == 0:  # noise once, before the sum over replicas
                 grads = self._noised(stage, grads, std)
@@ -206,6 +207,7 @@ class PipelineDPTrainer:
             for p, g in zip(stage.parameters, grads):
                 p.grad = (g / self.privacy.expected_batch_size).to(p.dtype)
             _check_finite(stage, [p.grad for p in stage.parameters], self.state.step + 1, "noisy clipped gradient")
+        for stage, opt in zip(stages, self.state.optimizers):
             if opt is None:  # nothing to train on this stage
                 continue
             opt.step()
