@@ -28,3 +28,37 @@ class LoopNet(torch.nn.Module):
             h = layer(h)
         out = self.out(h)
         return out + x.mean(-1, keepdim=True) if self.skip else out
+
+
+class MaskedBlock(torch.nn.Module):
+    """A residual block reading a padding mask: positions mix through a masked mean."""
+
+    def __init__(self, d):
+        super().__init__()
+        self.ln, self.fc, self.mix = torch.nn.LayerNorm(d), torch.nn.Linear(d, d), torch.nn.Linear(d, d)
+
+    def forward(self, h, mask):
+        m = mask.unsqueeze(-1).to(h.dtype)
+        pooled = (h * m).sum(1, keepdim=True) / m.sum(1, keepdim=True).clamp(min=1)
+        return h + torch.tanh(self.fc(self.ln(h)) + self.mix(pooled))
+
+
+class MaskedNet(torch.nn.Module):
+    """Token ids and a padding mask in (two forward inputs); every block reads the mask, the embedding
+    output comes back at the end (a long skip connection) and the ids feed a bias table there: a float
+    stream, the embedding output, the mask and the ids cross every cut."""
+
+    def __init__(self, vocab=11, d=8, layers=4):
+        super().__init__()
+        self.embed = torch.nn.Embedding(vocab, d)
+        self.blocks = torch.nn.ModuleList([MaskedBlock(d) for _ in range(layers)])
+        self.norm = torch.nn.LayerNorm(d)
+        self.head = torch.nn.Linear(d, vocab)
+        self.token_bias = torch.nn.Embedding(vocab, vocab)
+
+    def forward(self, ids, mask):
+        e = self.embed(ids)
+        h = e
+        for block in self.blocks:
+            h = block(h, mask)
+        return self.head(self.norm(h + e)) + self.token_bias(ids)

@@ -62,9 +62,10 @@ def loop_clipped_sum(
     if groups is None:
         groups = [((""), max_grad_norm)]
     total = {k: torch.zeros_like(p) for k, p in params.items()}
-    for i in range(len(x)):
+    for i in range(len(y)):
         model.zero_grad(set_to_none=True)
-        loss = loss_fn(model(x[i : i + 1]), y[i : i + 1]).sum()
+        out = model(**{k: v[i : i + 1] for k, v in x.items()}) if isinstance(x, dict) else model(x[i : i + 1])
+        loss = loss_fn(out, y[i : i + 1]).sum()
         loss.backward()
         for prefixes, clip in groups:
             members = [k for k in params if k.startswith(prefixes) and params[k].grad is not None]

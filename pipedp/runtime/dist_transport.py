@@ -1,7 +1,9 @@
 """Transport over torch.distributed: P2P activations/gradients, norm all-reduce.
 
-Every message is a small int64 header (micro-batch id, dtype, shape) followed by the
-payload. The receiver allocates from the header and checks the micro-batch id, so a
+Every tensor travels as a small int64 header (micro-batch id, channel, how many tensors the
+message holds, dtype, shape) followed by its payload; a tuple of tensors (several values
+crossing one cut) is its tensors one after the other, and an empty tuple is one header.
+The receiver allocates from the header and checks the micro-batch id, so a
 message of another shape can never land in a stale buffer (on gloo a smaller message
 into a larger buffer succeeds silently), and an out-of-order message is an error, not a
 wrong gradient. Sends are non-blocking (isend) and completed at the end of the pass.
@@ -13,7 +15,7 @@ behind a receive that waits for it.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Dict, List
+from typing import Dict, List, Tuple
 
 import torch
 import torch.distributed as dist
@@ -21,8 +23,10 @@ import torch.distributed as dist
 from schedules import Kind
 
 from ..errors import TransportError
+from .microbatch import Activation
 
-_HEADER = 10  # mb, channel, dtype code, ndim, up to 6 dims
+_HEADER = 11  # mb, channel, parts, dtype code, ndim, up to 6 dims
+_BARE = -1  # "parts" of a bare tensor; a tuple of k tensors says k
 _DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32,
            torch.int16, torch.int8, torch.uint8, torch.bool]
 _CHANNEL = {Kind.SEND_F: 0, Kind.RECV_F: 0, Kind.SEND_B: 1, Kind.RECV_B: 1}
@@ -56,35 +60,56 @@ class DistTransport:
         self.device = device
         self._pending: Dict[tuple, List] = {}  # (channel, mb) -> [(work, tensor kept alive)]
 
-    def send(self, kind: Kind, mb: int, tensor: torch.Tensor) -> None:
-        tensor = tensor.detach().contiguous()
-        if tensor.dtype not in _DTYPES:
-            raise TransportError(f"cannot send a {tensor.dtype} tensor between stages: use one of {_DTYPES}")
-        if tensor.dim() > _HEADER - 4:
-            raise TransportError(f"cannot send a {tensor.dim()}-d tensor between stages (at most {_HEADER - 4})")
-        header = torch.zeros(_HEADER, dtype=torch.int64)
-        header[:4] = torch.tensor([mb, _CHANNEL[kind], _DTYPES.index(tensor.dtype), tensor.dim()])
-        header[4 : 4 + tensor.dim()] = torch.tensor(tensor.shape, dtype=torch.int64)
+    def send(self, kind: Kind, mb: int, message: Activation) -> None:
+        tensors = [message] if isinstance(message, torch.Tensor) else list(message)
+        parts = _BARE if isinstance(message, torch.Tensor) else len(tensors)
+        for tensor in tensors:
+            if tensor.dtype not in _DTYPES:
+                raise TransportError(f"cannot send a {tensor.dtype} tensor between stages: use one of {_DTYPES}")
+            if tensor.dim() > _HEADER - 5:
+                raise TransportError(f"cannot send a {tensor.dim()}-d tensor between stages (at most {_HEADER - 5})")
         dst, group = self.peer[kind], self.channel_group[_CHANNEL[kind]]
-        header = header.to(self.device)
-        self._pending.setdefault((_CHANNEL[kind], mb), []).extend(
-            [(dist.isend(header, dst, group=group), header), (dist.isend(tensor, dst, group=group), tensor)]
-        )
+        sent = self._pending.setdefault((_CHANNEL[kind], mb), [])
+        if not tensors:  # an empty message: its header says so
+            header = self._header(mb, kind, 0, None)
+            sent.append((dist.isend(header, dst, group=group), header))
+        for tensor in tensors:
+            tensor = tensor.detach().contiguous()
+            header = self._header(mb, kind, parts, tensor)
+            sent.extend([(dist.isend(header, dst, group=group), header), (dist.isend(tensor, dst, group=group), tensor)])
 
-    def recv(self, kind: Kind, mb: int) -> torch.Tensor:
+    def _header(self, mb: int, kind: Kind, parts: int, tensor) -> torch.Tensor:
+        header = torch.zeros(_HEADER, dtype=torch.int64)
+        header[:3] = torch.tensor([mb, _CHANNEL[kind], parts])
+        if tensor is not None:
+            header[3:5] = torch.tensor([_DTYPES.index(tensor.dtype), tensor.dim()])
+            header[5 : 5 + tensor.dim()] = torch.tensor(tensor.shape, dtype=torch.int64)
+        return header.to(self.device)
+
+    def recv(self, kind: Kind, mb: int) -> Activation:
+        parts, first = self._recv_one(kind, mb)
+        if parts == _BARE:
+            return first
+        if parts == 0:
+            return ()
+        return (first,) + tuple(self._recv_one(kind, mb)[1] for _ in range(parts - 1))
+
+    def _recv_one(self, kind: Kind, mb: int) -> Tuple[int, torch.Tensor]:
         src, group = self.peer[kind], self.channel_group[_CHANNEL[kind]]
         header = torch.zeros(_HEADER, dtype=torch.int64, device=self.device)
         self._wait_for(lambda: dist.recv(header, src, group=group), src, kind, mb)
-        got_mb, channel, dtype, ndim = (int(v) for v in header[:4].tolist())
+        got_mb, channel, parts, dtype, ndim = (int(v) for v in header[:5].tolist())
         if got_mb != mb or channel != _CHANNEL[kind]:
             raise TransportError(
                 f"stage {self.stage} expected the {_NAMES[_CHANNEL[kind]]} of micro-batch {mb} from rank {src}, "
                 f"got the {_NAMES.get(channel, channel)} of micro-batch {got_mb}: the ranks run different schedules"
             )
-        shape = [int(v) for v in header[4 : 4 + ndim].tolist()]
+        if parts == 0:
+            return 0, header
+        shape = [int(v) for v in header[5 : 5 + ndim].tolist()]
         payload = torch.empty(shape, dtype=_DTYPES[dtype], device=self.device)
         self._wait_for(lambda: dist.recv(payload, src, group=group), src, kind, mb)
-        return payload
+        return parts, payload
 
     def _wait_for(self, receive, src: int, kind: Kind, mb: int) -> None:
         """A receive that names the silent peer when it times out or the peer's connection breaks."""

@@ -16,7 +16,7 @@ import torch
 from schedules import Action, Kind
 
 from ..privacy.clipping import Clipping, clip_factors
-from .microbatch import PassBatch
+from .microbatch import Activation, PassBatch, detached
 from .protocols import PendingReduction, Transport, WouldBlock
 from .stage import Stage
 
@@ -28,10 +28,10 @@ class PassState:
     batch: PassBatch
     loss_sum: torch.Tensor  # float64 scalar on the batch's device
     dropped: torch.Tensor  # real rows left out for a non-finite norm (last stage), likewise
-    received: Dict[int, torch.Tensor] = field(default_factory=dict)  # activations in
-    outgoing: Dict[int, torch.Tensor] = field(default_factory=dict)  # activations out
-    grads_in: Dict[int, torch.Tensor] = field(default_factory=dict)
-    grads_out: Dict[int, torch.Tensor] = field(default_factory=dict)
+    received: Dict[int, Activation] = field(default_factory=dict)  # activations in
+    outgoing: Dict[int, Activation] = field(default_factory=dict)  # activations out
+    grads_in: Dict[int, Activation] = field(default_factory=dict)  # gradient messages
+    grads_out: Dict[int, Activation] = field(default_factory=dict)
     norms: Dict[int, torch.Tensor] = field(default_factory=dict)  # this stage's, before the reduction
     tie_in: Dict[int, torch.Tensor] = field(default_factory=dict)  # tied head's message, travelling to stage 0
     tie_out: Dict[int, torch.Tensor] = field(default_factory=dict)
@@ -115,12 +115,13 @@ class Executor:
         inputs = state.batch.inputs[mb]
         x = inputs if stage.is_first else state.received.pop(mb)
         side = inputs if isinstance(inputs, dict) else None  # every stage sees its micro-batch's masks
-        out = stage.forward(mb, x, state.batch.targets[mb] if stage.is_last else None, side)
+        out = stage.forward(mb, x, state.batch.targets[mb] if stage.is_last else None, side,
+                            size=int(state.batch.masks[mb].shape[0]))
         if stage.is_last:
             real = state.batch.masks[mb] > 0
             state.loss_sum += torch.where(real, out.detach().to(torch.float64), 0.0).sum()
         else:
-            state.outgoing[mb] = out.detach()
+            state.outgoing[mb] = detached(out)
 
     def _backward_input(self, mb: int) -> None:
         state = self._pass

@@ -14,6 +14,7 @@ import torch
 from schedules import Kind
 
 from ..errors import TransportError
+from .microbatch import Activation, detached
 from .protocols import WouldBlock
 
 _PEER = {Kind.SEND_F: 1, Kind.SEND_B: -1, Kind.RECV_F: -1, Kind.RECV_B: 1}
@@ -23,7 +24,7 @@ _CHANNEL = {Kind.SEND_F: "F", Kind.RECV_F: "F", Kind.SEND_B: "B", Kind.RECV_B: "
 class InProcessHub:
     def __init__(self, stages: int):
         self.stages = stages
-        self.mailboxes: Dict[Tuple[int, int, str], Deque[Tuple[int, torch.Tensor]]] = defaultdict(deque)
+        self.mailboxes: Dict[Tuple[int, int, str], Deque[Tuple[int, Activation]]] = defaultdict(deque)
         self.reductions: Dict[int, Dict[int, torch.Tensor]] = defaultdict(dict)
 
     def transport(self, stage: int) -> "InProcessTransport":
@@ -51,22 +52,22 @@ class InProcessTransport:
     def __init__(self, hub: InProcessHub, stage: int):
         self.hub, self.stage = hub, stage
 
-    def send(self, kind: Kind, mb: int, tensor: torch.Tensor) -> None:
+    def send(self, kind: Kind, mb: int, message: Activation) -> None:
         dst = self.stage + _PEER[kind]
-        self.hub.mailboxes[(self.stage, dst, _CHANNEL[kind])].append((mb, tensor.detach()))
+        self.hub.mailboxes[(self.stage, dst, _CHANNEL[kind])].append((mb, detached(message)))
 
-    def recv(self, kind: Kind, mb: int) -> torch.Tensor:
+    def recv(self, kind: Kind, mb: int) -> Activation:
         src = self.stage + _PEER[kind]
         box = self.hub.mailboxes[(src, self.stage, _CHANNEL[kind])]
         if not box:
             raise WouldBlock
-        got_mb, tensor = box[0]
+        got_mb, message = box[0]
         if got_mb != mb:
             raise TransportError(
                 f"stage {self.stage} expected {_CHANNEL[kind]} of micro-batch {mb} from stage {src}, got {got_mb}"
             )
         box.popleft()
-        return tensor
+        return message
 
     def norm_reduce_start(self, mb: int, squared_norms: torch.Tensor) -> InProcessReduction:
         parts = self.hub.reductions[mb]

@@ -15,45 +15,49 @@ from typing import List, Sequence
 import torch
 
 from ..split.blocks import Block
+from .microbatch import Inputs, activation_tensors, detached, rows
 from .stage import Stage
 
 
-def _time_block(block: Block, x: torch.Tensor, grad_mode: str, repeats: int):
-    index = 0 if not x.is_floating_point() else 1  # a middle stage: input grads, no loss
+def _time_block(block: Block, x, size: int, first: bool, grad_mode: str, repeats: int):
     times, out = [], None
     for r in range(repeats + 1):
-        stage = Stage(index, 3, [block], None, grad_mode)
+        stage = Stage(0 if first else 1, 3, [block], None, grad_mode)  # a middle stage: input grads, no loss
         stage.verified = True  # time the passes, not the first-use check
         start = time.perf_counter()
-        out = stage.forward(0, x)
-        stage.backward(0, torch.ones_like(out))
-        stage.weight(0, torch.ones(x.shape[0], dtype=torch.float64))
+        out = stage.forward(0, x, size=size)
+        ones = tuple(torch.ones_like(t) for t in activation_tensors(out) if t.is_floating_point())
+        stage.backward(0, ones if isinstance(out, tuple) else ones[0] if ones else ())
+        stage.weight(0, torch.ones(size, dtype=torch.float64))
         elapsed = time.perf_counter() - start
         stage.close()
         if r:  # the first run warms up
             times.append(elapsed)
-    return statistics.median(times), out.detach()
+    return statistics.median(times), detached(out)
 
 
 @dataclass
 class MeasuredCosts:
     """A balance rule: blocks -> seconds per block for one micro-batch like ``sample_input``."""
 
-    sample_input: torch.Tensor
+    sample_input: Inputs
     grad_mode: str = "ghost"
     repeats: int = 3
     unit: str = "seconds"
 
     def describe(self) -> str:
-        return f"measured_costs({tuple(self.sample_input.shape)}, {self.grad_mode})"
+        shapes = {k: tuple(v.shape) for k, v in self.sample_input.items()} if isinstance(self.sample_input, dict) \
+            else tuple(self.sample_input.shape)
+        return f"measured_costs({shapes}, {self.grad_mode})"
 
     def __call__(self, blocks: Sequence[Block]) -> List[float]:
-        x, out = self.sample_input, []
-        for block in blocks:
-            seconds, x = _time_block(block, x, self.grad_mode, self.repeats)
+        x, out, size = self.sample_input, [], rows(self.sample_input)
+        for k, block in enumerate(blocks):
+            first = k == 0 or (isinstance(x, torch.Tensor) and not x.is_floating_point())
+            seconds, x = _time_block(block, x, size, first, self.grad_mode, self.repeats)
             out.append(seconds)
         return out
 
 
-def measured_costs(sample_input: torch.Tensor, grad_mode: str = "ghost", repeats: int = 3) -> MeasuredCosts:
+def measured_costs(sample_input: Inputs, grad_mode: str = "ghost", repeats: int = 3) -> MeasuredCosts:
     return MeasuredCosts(sample_input, grad_mode, repeats)

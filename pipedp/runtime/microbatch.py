@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Dict, List, Optional, Union
+from typing import Dict, List, Optional, Tuple, Union
 
 import torch
 
@@ -20,6 +20,18 @@ from ..errors import BatchError
 
 
 Inputs = Union[torch.Tensor, Dict[str, torch.Tensor]]
+# what one stage hands the next: a tensor, or a tuple of tensors (several values crossing one cut,
+# e.g. a residual stream and a mask); the gradient message back holds one gradient per
+# floating-point tensor of it, in order (a bare tensor for a bare tensor)
+Activation = Union[torch.Tensor, Tuple[torch.Tensor, ...]]
+
+
+def activation_tensors(value: Activation) -> List[torch.Tensor]:
+    return list(value) if isinstance(value, tuple) else [value]
+
+
+def detached(value: Activation) -> Activation:
+    return tuple(t.detach() for t in value) if isinstance(value, tuple) else value.detach()
 
 
 def rows(inputs: Inputs) -> int:

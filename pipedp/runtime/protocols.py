@@ -10,7 +10,7 @@ import torch
 
 from schedules import Kind
 
-from .microbatch import Inputs, PassBatch
+from .microbatch import Activation, Inputs, PassBatch
 from .stage import Stage
 
 
@@ -29,9 +29,11 @@ class PendingReduction(Protocol):
 class Transport(Protocol):
     """Moves one stage's activations, gradients and norms to its neighbours."""
 
-    def send(self, kind: Kind, mb: int, tensor: torch.Tensor) -> None: ...
+    def send(self, kind: Kind, mb: int, message: Activation) -> None:
+        """An activation or gradient message: a tensor or a tuple of tensors."""
+        ...
 
-    def recv(self, kind: Kind, mb: int) -> torch.Tensor: ...
+    def recv(self, kind: Kind, mb: int) -> Activation: ...
 
     def norm_reduce_start(self, mb: int, squared_norms: torch.Tensor) -> PendingReduction: ...
 

@@ -12,25 +12,26 @@ from __future__ import annotations
 import contextlib
 import inspect
 from dataclasses import dataclass, field
-from typing import Callable, Dict, List, NamedTuple, Optional, Sequence
+from typing import Any, Callable, Dict, List, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 import torch.nn as nn
 
 from ..config import GRAD_MODES
-from ..errors import BatchError, UnsupportedModelError
+from ..errors import BatchError, TransportError, UnsupportedModelError
 from ..privacy.per_sample import GramCache, clipped_grad_sum, ghost_squared_norms, per_sample_grads
 from ..split.blocks import Block
 from ..split.partition import Tie
 from .capture import ActivationCapture, LayerCall, block_units
-from .microbatch import Inputs, rows
+from .microbatch import Activation, activation_tensors, rows
 
 
 @dataclass
 class MicroBatchState:
     size: int
-    input: Optional[torch.Tensor] = None
-    output: Optional[torch.Tensor] = None  # stage output (or per-sample losses on the last stage)
+    inputs: Tuple[torch.Tensor, ...] = ()  # the received floating-point tensors (gradients go back)
+    tuple_input: bool = False  # received a tuple: the gradient message is a tuple too
+    output: Any = None  # the stage's output (per-sample losses on the last stage)
     calls: Dict[str, List[LayerCall]] = field(default_factory=dict)
     backprops: Dict[str, List[torch.Tensor]] = field(default_factory=dict)
 
@@ -55,7 +56,7 @@ class TieRole:
 
 
 class BackwardResult(NamedTuple):
-    input_grad: Optional[torch.Tensor]  # None on the first stage
+    input_grad: Optional[Activation]  # the gradient message to the previous stage; None on the first
     squared_norms: torch.Tensor  # float64 [size] (per_layer: [units, size]): per-sample squared norms
 
 
@@ -152,20 +153,24 @@ class Stage:
             b.module.load_state_dict({k: state[q] for k, q in own.items()})
 
     # ---- F -------------------------------------------------------------------------------
-    def forward(self, mb: int, x: Inputs, targets=None, side_inputs: Optional[Dict[str, torch.Tensor]] = None
-                ) -> torch.Tensor:
+    def forward(self, mb: int, x, targets=None, side_inputs: Optional[Dict[str, torch.Tensor]] = None,
+                size: Optional[int] = None):
         """``x``: the micro-batch's inputs (first stage: a tensor or a dict of tensors) or the previous
-        stage's output; ``side_inputs``: the micro-batch's input dict, handed to every block whose
-        forward takes ``side_inputs`` (e.g. Hugging Face layers reading the attention mask)."""
-        size = rows(x)
-        if isinstance(x, torch.Tensor) and not self.is_first and x.is_floating_point():
-            x = x.detach().requires_grad_(True)
-        state = MicroBatchState(size=size, input=x if isinstance(x, torch.Tensor) else None)
-        device = (x if isinstance(x, torch.Tensor) else next(iter(x.values()))).device
+        stage's output (a tensor or a tuple of tensors); ``side_inputs``: the micro-batch's input dict,
+        handed to every block whose forward takes ``side_inputs`` (e.g. Hugging Face layers reading the
+        attention mask); ``size``: the micro-batch's rows (default: read from ``x``)."""
+        if not self.is_first:  # the received tensors become leaves whose gradients go back
+            x = tuple(_leaf(t) for t in x) if isinstance(x, tuple) else _leaf(x)
+        size = size if size is not None else rows(x if not isinstance(x, tuple) else x[0])
+        state = MicroBatchState(size=size)
+        if not self.is_first:
+            state.inputs = tuple(t for t in activation_tensors(x) if t.is_floating_point())
+            state.tuple_input = isinstance(x, tuple)
+        device = (next(iter(x.values())) if isinstance(x, dict) else activation_tensors(x)[0]).device
         with self.capture.recording(mb, size), self._compute_precision(device):
             out = x
             for b in self.blocks:
-                out = b.module(out, side_inputs=side_inputs) if id(b) in self._side_blocks else b.module(out)
+                out = self._call(b, out, side_inputs)
                 if isinstance(out, tuple) and len(out) == 1:  # captured graphs return 1-tuples
                     out = out[0]
             state.calls = self.capture.pop(mb)
@@ -188,17 +193,36 @@ class Stage:
                     "would be noise only; return the per-sample losses computed from the outputs"
                 )
             out = losses
-        elif not isinstance(out, torch.Tensor):
-            raise UnsupportedModelError(
-                f"stage {self.index} returns {type(out).__name__}: blocks must pass one tensor between stages"
-            )
+        else:
+            sent = out if isinstance(out, tuple) else (out,)
+            if not sent or not all(isinstance(t, torch.Tensor) for t in sent):
+                what = ", ".join(type(t).__name__ for t in sent) or "nothing"
+                raise UnsupportedModelError(
+                    f"stage {self.index} passes ({what}) to the next stage: only a tensor or a tuple of tensors "
+                    "can cross a stage boundary; compute non-tensor values (shapes, flags) inside the stage "
+                    "that uses them, or choose another split"
+                )
         state.output = out
         self.pending[mb] = state
         return out
 
+    def _call(self, block: Block, value, side_inputs: Optional[Dict[str, torch.Tensor]]):
+        """One block on the value before it: a tuple is spread over its positional arguments."""
+        kwargs = {"side_inputs": side_inputs} if id(block) in self._side_blocks else {}
+        if block.input_names and (isinstance(value, dict) or len(block.input_names) > 1):
+            if not isinstance(value, dict) or set(value) != set(block.input_names):
+                given = sorted(value) if isinstance(value, dict) else type(value).__name__
+                raise BatchError(
+                    f"the model's forward takes {list(block.input_names)} (arguments with a default keep it): "
+                    f"pass the inputs as a dict with exactly those keys, got {given}"
+                )
+            return block.module(*(value[n] for n in block.input_names), **kwargs)
+        return block.module(*value, **kwargs) if isinstance(value, tuple) else block.module(value, **kwargs)
+
     # ---- B -------------------------------------------------------------------------------
-    def backward(self, mb: int, grad_output: torch.Tensor) -> BackwardResult:
-        """grad_output: on the last stage the row mask (1 real, 0 padded); else d(loss)/d(output)."""
+    def backward(self, mb: int, grad_output) -> BackwardResult:
+        """grad_output: on the last stage the row mask (1 real, 0 padded); else the next stage's
+        gradient message for this stage's output (one gradient per floating-point tensor of it)."""
         state = self.pending[mb]
         pairs = [(name, call) for name, calls in state.calls.items() for call in calls]
         targets = []
@@ -210,35 +234,49 @@ class Stage:
                     "use the out-of-place operation"
                 )
             targets.append(call.output)
-        wants_input = state.input is not None and state.input.requires_grad
-        if wants_input:
-            targets.append(state.input)
+        targets.extend(state.inputs)
+        outputs, output_grads = self._differentiable(state.output, grad_output)
         # the first backward also asks autograd for the parameters' gradients (same pass, no extra
         # backward), to check that the captures see every use of every parameter (see _verify)
-        verify = not self.verified and bool(self.parameters) and state.output.requires_grad
+        verify = not self.verified and bool(self.parameters) and bool(outputs)
         extra = list(self.parameters) if verify else []
-        grads = []
-        if (targets or extra) and state.output.requires_grad:
-            grads = torch.autograd.grad(
-                state.output, targets + extra, grad_output.to(state.output.dtype), allow_unused=True
-            )
-        grads = list(grads) + [None] * (len(targets) + len(extra) - len(grads))
+        grads: List[Optional[torch.Tensor]] = []
+        if (targets or extra) and outputs:
+            grads = list(torch.autograd.grad(outputs, targets + extra, output_grads, allow_unused=True))
+        grads = grads + [None] * (len(targets) + len(extra) - len(grads))
         param_grads = grads[len(targets):]
-        grads = grads[: len(targets)]
-        input_grad = grads.pop() if wants_input else None
-        if input_grad is None and wants_input:
-            input_grad = torch.zeros_like(state.input)
+        input_grads = grads[len(targets) - len(state.inputs): len(targets)]
+        grads = grads[: len(targets) - len(state.inputs)]
+        message = None
+        if not self.is_first:  # one gradient per floating-point input, zeros for an unused one
+            message = tuple(g if g is not None else torch.zeros_like(t) for g, t in zip(input_grads, state.inputs))
+            if not state.tuple_input and len(message) == 1:
+                message = message[0]
         for (name, call), g in zip(pairs, grads):
             state.backprops.setdefault(name, []).append(
                 _widened(g.detach()) if g is not None else _widened(torch.zeros_like(call.output))
             )
             call.output = None  # frees the graph once state.output goes too
         state.output = None
-        state.input = None
+        state.inputs = ()
         if verify:
             self._verify(state, param_grads)
             self.verified = True
-        return BackwardResult(input_grad, self._squared_norms(state))
+        return BackwardResult(message, self._squared_norms(state))
+
+    def _differentiable(self, output, grad_output) -> Tuple[List[torch.Tensor], List[torch.Tensor]]:
+        """The stage's outputs that carry a gradient back, with their incoming gradients."""
+        if self.is_last:
+            return ([output], [grad_output.to(output.dtype)]) if output.requires_grad else ([], [])
+        floating = [t for t in activation_tensors(output) if t.is_floating_point()]
+        incoming = activation_tensors(grad_output)
+        if len(incoming) != len(floating):
+            raise TransportError(
+                f"stage {self.index} sent {len(floating)} floating-point tensors but got {len(incoming)} gradients "
+                "back: the ranks split the model differently"
+            )
+        kept = [(t, g.to(t.dtype)) for t, g in zip(floating, incoming) if t.requires_grad]
+        return [t for t, _ in kept], [g for _, g in kept]
 
     def _verify(self, state: MicroBatchState, autograd_grads: List[Optional[torch.Tensor]]) -> None:
         """Refuse a model whose parameters are used outside the calls of the modules that own them
@@ -381,6 +419,10 @@ class Stage:
         out = [g if g is not None else torch.zeros_like(p) for g, p in zip(out, self.parameters)]
         self.clipped_sum = {}
         return out
+
+
+def _leaf(t: torch.Tensor) -> torch.Tensor:
+    return t.detach().requires_grad_(True) if t.is_floating_point() else t
 
 
 def _widened(t: torch.Tensor) -> torch.Tensor:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import hashlib
 from dataclasses import dataclass
+from typing import Tuple
 
 import torch.nn as nn
 
@@ -14,6 +15,9 @@ import torch.nn as nn
 class Block:
     name: str  # prefix of this block's state-dict keys in the model's state dict ("" for none)
     module: nn.Module
+    # a first block whose forward takes the micro-batch's input dict entries as positional
+    # arguments, in this order (a traced model whose forward has several inputs); () otherwise
+    input_names: Tuple[str, ...] = ()
 
     def qualified(self, key: str) -> str:
         return f"{self.name}.{key}" if self.name else key

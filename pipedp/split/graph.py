@@ -4,7 +4,8 @@ Mark the split points with ``torch.distributed.pipelining.pipe_split()`` inside 
 give a ``split_spec``), then wrap: ``SplitModel(model, example_input)``. pipedp captures
 the graph with ``pipeline()`` and uses each captured stage module as one block; its
 parameters are the model's own tensors, under the model's own names. A stage boundary
-must carry exactly one tensor: anything else is refused with the construct named.
+must carry exactly one tensor: anything else is refused with the construct named (the
+automatic split of traced.py, with no wrapper, lets several tensors cross).
 """
 from __future__ import annotations
 
@@ -53,8 +54,9 @@ def captured_blocks(model: nn.Module) -> Optional[List[Block]]:
         if len(inputs) != 1:
             raise UnsupportedModelError(
                 f"captured stage {i} of {type(model.model).__name__} takes {len(inputs)} tensors "
-                f"({', '.join(n.name for n in inputs)}): only one tensor may cross a split point; move the "
-                "split so that skip connections and extra inputs stay inside one stage"
+                f"({', '.join(n.name for n in inputs)}): only one tensor may cross a marked split point; move the "
+                "split so that skip connections and extra inputs stay inside one stage, or pass the model "
+                "without SplitModel: pipedp then traces and splits it itself, and several tensors may cross"
             )
     # the captured stage modules keep the model's own qualified names (a.weight, layers.0.fc.bias, ...)
     return [Block("model", stage) for stage in stages]

@@ -1,19 +1,39 @@
 """Any traceable module split with no marks: torch.fx traces its forward once (shape-agnostic,
 so any micro-batch size and sequence length runs), keeping each top-level call (a direct child,
-or an element of a ModuleList / Sequential child, e.g. ``layers.3``) as one node; the graph is cut
-after such calls wherever exactly one tensor crosses, and every piece becomes a block, a small
-GraphModule holding the model's own submodules under their own names. The partitioner then
-balances those blocks into stages like any others.
+or an element of a ModuleList / Sequential child, e.g. ``layers.3``) as one node. The graph may
+be cut after any such call where what crosses the cut is tensors (one, or several: a skip
+connection, a mask, the embedding output reused at the end travel as a tuple), and every piece
+becomes a block, a small GraphModule holding the model's own submodules under their own names.
+The partitioner then balances those blocks into stages like any others.
+
+The graph also answers, before anything runs, what hooks could only find out later:
+- a trainable parameter read directly in forward (``F.linear(x, self.embed.weight)``) has no
+  module call to capture its per-sample gradient: refused, naming it;
+- an in-place update of the output of a layer with parameters corrupts that layer's captured
+  output: refused, naming both;
+- a module called twice, or two modules sharing a parameter: the graph is never cut between
+  those calls, so one stage sees every use (an input embedding tied to an output head is the
+  exception: pipedp splits that tie exactly across the first and last stage).
+
+Forward arguments without a default are the model's inputs (several: the micro-batch is a dict
+keyed by their names); arguments with a default keep it.
 """
 from __future__ import annotations
 
-from typing import Dict, List, Optional
+import inspect
+import operator
+from typing import Dict, List, Optional, Set
 
 import torch.fx as fx
 import torch.nn as nn
 
 from ..errors import UnsupportedModelError
 from .blocks import Block
+
+_META_ATTRIBUTES = {"shape", "dtype", "device", "ndim", "is_cuda", "requires_grad", "layout"}
+_META_METHODS = {"size", "dim", "numel", "__len__", "tolist", "item", "type", "is_contiguous", "get_device"}
+_INPLACE_FUNCTIONS = {operator.iadd, operator.isub, operator.imul, operator.itruediv, operator.ifloordiv,
+                      operator.ipow, operator.imod, operator.iand, operator.ior, operator.ixor, operator.setitem}
 
 
 class _TopLevelTracer(fx.Tracer):
@@ -25,8 +45,45 @@ class _TopLevelTracer(fx.Tracer):
 
 def traced_blocks(model: nn.Module) -> Optional[List[Block]]:
     """Blocks cut from the traced forward, or None when fewer than two pieces come out."""
+    graph = _trace(model)
+    nodes = list(graph.nodes)
+    placeholders = [n for n in nodes if n.op == "placeholder"]
+    if not placeholders:
+        raise UnsupportedModelError(f"{type(model).__name__}.forward takes no input to split a pipeline over")
+    _refuse_what_per_sample_clipping_cannot_see(model, nodes)
+    body = [n for n in nodes if n.op not in ("placeholder", "output")]
+    kept_together = _spans_sharing_parameters(model, body)
+    meta = _non_tensor_values(nodes)
+    cuts = []
+    for i, node in enumerate(body[:-1]):
+        if node.op != "call_module" or any(a <= i < b for a, b in kept_together):
+            continue
+        crossing = _crossing(placeholders + body, len(placeholders) + i + 1)
+        if crossing and not any(n in meta for n in crossing):
+            cuts.append(i + 1)
+    bounds = [0] + cuts + [len(body)]
+    pieces = [body[a:b] for a, b in zip(bounds, bounds[1:]) if b > a]
+    if len(pieces) < 2:
+        return None
+    output = next(n for n in nodes if n.op == "output")
+    blocks, incoming = [], placeholders
+    for k, piece in enumerate(pieces):
+        if k == len(pieces) - 1:
+            result, outgoing = output.args[0], []
+        else:
+            outgoing = _crossing(placeholders + body, len(placeholders) + bounds[k + 1])
+            result = outgoing[0] if len(outgoing) == 1 else tuple(outgoing)
+        names = tuple(p.target for p in placeholders) if k == 0 else ()
+        blocks.append(Block("", _piece_module(model, piece, incoming, result), input_names=names))
+        incoming = outgoing
+    return blocks
+
+
+def _trace(model: nn.Module) -> fx.Graph:
+    defaults = {name: p.default for name, p in inspect.signature(model.forward).parameters.items()
+                if p.default is not inspect.Parameter.empty}
     try:
-        graph = _TopLevelTracer().trace(model)
+        return _TopLevelTracer().trace(model, concrete_args=defaults or None)
     except Exception as exc:
         raise UnsupportedModelError(
             f"{type(model).__name__} could not be traced to split it automatically ({type(exc).__name__}: "
@@ -34,40 +91,118 @@ def traced_blocks(model: nn.Module) -> Optional[List[Block]]:
             "non-tensor inputs. Give the model a pipeline_blocks() method, mark split points with pipe_split() "
             "and wrap it in pipedp.SplitModel, or move the data-dependent part inside one submodule"
         ) from exc
-    nodes = list(graph.nodes)
-    placeholders = [n for n in nodes if n.op == "placeholder"]
-    if len(placeholders) != 1:
-        raise UnsupportedModelError(
-            f"{type(model).__name__}.forward takes {len(placeholders)} inputs: the automatic split needs one "
-            "tensor (pass masks and other side inputs inside a dict to a model with pipeline_blocks())"
-        )
-    body = [n for n in nodes if n.op not in ("placeholder", "output")]
-    cuts = [i + 1 for i, n in enumerate(body[:-1])
-            if n.op == "call_module" and _crossing(placeholders + body, len(placeholders) + i + 1) == [n]]
-    bounds = [0] + cuts + [len(body)]
-    pieces = [body[a:b] for a, b in zip(bounds, bounds[1:]) if b > a]
-    if len(pieces) < 2:
-        return None
-    output = next(n for n in nodes if n.op == "output")
-    blocks, carried = [], placeholders[0]
-    for k, piece in enumerate(pieces):
-        last = k == len(pieces) - 1
-        result = output.args[0] if last else piece[-1]
-        blocks.append(Block("", _piece_module(model, piece, carried, result)))
-        carried = piece[-1]
-    return blocks
 
 
 def _crossing(nodes: List[fx.Node], cut: int) -> List[fx.Node]:
-    """The values made before ``cut`` (the input included) and used at or after it (the output included)."""
+    """The values made before ``cut`` (the inputs included) and used at or after it (the output
+    included); attribute reads are not values that cross: each piece reads its own."""
     later = set(nodes[cut:])
-    return [n for n in nodes[:cut] if any(user in later or user.op == "output" for user in n.users)]
+    return [n for n in nodes[:cut]
+            if n.op != "get_attr" and any(user in later or user.op == "output" for user in n.users)]
 
 
-def _piece_module(root: nn.Module, piece: List[fx.Node], incoming: fx.Node, result) -> fx.GraphModule:
+def _non_tensor_values(nodes: List[fx.Node]) -> Set[fx.Node]:
+    """Nodes computing shapes, sizes, dtypes and arithmetic on those: values no transport can carry."""
+    meta: Set[fx.Node] = set()
+    for n in nodes:
+        args = [a for a in n.all_input_nodes]
+        if n.op == "call_function" and n.target is getattr and n.args[1] in _META_ATTRIBUTES:
+            meta.add(n)
+        elif n.op == "call_method" and n.target in _META_METHODS:
+            meta.add(n)
+        elif n.op == "call_function" and n.target is len:
+            meta.add(n)
+        elif n.op == "call_function" and args and all(a in meta for a in args):
+            meta.add(n)  # operator.getitem / mul / ... on sizes
+    return meta
+
+
+def _refuse_what_per_sample_clipping_cannot_see(model: nn.Module, nodes: List[fx.Node]) -> None:
+    name = type(model).__name__
+    for n in nodes:
+        if n.op == "get_attr":
+            value = _attribute(model, n.target)
+            if isinstance(value, nn.Parameter) and value.requires_grad:
+                raise UnsupportedModelError(
+                    f"{name}.forward reads the trainable parameter {n.target!r} directly (not by calling the module "
+                    "that owns it): its per-sample gradients cannot be captured. Call the owning module (e.g. "
+                    "self.head(x) rather than F.linear(x, self.embed.weight)), hold it in a module such as "
+                    "nn.Embedding or nn.Linear, or freeze it"
+                )
+    for n in nodes:
+        if not _in_place(model, n) or not n.args or not isinstance(n.args[0], fx.Node):
+            continue
+        target = n.args[0]
+        if target.op == "call_module" and _owns_trainable(_attribute(model, target.target)):
+            raise UnsupportedModelError(
+                f"{name}.forward updates the output of layer {target.target!r} in place ({_describe(n)}): the "
+                "layer's captured output would change and its per-sample gradient would be wrong; use the "
+                "out-of-place operation (x = x + y, torch.relu(x), inplace=False)"
+            )
+
+
+def _in_place(model: nn.Module, n: fx.Node) -> bool:
+    if n.op == "call_function":
+        return (n.target in _INPLACE_FUNCTIONS or getattr(n.target, "__name__", "").endswith("_")
+                or n.kwargs.get("inplace") is True)
+    if n.op == "call_method":
+        return n.target.endswith("_") and not n.target.startswith("__") or n.kwargs.get("inplace") is True
+    if n.op == "call_module":
+        return bool(getattr(_attribute(model, n.target), "inplace", False))
+    return False
+
+
+def _describe(n: fx.Node) -> str:
+    return n.target if isinstance(n.target, str) else getattr(n.target, "__name__", str(n.target))
+
+
+def _spans_sharing_parameters(model: nn.Module, body: List[fx.Node]) -> List[tuple]:
+    """(first, last) body positions of the calls using one trainable parameter: no cut between them
+    (one module called twice, or modules sharing a weight), except an embedding tied to a head."""
+    uses: Dict[int, List[int]] = {}
+    kinds: Dict[int, Set[type]] = {}
+    for i, n in enumerate(body):
+        if n.op != "call_module":
+            continue
+        module = _attribute(model, n.target)
+        for owner in module.modules():
+            for p in owner.parameters(recurse=False):
+                if p.requires_grad:
+                    uses.setdefault(id(p), []).append(i)
+                    kinds.setdefault(id(p), set()).add(type(owner))
+    spans = []
+    for key, positions in uses.items():
+        if len(positions) > 1 and not (len(positions) == 2 and _embedding_and_head(kinds[key])):
+            spans.append((min(positions), max(positions)))
+    return spans
+
+
+def _embedding_and_head(kinds: Set[type]) -> bool:
+    return any(issubclass(k, nn.Embedding) for k in kinds) and nn.Linear in kinds
+
+
+def _owns_trainable(module: nn.Module) -> bool:
+    return any(p.requires_grad for p in module.parameters(recurse=False))
+
+
+def _attribute(model: nn.Module, target: str):
+    value = model
+    for part in target.split("."):
+        value = getattr(value, part)
+    return value
+
+
+def _piece_module(root: nn.Module, piece: List[fx.Node], incoming: List[fx.Node], result) -> fx.GraphModule:
     graph = fx.Graph()
-    env: Dict[fx.Node, fx.Node] = {incoming: graph.placeholder("x")}
+    env: Dict[fx.Node, fx.Node] = {n: graph.placeholder(n.name) for n in incoming}
+
+    def value(n: fx.Node) -> fx.Node:
+        if n not in env and n.op == "get_attr":  # a buffer or frozen tensor made before the cut: read it again
+            env[n] = graph.get_attr(n.target)
+        return env[n]
+
     for node in piece:
-        env[node] = graph.node_copy(node, lambda n: env[n])
-    graph.output(fx.map_arg(result, lambda n: env[n]))
+        env[node] = graph.node_copy(node, value)
+    graph.output(fx.map_arg(result, value))
     return fx.GraphModule(root, graph)  # copies the referenced submodules under their qualified names
+

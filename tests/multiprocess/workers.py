@@ -258,3 +258,22 @@ def traced_step(rank, inprocess=False):
                                 max_grad_norm=0.1, expected_batch_size=7, **kw)
     trainer.step(x, y)
     return trainer.state_dict()
+
+
+def traced_masked_step(rank, inprocess=False):
+    """MaskedNet: a float stream, the embedding output, the mask and the ids cross the cut as a tuple."""
+    from loop_models import MaskedNet
+
+    torch.manual_seed(0)
+    model = MaskedNet().double()
+    g = torch.Generator().manual_seed(6)
+    ids = torch.randint(0, 11, (7, 5), generator=g)
+    mask = (torch.arange(5)[None, :] < torch.randint(1, 6, (7,), generator=g)[:, None]).long()
+    y = torch.randint(0, 11, (7, 5), generator=g)
+    kw = {"transport": "inprocess"} if inprocess else {}
+    trainer = PipelineDPTrainer(
+        model, lambda o, t: torch.nn.functional.cross_entropy(o.transpose(1, 2), t, reduction="none").mean(1),
+        lambda p: torch.optim.SGD(p, lr=0.5), stages=2, microbatches=3, noise_multiplier=1.0, max_grad_norm=0.1,
+        expected_batch_size=7, **kw)
+    trainer.step({"ids": ids, "mask": mask}, y)
+    return trainer.state_dict()

@@ -1,0 +1,194 @@
+"""The automatic split (no marks, no wrapper) where several tensors cross a cut, against the loop oracle;
+the graph-level refusals; and the forward's inputs as a dict."""
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from loop_models import LoopNet, MaskedNet
+from oracles import loop_clipped_sum, max_relative_error
+from pipedp import BatchError, PipelineDPTrainer, UnsupportedModelError, measured_costs
+from pipedp.split.adapters import model_blocks
+
+
+def seq_loss(out, y):  # per-sample mean over positions
+    return F.cross_entropy(out.transpose(1, 2), y, reduction="none").mean(1)
+
+
+def masked_data(n, t, generator):
+    ids = torch.randint(0, 11, (n, t), generator=generator)
+    lengths = torch.randint(1, t + 1, (n,), generator=generator)
+    mask = (torch.arange(t)[None, :] < lengths[:, None]).long()
+    return {"ids": ids, "mask": mask}, torch.randint(0, 11, (n, t), generator=generator)
+
+
+def sgd(p):
+    return torch.optim.SGD(p, lr=1.0)
+
+
+def step_update(model, trainer, x, y):
+    before = {k: v.detach().clone() for k, v in model.named_parameters()}
+    trainer.step(x, y)
+    return {k: before[k] - p.detach() for k, p in model.named_parameters()}
+
+
+@pytest.mark.parametrize("stages", [2, 3])
+@pytest.mark.parametrize("mode", ["ghost", "materialize"])
+def test_a_long_skip_connection_crosses_the_split(stages, mode):
+    torch.manual_seed(0)
+    model = LoopNet(skip=True).double()  # the input reaches the output: two tensors cross every cut
+    trainer = PipelineDPTrainer(model, seq_loss, sgd, stages=stages, microbatches=3, noise_multiplier=0.0,
+                                max_grad_norm=0.05, expected_batch_size=1, grad_mode=mode)
+    g = torch.Generator().manual_seed(1)
+    for n, t in ((9, 6), (4, 3)):  # one trainer, other batch sizes and sequence lengths (padding included)
+        x, y = torch.randn(n, t, 5, generator=g, dtype=torch.float64), torch.randint(0, 3, (n, t), generator=g)
+        want = loop_clipped_sum(copy.deepcopy(model), seq_loss, x, y, 0.05)
+        assert max_relative_error(step_update(model, trainer, x, y), want) < 1e-10
+
+
+@pytest.mark.parametrize("stages", [2, 3])
+@pytest.mark.parametrize("mode", ["ghost", "materialize"])
+def test_two_inputs_a_mask_and_the_embedding_reused_at_the_end(stages, mode):
+    torch.manual_seed(0)
+    model = MaskedNet().double()
+    trainer = PipelineDPTrainer(model, seq_loss, sgd, stages=stages, microbatches=2, noise_multiplier=0.0,
+                                max_grad_norm=0.1, expected_batch_size=1, grad_mode=mode)
+    assert list(trainer.state_dict()) == list(model.state_dict())  # the model's own names
+    g = torch.Generator().manual_seed(2)
+    for n, t in ((7, 5), (3, 9)):
+        x, y = masked_data(n, t, g)
+        want = loop_clipped_sum(copy.deepcopy(model), seq_loss, x, y, 0.1)
+        assert max_relative_error(step_update(model, trainer, x, y), want) < 1e-10
+
+
+def test_the_automatic_split_of_a_skip_model_equals_the_hand_made_one():
+    def hand_made(model):
+        class Inp(torch.nn.Module):  # the same computation, written as blocks passing tuples
+            def __init__(self):
+                super().__init__()
+                self.inp = model.inp
+
+            def forward(self, x):
+                return self.inp(x), x
+
+        class Layer(torch.nn.Module):
+            def __init__(self, layer):
+                super().__init__()
+                self.layer = layer
+
+            def forward(self, h, x):
+                return self.layer(h), x
+
+        class Out(torch.nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.out = model.out
+
+            def forward(self, h, x):
+                return self.out(h) + x.mean(-1, keepdim=True)
+
+        blocks = [("", Inp())] + [("layers", Layer(layer)) for layer in model.layers] + [("", Out())]
+        model.pipeline_blocks = lambda: blocks
+        return model
+
+    torch.manual_seed(0)
+    auto = LoopNet(skip=True).double()
+    by_hand = hand_made(copy.deepcopy(auto))
+    g = torch.Generator().manual_seed(2)
+    x, y = torch.randn(8, 4, 5, generator=g, dtype=torch.float64), torch.randint(0, 3, (8, 4), generator=g)
+    for model in (auto, by_hand):
+        PipelineDPTrainer(model, seq_loss, sgd, stages=2, microbatches=2, noise_multiplier=1.0, max_grad_norm=0.05,
+                          expected_batch_size=8, seed=3).step(x, y)
+    assert max_relative_error(auto.state_dict(), by_hand.state_dict()) < 1e-12
+
+
+def test_measured_costs_balance_a_model_with_dict_inputs():
+    torch.manual_seed(0)
+    model = MaskedNet().double()
+    x, _ = masked_data(4, 6, torch.Generator().manual_seed(3))
+    trainer = PipelineDPTrainer(model, seq_loss, stages=2, microbatches=2, expected_batch_size=4,
+                                balance=measured_costs(x, repeats=1))
+    report = trainer.partition_report
+    assert report.unit == "seconds" and len(report.stage_costs) == 2 and min(report.stage_costs) > 0
+    assert sum(report.blocks_per_stage) == len(model_blocks(model))
+    trainer.close()
+
+
+class SharedTwice(torch.nn.Module):
+    """One layer called at the start and at the end: its two uses must land on one stage."""
+
+    def __init__(self):
+        super().__init__()
+        self.shared = torch.nn.Linear(6, 6)
+        self.layers = torch.nn.ModuleList([torch.nn.Linear(6, 6) for _ in range(3)])
+        self.tail = torch.nn.Linear(6, 6)
+
+    def forward(self, x):
+        h = self.shared(x)
+        for layer in self.layers:
+            h = torch.tanh(layer(h))
+        return self.tail(self.shared(h))
+
+
+def test_a_module_called_twice_stays_on_one_stage_and_is_exact():
+    torch.manual_seed(0)
+    model = SharedTwice().double()
+    blocks = model_blocks(model)
+    holding = [k for k, b in enumerate(blocks) if any(p is model.shared.weight for p in b.module.parameters())]
+    assert holding == [0]  # both calls in one block: no cut between them
+    g = torch.Generator().manual_seed(4)
+    x, y = torch.randn(6, 6, generator=g, dtype=torch.float64), torch.randint(0, 6, (6,), generator=g)
+    ce = lambda o, t: F.cross_entropy(o, t, reduction="none")  # noqa: E731
+    want = loop_clipped_sum(copy.deepcopy(model), ce, x, y, 0.1)
+    trainer = PipelineDPTrainer(model, ce, sgd, stages=2, microbatches=2, noise_multiplier=0.0, max_grad_norm=0.1,
+                                expected_batch_size=1)
+    assert max_relative_error(step_update(model, trainer, x, y), want) < 1e-10
+
+
+def test_what_the_graph_shows_cannot_be_clipped_is_refused_by_name():
+    class Functional(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.embed, self.mid = torch.nn.Embedding(7, 4), torch.nn.Linear(4, 4)
+
+        def forward(self, ids):
+            return F.linear(self.mid(self.embed(ids)), self.embed.weight)  # a tied head, read functionally
+
+    with pytest.raises(UnsupportedModelError, match="reads the trainable parameter 'embed.weight' directly"):
+        PipelineDPTrainer(Functional(), seq_loss, stages=2, expected_batch_size=2)
+
+    class InPlace(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = torch.nn.Linear(4, 4), torch.nn.Linear(4, 4)
+
+        def forward(self, x):
+            h = self.a(x)
+            h.add_(1.0)  # changes a's captured output (a traced `h += 1` is out of place)
+            return self.b(h)
+
+    with pytest.raises(UnsupportedModelError, match="updates the output of layer 'a' in place"):
+        PipelineDPTrainer(InPlace(), seq_loss, stages=2, expected_batch_size=2)
+
+    class SizeAtTheEnd(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = torch.nn.Linear(4, 4), torch.nn.Linear(4, 4)
+
+        def forward(self, x):
+            n = x.shape[-1]  # a Python number made at the start, used at the end: crosses every cut
+            return self.b(self.a(x)) / n
+
+    with pytest.raises(UnsupportedModelError, match="only tensors cross, e.g. a size"):
+        PipelineDPTrainer(SizeAtTheEnd(), seq_loss, stages=2, expected_batch_size=2)
+
+
+def test_the_inputs_of_a_two_input_model_must_be_a_dict_with_its_argument_names():
+    torch.manual_seed(0)
+    trainer = PipelineDPTrainer(MaskedNet().double(), seq_loss, stages=2, microbatches=2, expected_batch_size=2)
+    x, y = masked_data(4, 3, torch.Generator().manual_seed(0))
+    with pytest.raises(BatchError, match=r"forward takes \['ids', 'mask'\].*got \['ids'\]"):
+        trainer.step({"ids": x["ids"]}, y)
+    with pytest.raises(BatchError, match=r"forward takes \['ids', 'mask'\].*got Tensor"):
+        trainer.step(x["ids"], y)
