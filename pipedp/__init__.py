@@ -38,13 +38,14 @@ _LAZY = {
     "FitResult": ("pipedp.train.loop", "FitResult"),
     "SplitModel": ("pipedp.split.graph", "SplitModel"),
     "measured_costs": ("pipedp.runtime.measure", "measured_costs"),
+    "load_stage": ("pipedp.split.stage_loading", "load_stage"),
     "launch": ("pipedp.runtime.launch", "launch"),
     "init_from_env": ("pipedp.runtime.launch", "init_from_env"),
 }
 
 __all__ = [
     "PipelineDPTrainer", "PipelineConfig", "PrivacyConfig", "FitResult", "SplitModel", "measured_costs",
-    "launch", "init_from_env",
+    "load_stage", "launch", "init_from_env",
     "PipeDPError", "ConfigError", "UnsupportedModelError", "PartitionError", "BatchError", "ConfigMismatchError",
     "RankFailedError", "TransportError", "PrivacyBudgetExceeded", "CheckpointError", "NonFiniteError",
 ]

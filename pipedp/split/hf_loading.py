@@ -5,18 +5,16 @@ shards, tokenizer files).
 """
 from __future__ import annotations
 
-import json
 import os
 from typing import Dict, List
 
 import torch
 import torch.nn as nn
 
-from ..errors import CheckpointError
 from .adapters import model_blocks
-from .blocks import Block
 from .hf import SPECS
 from .partition import partition
+from .stage_loading import materialize_stage, resident_parameter_bytes  # noqa: F401 (re-exported)
 
 
 def _require_transformers():
@@ -24,45 +22,6 @@ def _require_transformers():
         import transformers  # noqa: F401
     except ImportError as exc:
         raise ImportError("Hugging Face models need transformers: pip install 'pipedp[hf]'") from exc
-
-
-def _weight_map(folder: str) -> Dict[str, str]:
-    index = os.path.join(folder, "model.safetensors.index.json")
-    if os.path.exists(index):
-        with open(index) as f:
-            return {k: os.path.join(folder, v) for k, v in json.load(f)["weight_map"].items()}
-    single = os.path.join(folder, "model.safetensors")
-    if os.path.exists(single):
-        from safetensors import safe_open
-
-        with safe_open(single, framework="pt") as f:
-            return {k: single for k in f.keys()}
-    raise FileNotFoundError(
-        f"no safetensors weights in {folder!r} (model.safetensors or model.safetensors.index.json): "
-        "save the model with save_pretrained(..., safe_serialization=True)"
-    )
-
-
-def read_tensors(folder: str, names: List[str], aliases: Dict[str, str]) -> Dict[str, torch.Tensor]:
-    """Read only ``names`` from the checkpoint's shards (``aliases`` maps a tied name to its stored twin)."""
-    from safetensors import safe_open
-
-    weight_map = _weight_map(folder)
-    by_file: Dict[str, List[str]] = {}
-    for name in names:
-        stored = name if name in weight_map else aliases.get(name)
-        if stored not in weight_map:
-            raise CheckpointError(
-                f"parameter {name!r} is not in the checkpoint at {folder!r}: the folder holds another "
-                "architecture or an incomplete save"
-            )
-        by_file.setdefault(weight_map[stored], []).append((name, stored))
-    out = {}
-    for path, pairs in by_file.items():
-        with safe_open(path, framework="pt") as f:
-            for name, stored in pairs:
-                out[name] = f.get_tensor(stored)
-    return out
 
 
 def load_local_model(path: str, attn_implementation: str = "sdpa", device: str = "cpu") -> nn.Module:
@@ -86,18 +45,6 @@ def build_on_meta(path_or_config, attn_implementation: str = "sdpa") -> nn.Modul
     config._attn_implementation = attn_implementation
     with torch.device("meta"):
         return AutoModelForCausalLM.from_config(config, attn_implementation=attn_implementation)
-
-
-def materialize_stage(folder: str, stage_blocks: List[Block], tied: Dict[str, str], device="cpu") -> None:
-    """Give this stage's blocks real memory and load their weights from the checkpoint shards."""
-    for block in stage_blocks:
-        own = {k: block.qualified(k) for k in block.module.state_dict().keys()}
-        tensors = read_tensors(folder, list(own.values()), tied)
-        block.module.to_empty(device=device)
-        block.module.load_state_dict({k: tensors[q] for k, q in own.items()}, strict=True)
-        for module in block.module.modules():  # non-persistent buffers (rotary frequencies) are not in files
-            if hasattr(module, "reset_buffers"):
-                module.reset_buffers(device)
 
 
 def tied_aliases(model: nn.Module) -> Dict[str, str]:
@@ -159,13 +106,3 @@ def _retie(model: nn.Module) -> None:
         embedding.weight = head.weight
     else:  # a middle stage: neither is real here; keep them one (meta) tensor all the same
         head.weight = embedding.weight
-
-
-def resident_parameter_bytes(model: nn.Module) -> int:
-    """Bytes of the parameters that have real memory (meta parameters count 0)."""
-    seen, total = set(), 0
-    for p in model.parameters():
-        if id(p) not in seen and not p.is_meta:
-            seen.add(id(p))
-            total += p.numel() * p.element_size()
-    return total

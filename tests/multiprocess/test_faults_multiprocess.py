@@ -75,21 +75,3 @@ def test_the_audit_over_processes_equals_the_in_process_one(tmp_path):
     assert over_processes.scores == in_process.scores  # the same noise, draw for draw
     assert over_processes.epsilon_lower_bound == in_process.epsilon_lower_bound
     assert over_processes.passed
-
-
-def test_a_traced_model_over_two_processes_equals_the_in_process_run():
-    from oracles import max_relative_error
-    from workers import traced_step
-
-    got = launch(traced_step, 2, (), timeout_s=300)[0]
-    assert max_relative_error(got, traced_step(0, inprocess=True)) < 1e-12
-
-
-def test_several_tensors_cross_between_two_processes_as_in_one():
-    """Two inputs as a dict; a tuple of float and integer tensors crosses the cut (the gradient message
-    back holds the float ones only); the in-process run is itself checked against the loop oracle."""
-    from oracles import max_relative_error
-    from workers import traced_masked_step
-
-    got = launch(traced_masked_step, 2, (), timeout_s=300)[0]
-    assert max_relative_error(got, traced_masked_step(0, inprocess=True)) < 1e-12

@@ -277,3 +277,23 @@ def traced_masked_step(rank, inprocess=False):
         expected_batch_size=7, **kw)
     trainer.step({"ids": ids, "mask": mask}, y)
     return trainer.state_dict()
+
+
+def traced_stage_step(rank, weights):
+    """MaskedNet built on the meta device; each rank loads only its stage's tensors from ``weights``."""
+    from loop_models import MaskedNet
+    from pipedp import load_stage
+    from pipedp.split.stage_loading import resident_parameter_bytes
+
+    with torch.device("meta"):
+        model = MaskedNet().double()
+    load_stage(model, weights, 2, rank)
+    resident = resident_parameter_bytes(model)
+    trainer = PipelineDPTrainer(
+        model, lambda o, t: torch.nn.functional.cross_entropy(o.transpose(1, 2), t, reduction="none").mean(1),
+        lambda p: torch.optim.SGD(p, lr=0.5), stages=2, microbatches=2, noise_multiplier=0.0, max_grad_norm=0.1,
+        expected_batch_size=6)
+    g = torch.Generator().manual_seed(8)
+    ids = torch.randint(0, 11, (6, 5), generator=g)
+    trainer.step({"ids": ids, "mask": torch.ones_like(ids)}, torch.randint(0, 11, (6, 5), generator=g))
+    return resident, trainer.state_dict()

@@ -1,0 +1,141 @@
+"""One stage's weights, and only those: a model built on the meta device gets real memory for
+the blocks of one stage, read from a weight source, so no rank ever holds the whole model.
+
+A weight source is a safetensors file, a folder of safetensors shards (``model.safetensors``
+or ``model.safetensors.index.json``: the weight map), or a mapping name -> tensor (e.g. a state
+dict from ``torch.load(path, mmap=True)``, which reads lazily). Hugging Face models use the same
+machinery through ``hf_loading.load_pipeline_stage``.
+"""
+from __future__ import annotations
+
+import json
+import os
+from typing import Dict, List, Mapping, Optional, Union
+
+import torch
+import torch.nn as nn
+
+from ..config import Balance
+from ..errors import CheckpointError, PartitionError
+from .adapters import model_blocks
+from .blocks import Block
+from .partition import partition
+
+WeightSource = Union[str, "os.PathLike[str]", Mapping[str, torch.Tensor]]
+
+
+def weight_map(path: str) -> Dict[str, str]:
+    """Tensor name -> the safetensors file holding it, for a file or a folder of shards."""
+    path = os.fspath(path)
+    if os.path.isfile(path):
+        return {k: path for k in _safetensors_keys(path)}
+    index = os.path.join(path, "model.safetensors.index.json")
+    if os.path.exists(index):
+        with open(index) as f:
+            return {k: os.path.join(path, v) for k, v in json.load(f)["weight_map"].items()}
+    single = os.path.join(path, "model.safetensors")
+    if os.path.exists(single):
+        return {k: single for k in _safetensors_keys(single)}
+    raise FileNotFoundError(
+        f"no safetensors weights at {path!r} (a .safetensors file, or a folder with model.safetensors or "
+        "model.safetensors.index.json): save them with safetensors.torch.save_file or save_pretrained"
+    )
+
+
+def _safetensors_keys(path: str) -> List[str]:
+    from safetensors import safe_open
+
+    with safe_open(path, framework="pt") as f:
+        return list(f.keys())
+
+
+def read_tensors(source: WeightSource, names: List[str], aliases: Optional[Dict[str, str]] = None
+                 ) -> Dict[str, torch.Tensor]:
+    """Read only ``names`` from ``source`` (``aliases`` maps a tied name to its stored twin)."""
+    aliases = aliases or {}
+    if isinstance(source, Mapping):
+        stored_in: Dict[str, str] = {k: "" for k in source}
+    else:
+        stored_in = weight_map(os.fspath(source))
+    wanted: Dict[str, List[tuple]] = {}
+    for name in names:
+        stored = name if name in stored_in else aliases.get(name)
+        if stored not in stored_in:
+            raise CheckpointError(
+                f"{name!r} is not in the weights at {_describe(source)}: they belong to another model or an "
+                "incomplete save"
+            )
+        wanted.setdefault(stored_in[stored], []).append((name, stored))
+    if isinstance(source, Mapping):
+        return {name: source[stored] for pairs in wanted.values() for name, stored in pairs}
+    from safetensors import safe_open
+
+    out = {}
+    for path, pairs in wanted.items():
+        with safe_open(path, framework="pt") as f:
+            for name, stored in pairs:
+                out[name] = f.get_tensor(stored)
+    return out
+
+
+def _describe(source: WeightSource) -> str:
+    return "the given mapping" if isinstance(source, Mapping) else repr(os.fspath(source))
+
+
+def materialize_stage(source: WeightSource, stage_blocks: List[Block], aliases: Optional[Dict[str, str]] = None,
+                      device="cpu") -> None:
+    """Give this stage's blocks real memory and load their tensors from ``source``."""
+    for block in stage_blocks:
+        own = {k: block.qualified(k) for k in block.module.state_dict().keys()}
+        missing = _non_persistent_buffers(block.module)
+        if missing:  # nothing on disk holds them, and on meta they have no value to keep
+            raise CheckpointError(
+                f"{', '.join(block.qualified(n) for n in missing[:4])}: buffers that are not saved with the weights "
+                "(register_buffer(..., persistent=False)) and were built on the meta device have no value; make "
+                "them persistent, compute them in forward, or build the model on the CPU"
+            )
+        tensors = read_tensors(source, list(own.values()), aliases)
+        block.module.to_empty(device=device)
+        block.module.load_state_dict({k: tensors[q] for k, q in own.items()}, strict=True)
+        for module in block.module.modules():  # Hugging Face: non-persistent buffers (rotary frequencies)
+            if hasattr(module, "reset_buffers"):
+                module.reset_buffers(device)
+
+
+def _non_persistent_buffers(module: nn.Module) -> List[str]:
+    out = []
+    for prefix, m in module.named_modules():
+        if hasattr(m, "reset_buffers"):
+            continue
+        for name in getattr(m, "_non_persistent_buffers_set", ()):
+            buffer = m._buffers.get(name)
+            if buffer is not None and buffer.is_meta:
+                out.append(f"{prefix}.{name}" if prefix else name)
+    return out
+
+
+def load_stage(model: nn.Module, weights: WeightSource, stages: int, stage: int, balance: Balance = "params",
+               device="cpu") -> nn.Module:
+    """``model`` built on the meta device (``with torch.device("meta"): model = Net()``), with only
+    ``stage``'s parameters given memory and loaded from ``weights``. Hand the result to
+    PipelineDPTrainer with the same ``stages`` and ``balance`` on the rank that runs that stage."""
+    if not 0 <= stage < stages:
+        raise ValueError(f"stage must be in 0..{stages - 1}, got {stage}")
+    if callable(balance):
+        raise PartitionError(
+            "a measured balance runs the blocks, and a model on the meta device has no values to run: pass "
+            "balance='params', 'uniform' or the per-block costs as a list (e.g. measured once on a small copy)"
+        )
+    stage_blocks = partition(model_blocks(model), stages, balance)
+    materialize_stage(weights, stage_blocks[stage], device=device)
+    return model
+
+
+def resident_parameter_bytes(model: nn.Module) -> int:
+    """Bytes of the parameters that have real memory (meta parameters count 0)."""
+    seen, total = set(), 0
+    for p in model.parameters():
+        if id(p) not in seen and not p.is_meta:
+            seen.add(id(p))
+            total += p.numel() * p.element_size()
+    return total

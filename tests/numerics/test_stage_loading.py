@@ -1,0 +1,59 @@
+"""load_stage: a model built on the meta device gets only one stage's tensors, from a file, a folder
+of shards or a mapping; what cannot be loaded is refused by name."""
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from loop_models import MaskedNet
+from pipedp import CheckpointError, PartitionError, load_stage, measured_costs
+from pipedp.split.adapters import model_blocks
+from pipedp.split.partition import partition
+
+
+def meta_model():
+    with torch.device("meta"):
+        return MaskedNet().double()
+
+
+@pytest.mark.parametrize("source", ["file", "mapping"])
+def test_only_the_stage_s_tensors_get_memory_and_they_are_the_saved_ones(tmp_path, source):
+    torch.manual_seed(0)
+    whole = MaskedNet().double()
+    save_file(whole.state_dict(), str(tmp_path / "w.safetensors"))
+    weights = str(tmp_path / "w.safetensors") if source == "file" else whole.state_dict()
+    for stage in (0, 1):
+        model = load_stage(meta_model(), weights, 2, stage)
+        stage_blocks = partition(model_blocks(model), 2, "params")
+        mine = {id(p) for b in stage_blocks[stage] for p in b.module.parameters()}
+        saved = dict(whole.named_parameters())
+        for name, p in model.named_parameters():
+            if id(p) in mine:
+                assert torch.equal(p, saved[name])
+            else:
+                assert p.is_meta
+
+
+def test_what_cannot_be_loaded_is_refused_by_name(tmp_path):
+    torch.manual_seed(0)
+    state = MaskedNet().double().state_dict()
+    del state["head.weight"]
+    with pytest.raises(CheckpointError, match="'head.weight' is not in the weights"):
+        load_stage(meta_model(), state, 2, 1)
+    with pytest.raises(PartitionError, match="meta device has no values to run"):
+        load_stage(meta_model(), state, 2, 0, balance=measured_costs(torch.zeros(2, 3)))
+    with pytest.raises(FileNotFoundError, match="no safetensors weights"):
+        load_stage(meta_model(), str(tmp_path), 2, 0)
+
+    class WithTable(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = torch.nn.Linear(3, 3), torch.nn.Linear(3, 3)
+            self.b.register_buffer("table", torch.ones(3), persistent=False)
+
+        def forward(self, x):
+            return self.b(self.a(x))
+
+    with torch.device("meta"):
+        model = WithTable()
+    with pytest.raises(CheckpointError, match="b.table: buffers that are not saved"):
+        load_stage(model, {k: torch.zeros(v.shape) for k, v in model.state_dict().items()}, 2, 1)
