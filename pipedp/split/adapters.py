@@ -8,6 +8,7 @@ capture (graph.py), and otherwise any module whose forward torch.fx can trace (t
 """
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import List, Optional, Tuple
 
 import torch.nn as nn
@@ -23,7 +24,7 @@ def model_blocks(model: nn.Module, untie_weights: bool = False) -> List[Block]:
     peft = _peft_wrapped(model)
     if peft is not None:  # a PeftModel: split the model it wraps, under the PeftModel's own names
         prefix, inner = peft
-        return [Block(f"{prefix}.{b.name}" if b.name else prefix, b.module) for b in model_blocks(inner, untie_weights)]
+        return [replace(b, name=f"{prefix}.{b.name}" if b.name else prefix) for b in model_blocks(inner, untie_weights)]
     if hasattr(model, "pipeline_blocks"):
         blocks = [Block(name, module) for name, module in model.pipeline_blocks()]
     elif isinstance(model, nn.Sequential):

@@ -105,3 +105,23 @@ def test_dora_is_refused_by_name():
                                 peft.LoraConfig(r=4, target_modules=["q_proj"], use_dora=True))
     with pytest.raises(UnsupportedModelError, match=r"q_proj' is a DoRA adapter.*use plain LoRA"):
         PipelineDPTrainer(model, token_loss, stages=2, expected_batch_size=4)
+
+
+def test_a_peft_model_around_a_traced_two_input_model_matches_the_loop_oracle():
+    """PeftModel around a plain module (traced split, a dict of two inputs, tuples crossing the cut)."""
+    from loop_models import MaskedNet
+
+    torch.manual_seed(0)
+    base = MaskedNet().double()
+    model = peft.get_peft_model(base, peft.LoraConfig(r=2, target_modules=["fc", "mix"], init_lora_weights=False))
+    g = torch.Generator().manual_seed(3)
+    ids = torch.randint(0, 11, (5, 4), generator=g)
+    x, y = {"ids": ids, "mask": torch.ones_like(ids)}, torch.randint(0, 11, (5, 4), generator=g)
+    seq = lambda out, t: torch.nn.functional.cross_entropy(out.transpose(1, 2), t, reduction="none").mean(1)  # noqa: E731
+    want = loop_clipped_sum(copy.deepcopy(base), seq, x, y, 0.05)
+    before = {k: v.detach().clone() for k, v in base.named_parameters()}
+    PipelineDPTrainer(model, seq, lambda p: torch.optim.SGD(p, lr=1.0), stages=2, microbatches=2,
+                      noise_multiplier=0.0, max_grad_norm=0.05, expected_batch_size=1).step(x, y)
+    got = {k: before[k] - p.detach() for k, p in base.named_parameters()}
+    assert max_relative_error(got, want) < 1e-10
+    assert any("lora_A" in k and float(v.abs().max()) > 0 for k, v in got.items())
