@@ -44,6 +44,23 @@ def _conv1d_grads(unit, inputs, backprops) -> Dict[nn.Parameter, torch.Tensor]:
     return out
 
 
+def _linear_grads(unit: nn.Linear, a: torch.Tensor, g: torch.Tensor) -> Dict[nn.Parameter, torch.Tensor]:
+    """One batched product per weight ([n, out, T] @ [n, T, in]), contiguous for the norms after."""
+    n = g.shape[0]
+    g3 = g.reshape(n, -1, g.shape[-1])
+    out = {}
+    if unit.weight.requires_grad:
+        out[unit.weight] = torch.bmm(g3.transpose(1, 2), a.reshape(n, -1, a.shape[-1]).to(g.dtype))
+    if unit.bias is not None and unit.bias.requires_grad:
+        out[unit.bias] = g3.sum(1)
+    return out
+
+
+def squared_norms(per_sample: torch.Tensor) -> torch.Tensor:
+    """[n]: each sample's squared gradient norm, one fused reduction (no [n, ...] temporary)."""
+    return torch.linalg.vector_norm(per_sample.reshape(per_sample.shape[0], -1), dim=1).pow(2)
+
+
 def _without_padding_rows(unit: nn.Module, inputs, backprops: torch.Tensor) -> torch.Tensor:
     """nn.Embedding's padding_idx row gets no gradient in PyTorch, but Opacus 1.6's embedding
     samplers count it (its per-sample norms and grads include that row): drop those backprops."""
@@ -60,6 +77,10 @@ def per_sample_grads(
     backprops = _without_padding_rows(unit, inputs, backprops)
     if _is_conv1d(unit):
         return _conv1d_grads(unit, inputs, backprops)
+    if type(unit) is nn.Linear:
+        return _linear_grads(unit, inputs[0], backprops)
+    if type(unit) is nn.LayerNorm and unit.elementwise_affine:
+        return _layer_norm_grads(unit, inputs[0], backprops, per_sample=True)
     sampler = GRAD_SAMPLERS.get(type(unit))
     if sampler is not None and not _has_trainable_children(unit):
         grads = sampler(unit, list(inputs), backprops)
@@ -80,6 +101,30 @@ def _functorch_grads(unit, inputs, backprops) -> Dict[nn.Parameter, torch.Tensor
 
     grads = vmap(grad(sample_loss), in_dims=(None, 0, 0))(values, tuple(inputs), backprops)
     return {p: g.to(wide) for (_, p), g in zip(named, grads)}
+
+
+KEEP_MEMORY_RATIO = 2.0  # kept per-sample gradients may take up to this many times the captures they free
+
+
+def keeps_per_sample_grads(unit: nn.Module, inputs: Sequence[torch.Tensor], backprops: torch.Tensor) -> bool:
+    """Compute this unit's per-sample gradients once in I and keep them for W (the clipped sum is
+    then their weighted sum, and the captured inputs and output-grads are freed at I), rather than
+    ghost norms in I and the clipped weight product in W?
+
+    For a Linear over T > 1 positions the kept path replaces the [T, T] Gram matrices
+    (n T^2 (in + out) multiply-adds) by a weighted sum (n in out), and computes the per-sample
+    products (n T in out) in place of W's one product of the same size: cheaper whenever
+    T^2 (in + out) > in out, which the memory rule below implies for T >= 2. LayerNorm's per-sample
+    gradients are two [n, d] tensors: keeping them saves W's re-normalisation. The rule: keep when
+    the per-sample gradients take at most KEEP_MEMORY_RATIO times the captures they free."""
+    linear = type(unit) is nn.Linear or _is_conv1d(unit)
+    if not (linear or type(unit) is nn.LayerNorm) or _has_trainable_children(unit):
+        return False
+    if linear and backprops.reshape(backprops.shape[0], -1, backprops.shape[-1]).shape[1] < 2:
+        return False  # one position: ghost norms need no Gram matrix, W one small product
+    held = sum(a.numel() for a in inputs if a.is_floating_point()) + backprops.numel()
+    per_sample = backprops.shape[0] * sum(p.numel() for _, p in trainable_direct_params(unit))
+    return 0 < per_sample <= KEEP_MEMORY_RATIO * held
 
 
 class GramCache:
@@ -206,10 +251,12 @@ def _in_unit_dtype(unit: nn.Module, inputs: Sequence[torch.Tensor], backprops: t
     return inputs, backprops.to(dtype), torch.promote_types(backprops.dtype, torch.float32)
 
 
-def _layer_norm_grads(unit: nn.LayerNorm, x: torch.Tensor, g: torch.Tensor) -> Dict[nn.Parameter, torch.Tensor]:
-    """LayerNorm's weight/bias gradients in closed form: sum g * x_hat, sum g."""
+def _layer_norm_grads(unit: nn.LayerNorm, x: torch.Tensor, g: torch.Tensor, per_sample: bool = False
+                      ) -> Dict[nn.Parameter, torch.Tensor]:
+    """LayerNorm's weight/bias gradients in closed form: sum g * x_hat, sum g (per sample: over
+    every dimension but the first and the normalised ones)."""
     x_hat = torch.nn.functional.layer_norm(x.to(g.dtype), unit.normalized_shape, None, None, unit.eps)
-    lead = tuple(range(x.dim() - len(unit.normalized_shape)))
+    lead = tuple(range(1 if per_sample else 0, x.dim() - len(unit.normalized_shape)))
     out = {}
     if unit.weight is not None and unit.weight.requires_grad:
         out[unit.weight] = (g * x_hat).sum(lead)

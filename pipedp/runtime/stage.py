@@ -3,9 +3,11 @@
 - forward(j):   run the blocks, capturing every unit's inputs and output under key j.
 - backward(j):  the schedule's I: gradients w.r.t. the captured unit outputs and the stage
                 input only (no weight gradients), then this stage's per-sample squared
-                norms s_k[j], both returned (BackwardResult).
-- weight(j, c): the clipped weight gradient sum_i c_i grad_i from the stored (inputs,
-                c * output-grads), added to the stage's running clipped sum.
+                norms s_k[j], both returned (BackwardResult). Units whose per-sample
+                gradients are cheap to hold keep them for W (their captures are freed).
+- weight(j, c): the clipped weight gradient sum_i c_i grad_i — for most units from the stored
+                (inputs, c * output-grads), for the kept ones a weighted sum — added to the
+                stage's running clipped sum.
 """
 from __future__ import annotations
 
@@ -19,7 +21,9 @@ import torch.nn as nn
 
 from ..config import GRAD_MODES
 from ..errors import BatchError, TransportError, UnsupportedModelError
-from ..privacy.per_sample import GramCache, clipped_grad_sum, ghost_squared_norms, per_sample_grads
+from ..privacy.per_sample import (
+    GramCache, clipped_grad_sum, ghost_squared_norms, keeps_per_sample_grads, per_sample_grads, squared_norms,
+)
 from ..split.blocks import Block
 from ..split.partition import Tie
 from .capture import ActivationCapture, LayerCall, block_units
@@ -34,6 +38,8 @@ class MicroBatchState:
     output: Any = None  # the stage's output (per-sample losses on the last stage)
     calls: Dict[str, List[LayerCall]] = field(default_factory=dict)
     backprops: Dict[str, List[torch.Tensor]] = field(default_factory=dict)
+    # units whose per-sample gradients I computed and kept for W (their captures are freed)
+    kept: Dict[str, Dict[nn.Parameter, torch.Tensor]] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -71,6 +77,7 @@ class Stage:
         per_layer: bool = False,
         precision: str = "32",
         tie: Optional["TieRole"] = None,
+        keep_per_sample: bool = True,
     ):
         if grad_mode not in GRAD_MODES:
             raise ValueError(f"unknown grad_mode {grad_mode!r}: choose one of {GRAD_MODES}")
@@ -116,6 +123,10 @@ class Stage:
         self.per_layer = per_layer
         self.precision = precision
         self._side_blocks = {id(b) for b in self.blocks if "side_inputs" in inspect.signature(b.module.forward).parameters}
+        # per-sample gradients computed in I and kept for W where cheaper (see keeps_per_sample_grads);
+        # False: ghost norms / materialised norms in I and the clipped product in W for every unit
+        self.keep_per_sample = keep_per_sample
+        self._keeps: Dict[tuple, bool] = {}  # (unit, input and output-grad shapes) -> the choice
         self.verified = False  # the first backward checks that the captures see every parameter use
         self.capture = ActivationCapture(self.units)
         self.pending: Dict[int, MicroBatchState] = {}
@@ -316,7 +327,12 @@ class Stage:
         for name, calls in state.calls.items():
             unit = self.units[name]
             backprops = state.backprops[name]
-            can_ghost = self.grad_mode == "ghost" and len(calls) == 1 and name not in self._shares_params
+            alone = len(calls) == 1 and name not in self._shares_params and name != self.tie_unit
+            if alone and self._keep(name, calls[0].inputs, backprops[0]):
+                state.kept[name] = per_sample_grads(unit, calls[0].inputs, backprops[0])
+                per_unit.setdefault(name, []).extend(squared_norms(g) for g in state.kept[name].values())
+                continue
+            can_ghost = self.grad_mode == "ghost" and alone
             norms = ghost_squared_norms(unit, calls[0].inputs, backprops[0], grams) if can_ghost else None
             if norms is not None:
                 per_unit.setdefault(name, []).extend(n.reshape(state.size) for n in norms.values())
@@ -326,7 +342,9 @@ class Stage:
                     materialized[p] = materialized[p] + g if p in materialized else g
                     owner.setdefault(p, name)
         for p, g in materialized.items():
-            per_unit.setdefault(owner[p], []).append(g.reshape(state.size, -1).pow(2).sum(1))
+            per_unit.setdefault(owner[p], []).append(squared_norms(g))
+        for name in state.kept:  # W needs only the kept gradients: free the captures
+            del state.calls[name], state.backprops[name]
         if self.per_layer:
             zero = torch.zeros(state.size, dtype=torch.float64)
             return torch.stack([
@@ -339,6 +357,14 @@ class Stage:
         if len({p.dtype for p in parts}) > 1:  # layers of several dtypes
             parts = [p.to(torch.float64) for p in parts]
         return torch.stack(parts).sum(0).to(torch.float64)
+
+    def _keep(self, name: str, inputs, backprops: torch.Tensor) -> bool:
+        if not self.keep_per_sample:
+            return False
+        key = (name, backprops.shape, tuple(a.shape for a in inputs))
+        if key not in self._keeps:
+            self._keeps[key] = keeps_per_sample_grads(self.units[name], inputs, backprops)
+        return self._keeps[key]
 
     # ---- W -------------------------------------------------------------------------------
     def weight(self, mb: int, clip_factors: torch.Tensor) -> None:
@@ -364,10 +390,21 @@ class Stage:
                     scaled = _zero_rows(scaled, unit_dropped)
                     inputs = tuple(_zero_rows(a, unit_dropped) if a.is_floating_point() else a for a in inputs)
                 for p, g in clipped_grad_sum(unit, inputs, scaled).items():
-                    if p in self.clipped_sum:
-                        self.clipped_sum[p] += g
-                    else:
-                        self.clipped_sum[p] = g.clone()
+                    self._add_clipped(p, g)
+        for name, grads in state.kept.items():  # sum_i c_i g_i of the kept per-sample gradients
+            row = rows[name] if clip_factors.dim() == 2 else None
+            factors = clip_factors[row] if row is not None else clip_factors
+            unit_dropped = dropped[row] if row is not None else dropped
+            for p, g in grads.items():
+                if any_dropped:
+                    g = _zero_rows(g, unit_dropped)
+                self._add_clipped(p, torch.tensordot(factors.to(g.dtype), g, dims=1))
+
+    def _add_clipped(self, p: nn.Parameter, g: torch.Tensor) -> None:
+        if p in self.clipped_sum:
+            self.clipped_sum[p] += g
+        else:
+            self.clipped_sum[p] = g.clone()
 
     # ---- an embedding tied to the head on the last stage ----------------------------------
     def tie_message(self, mb: int, ids: torch.Tensor) -> torch.Tensor:

@@ -159,6 +159,38 @@ def test_a_non_finite_sample_is_left_out_exactly(poison):
     assert max_relative_error(t.state_dict(), want) < 1e-10
 
 
+@pytest.mark.parametrize("clipping", ["flat", "per_layer"])
+def test_a_non_finite_sample_over_sequences_is_left_out_exactly(clipping):
+    """Sequences: the layers keep their per-sample gradients from I to W, where the bad row must add
+    exactly nothing (0 * NaN is NaN). Oracle: the loop of batch-size-1 passes without that sample."""
+    import copy
+
+    from loop_models import LoopNet
+    from oracles import loop_clipped_sum
+
+    def seq_loss(out, t):
+        return F.cross_entropy(out.transpose(1, 2), t, reduction="none").mean(1)
+
+    torch.manual_seed(0)
+    net = LoopNet().double()
+    g = torch.Generator().manual_seed(2)
+    x, y = torch.randn(7, 6, 5, generator=g, dtype=torch.float64), torch.randint(0, 3, (7, 6), generator=g)
+    bad = x.clone()
+    bad[3, 2, 1] = float("nan")
+    keep = torch.arange(7) != 3
+    units = [n for n, m in net.named_modules() if list(m.parameters(recurse=False))]
+    groups = [((u + ".",), 0.05) for u in units] if clipping == "per_layer" else None
+    want = loop_clipped_sum(copy.deepcopy(net), seq_loss, x[keep], y[keep], 0.05, groups=groups)
+    before = {k: v.detach().clone() for k, v in net.named_parameters()}
+    norm = {u: 0.05 for u in units} if clipping == "per_layer" else 0.05
+    t = PipelineDPTrainer(net, seq_loss, lambda p: torch.optim.SGD(p, lr=1.0), stages=2, microbatches=2,
+                          noise_multiplier=0.0, max_grad_norm=norm, clipping=clipping, expected_batch_size=1)
+    with pytest.warns(UserWarning, match="1 sample\\(s\\) had a non-finite gradient norm"):
+        t.step(bad, y)
+    got = {k: before[k] - p.detach() for k, p in net.named_parameters()}
+    assert max_relative_error(got, want) < 1e-10
+
+
 def test_a_non_finite_update_is_refused_before_it_lands():
     with pytest.raises(ConfigError, match="optimizer option lr=inf is not finite"):
         PipelineDPTrainer(model(), class_loss, lambda p: torch.optim.SGD(p, lr=float("inf")), expected_batch_size=8)

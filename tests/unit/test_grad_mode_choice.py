@@ -11,3 +11,16 @@ def test_pipedp_picks_the_cheaper_mode():
     short, long = torch.randn(2, 8, 32), torch.randn(2, 256, 32)
     assert ghost_squared_norms(layer, [short], torch.randn(2, 8, 32)) is not None  # 64 <= 1024: ghost
     assert ghost_squared_norms(layer, [long], torch.randn(2, 256, 32)) is None  # 65536 > 1024: materialise
+
+
+def test_per_sample_gradients_are_kept_from_i_to_w_where_they_are_small():
+    from pipedp.privacy.per_sample import keeps_per_sample_grads
+
+    def keeps(d_in, d_out, tokens, n=4):
+        return keeps_per_sample_grads(nn.Linear(d_in, d_out), [torch.randn(n, tokens, d_in)], torch.randn(n, tokens, d_out))
+
+    assert keeps(128, 384, 64)  # 49k per sample <= 2 x 64 x 512 held: kept, no Gram matrices
+    assert not keeps(512, 1536, 128)  # 786k > 2 x 128 x 2048: ghost norms, the clipped product in W
+    assert not keeps(4, 4, 1)  # one position: ghost needs no Gram matrix
+    assert keeps_per_sample_grads(nn.LayerNorm(8), [torch.randn(4, 6, 8)], torch.randn(4, 6, 8))
+    assert not keeps_per_sample_grads(nn.Embedding(10, 8), [torch.randint(0, 10, (4, 6))], torch.randn(4, 6, 8))
