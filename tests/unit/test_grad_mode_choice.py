@@ -19,8 +19,9 @@ def test_per_sample_gradients_are_kept_from_i_to_w_where_they_are_small():
     def keeps(d_in, d_out, tokens, n=4):
         return keeps_per_sample_grads(nn.Linear(d_in, d_out), [torch.randn(n, tokens, d_in)], torch.randn(n, tokens, d_out))
 
-    assert keeps(128, 384, 64)  # 49k per sample <= 2 x 64 x 512 held: kept, no Gram matrices
-    assert not keeps(512, 1536, 128)  # 786k > 2 x 128 x 2048: ghost norms, the clipped product in W
+    assert keeps(32, 96, 256)  # 3k per sample <= 256 x 128 held: kept (W a weighted sum, no Gram matrices)
+    assert not keeps(128, 384, 64)  # 49k > 64 x 512 held: ghost norms in I, the clipped product in W
+    assert not keeps(512, 1536, 128)
     assert not keeps(4, 4, 1)  # one position: ghost needs no Gram matrix
     assert keeps_per_sample_grads(nn.LayerNorm(8), [torch.randn(4, 6, 8)], torch.randn(4, 6, 8))
     assert not keeps_per_sample_grads(nn.Embedding(10, 8), [torch.randint(0, 10, (4, 6))], torch.randn(4, 6, 8))
