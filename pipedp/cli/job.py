@@ -1,6 +1,7 @@
 """``pipedp train``: resolve the job once, then run it on every rank (own processes or torchrun)."""
 from __future__ import annotations
 
+import gc
 import math
 import os
 import time
@@ -158,6 +159,10 @@ def train_rank(rank: int, job: Job) -> dict:
                unit="step", dynamic_ncols=True)
     state = {"samples": 0, "first_loss": None, "first_nonfinite": None, "eps": 0.0}
     eps_every = max(1, job.steps // 15)
+    # everything built so far (model, libraries) lives to the end: full garbage collections need not
+    # rescan it (each one took ~120 ms and came every ~10 steps on the gpt preset; see README)
+    gc.collect()
+    gc.freeze()
     t0 = time.perf_counter()
 
     def on_step(step, loss, tr):
