@@ -56,7 +56,8 @@ def captured_blocks(model: nn.Module) -> Optional[List[Block]]:
                 f"captured stage {i} of {type(model.model).__name__} takes {len(inputs)} tensors "
                 f"({', '.join(n.name for n in inputs)}): only one tensor may cross a marked split point; move the "
                 "split so that skip connections and extra inputs stay inside one stage, or pass the model "
-                "without SplitModel: pipedp then traces and splits it itself, and several tensors may cross"
+                "without SplitModel: pipedp then traces it, cuts at its pipe_split() marks, and several "
+                "tensors may cross"
             )
     # the captured stage modules keep the model's own qualified names (a.weight, layers.0.fc.bias, ...)
     return [Block("model", stage) for stage in stages]

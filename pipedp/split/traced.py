@@ -16,7 +16,8 @@ The graph also answers, before anything runs, what hooks could only find out lat
   exception: pipedp splits that tie exactly across the first and last stage).
 
 Forward arguments without a default are the model's inputs (several: the micro-batch is a dict
-keyed by their names); arguments with a default keep it.
+keyed by their names); arguments with a default keep it. ``pipe_split()`` marks in the forward
+override the choice: the graph is cut at the marks and nowhere else.
 """
 from __future__ import annotations
 
@@ -24,6 +25,7 @@ import inspect
 import operator
 from typing import Dict, List, Optional, Set
 
+import torch
 import torch.fx as fx
 import torch.nn as nn
 
@@ -36,11 +38,27 @@ _INPLACE_FUNCTIONS = {operator.iadd, operator.isub, operator.imul, operator.itru
                       operator.ipow, operator.imod, operator.iand, operator.ior, operator.ixor, operator.setitem}
 
 
+def _split_mark() -> None:
+    """Where the traced forward called ``torch.distributed.pipelining.pipe_split()``."""
+
+
 class _TopLevelTracer(fx.Tracer):
-    """Keeps top-level calls (``child`` or ``child.i``) as leaves: their insides are not traced."""
+    """Keeps top-level calls (``child`` or ``child.i``) as leaves: their insides are not traced;
+    records each ``pipe_split()`` call as a ``_split_mark`` node."""
 
     def is_leaf_module(self, module: nn.Module, qualified_name: str) -> bool:
         return qualified_name.count(".") <= 1 or super().is_leaf_module(module, qualified_name)
+
+    def trace(self, root, concrete_args=None):
+        # pipe_split() calls torch.ops.pippy._pipe_split() with no tensor argument, which tracing would
+        # run rather than record: while tracing, that op records a mark instead (restored right after)
+        namespace = torch.ops.pippy
+        original = namespace._pipe_split
+        setattr(namespace, "_pipe_split", lambda: self.create_proxy("call_function", _split_mark, (), {}))
+        try:
+            return super().trace(root, concrete_args)
+        finally:
+            setattr(namespace, "_pipe_split", original)
 
 
 def traced_blocks(model: nn.Module) -> Optional[List[Block]]:
@@ -51,11 +69,20 @@ def traced_blocks(model: nn.Module) -> Optional[List[Block]]:
     if not placeholders:
         raise UnsupportedModelError(f"{type(model).__name__}.forward takes no input to split a pipeline over")
     _refuse_what_per_sample_clipping_cannot_see(model, nodes)
-    body = [n for n in nodes if n.op not in ("placeholder", "output")]
+    body, marks = [], []
+    for n in nodes:
+        if n.op == "call_function" and n.target is _split_mark:
+            marks.append(len(body))  # a cut before the next node
+        elif n.op not in ("placeholder", "output"):
+            body.append(n)
     kept_together = _spans_sharing_parameters(model, body)
     meta = _non_tensor_values(nodes)
     cuts = []
-    for i, node in enumerate(body[:-1]):
+    for k, cut in enumerate(marks):
+        _check_mark(model, k, cut, placeholders + body, len(placeholders), kept_together, meta)
+    if marks:
+        cuts = sorted(set(c for c in marks if 0 < c < len(body)))
+    for i, node in enumerate(body[:-1] if not marks else []):
         if node.op != "call_module" or any(a <= i < b for a, b in kept_together):
             continue
         crossing = _crossing(placeholders + body, len(placeholders) + i + 1)
@@ -77,6 +104,25 @@ def traced_blocks(model: nn.Module) -> Optional[List[Block]]:
         blocks.append(Block("", _piece_module(model, piece, incoming, result), input_names=names))
         incoming = outgoing
     return blocks
+
+
+def _check_mark(model: nn.Module, k: int, cut: int, nodes: List[fx.Node], offset: int, kept_together, meta) -> None:
+    """A user's pipe_split() mark must be a place where only tensors cross and no layer is used on
+    both sides."""
+    where = f"{type(model).__name__}.forward's pipe_split() mark {k + 1}"
+    crossing = _crossing(nodes, offset + cut)
+    if any(n in meta for n in crossing):
+        names = ", ".join(n.name for n in crossing if n in meta)
+        raise UnsupportedModelError(
+            f"{where}: a non-tensor value ({names}: a size, shape or number) crosses it; only tensors can travel "
+            "between stages: move the mark, or compute that value after it"
+        )
+    for a, b in kept_together:
+        if a < cut <= b:
+            raise UnsupportedModelError(
+                f"{where} falls between two uses of one layer's weights ({nodes[offset + a].target!r} and "
+                f"{nodes[offset + b].target!r}): each stage must see every use of a parameter; move the mark"
+            )
 
 
 def _trace(model: nn.Module) -> fx.Graph:

@@ -192,3 +192,68 @@ def test_the_inputs_of_a_two_input_model_must_be_a_dict_with_its_argument_names(
         trainer.step({"ids": x["ids"]}, y)
     with pytest.raises(BatchError, match=r"forward takes \['ids', 'mask'\].*got Tensor"):
         trainer.step(x["ids"], y)
+
+
+class MarkedSkip(torch.nn.Module):
+    """pipe_split() marks in a plain module: the cuts go there and nowhere else; x crosses next to h."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b, self.c = torch.nn.Linear(4, 4), torch.nn.Linear(4, 4), torch.nn.Linear(4, 3)
+
+    def forward(self, x):
+        from torch.distributed.pipelining import pipe_split
+
+        h = torch.tanh(self.a(x))
+        h = torch.tanh(self.b(h))
+        pipe_split()
+        return self.c(h + x)
+
+
+def test_pipe_split_marks_in_a_plain_module_choose_the_cut_and_several_tensors_cross():
+    torch.manual_seed(0)
+    model = MarkedSkip().double()
+    blocks = model_blocks(model)
+    assert len(blocks) == 2  # only the mark: no cut between a and b although one tensor crosses there
+    assert {n for n, _ in blocks[0].module.named_parameters()} == {"a.weight", "a.bias", "b.weight", "b.bias"}
+    g = torch.Generator().manual_seed(7)
+    x, y = torch.randn(6, 4, generator=g, dtype=torch.float64), torch.randint(0, 3, (6,), generator=g)
+    ce = lambda o, t: F.cross_entropy(o, t, reduction="none")  # noqa: E731
+    want = loop_clipped_sum(copy.deepcopy(model), ce, x, y, 0.1)
+    trainer = PipelineDPTrainer(model, ce, sgd, stages=2, microbatches=2, noise_multiplier=0.0, max_grad_norm=0.1,
+                                expected_batch_size=1)
+    assert max_relative_error(step_update(model, trainer, x, y), want) < 1e-10
+    import torch.distributed.pipelining._IR as ir
+
+    assert torch.ops.pippy._pipe_split is not None and ir.pipe_split() is None  # the op is restored after tracing
+
+
+def test_a_mark_that_cannot_be_a_stage_boundary_is_refused_by_name():
+    from torch.distributed.pipelining import pipe_split
+
+    class SizeAcross(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = torch.nn.Linear(4, 4), torch.nn.Linear(4, 4)
+
+        def forward(self, x):
+            n = x.shape[-1]
+            h = self.a(x)
+            pipe_split()
+            return self.b(h) / n
+
+    with pytest.raises(UnsupportedModelError, match="pipe_split\\(\\) mark 1: a non-tensor value"):
+        PipelineDPTrainer(SizeAcross(), seq_loss, stages=2, expected_batch_size=2)
+
+    class SharedAcross(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = torch.nn.Linear(4, 4), torch.nn.Linear(4, 4)
+
+        def forward(self, x):
+            h = self.a(x)
+            pipe_split()
+            return self.a(self.b(h))
+
+    with pytest.raises(UnsupportedModelError, match="mark 1 falls between two uses of one layer's weights"):
+        PipelineDPTrainer(SharedAcross(), seq_loss, stages=2, expected_batch_size=2)
