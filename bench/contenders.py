@@ -91,32 +91,38 @@ def _opacus_step(name, preset, model, opt, x, y):
 
 # ---- one process per stage -------------------------------------------------------------------
 def torch_pipeline(schedule: str, microbatches: int, preset: Preset, batch: int, stages: int, warmup: int, reps: int):
+    x, y = preset.make_batch(batch, 0)
+    with PeakMemory() as mem:
+        step = torch_pipeline_step(schedule, microbatches, preset, x, y)
+        times = _timed(step, warmup, reps, dist.barrier)
+    return {"seconds": statistics.median(times), "peak_mib": mem.peak_mib}
+
+
+def torch_pipeline_step(schedule: str, microbatches: int, preset: Preset, x, y) -> Callable[[], None]:
+    """This rank's part of the preset under torch's GPipe / 1F1B (no DP): one training step."""
     from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
     from .parts import rank_part
 
-    rank = dist.get_rank()
-    x, y = preset.make_batch(batch, 0)
-    with PeakMemory() as mem:
-        torch.manual_seed(0)
-        module = rank_part(preset.build(), stages, rank)
-        stage = PipelineStage(module, rank, stages, torch.device("cpu"))
-        cls = Schedule1F1B if schedule == "1f1b" else ScheduleGPipe
-        sched = cls(stage, n_microbatches=microbatches, loss_fn=preset.mean_loss)
-        opt = torch.optim.SGD(module.parameters(), lr=LR)
+    rank, stages = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(0)
+    module = rank_part(preset.build(), stages, rank)
+    stage = PipelineStage(module, rank, stages, torch.device("cpu"))
+    cls = Schedule1F1B if schedule == "1f1b" else ScheduleGPipe
+    sched = cls(stage, n_microbatches=microbatches, loss_fn=preset.mean_loss)
+    opt = torch.optim.SGD(module.parameters(), lr=LR)
 
-        def step():
-            opt.zero_grad(set_to_none=True)
-            if rank == 0:
-                sched.step(x)
-            elif rank == stages - 1:
-                sched.step(target=y, losses=[])
-            else:
-                sched.step()
-            opt.step()
+    def step():
+        opt.zero_grad(set_to_none=True)
+        if rank == 0:
+            sched.step(x)
+        elif rank == stages - 1:
+            sched.step(target=y, losses=[])
+        else:
+            sched.step()
+        opt.step()
 
-        times = _timed(step, warmup, reps, dist.barrier)
-    return {"seconds": statistics.median(times), "peak_mib": mem.peak_mib}
+    return step
 
 
 def pipedp_pipeline(schedule: str, mode: str, microbatches: int, preset: Preset, batch: int, stages: int,

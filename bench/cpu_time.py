@@ -47,28 +47,13 @@ def _rank(rank: int, contender: str, preset_name: str, m: int, clipping: str, wa
 
     from pipedp import PipelineDPTrainer
 
-    from .parts import rank_part
+    from .contenders import torch_pipeline_step
 
     preset, stages = PRESETS[preset_name], dist.get_world_size()
     x, y = preset.make_batch(32, 0)
     torch.manual_seed(0)
     if contender == "torch-1f1b":
-        from torch.distributed.pipelining import PipelineStage, Schedule1F1B
-
-        module = rank_part(preset.build(), stages, rank)
-        schedule = Schedule1F1B(PipelineStage(module, rank, stages, torch.device("cpu")), n_microbatches=m,
-                                loss_fn=preset.mean_loss)
-        opt = torch.optim.SGD(module.parameters(), lr=1e-3)
-
-        def step():
-            opt.zero_grad(set_to_none=True)
-            if rank == 0:
-                schedule.step(x)
-            elif rank == stages - 1:
-                schedule.step(target=y, losses=[])
-            else:
-                schedule.step()
-            opt.step()
+        step = torch_pipeline_step("1f1b", m, preset, x, y)
     else:
         norm = [1.0 / stages ** 0.5] * stages if clipping == "per_stage" else 1.0
         trainer = PipelineDPTrainer(preset.build(), preset.loss, lambda p: torch.optim.SGD(p, lr=1e-3), stages=stages,
