@@ -258,9 +258,9 @@ def _layer_norm_grads(unit: nn.LayerNorm, x: torch.Tensor, g: torch.Tensor, per_
     every dimension but the first and the normalised ones)."""
     x_hat = torch.nn.functional.layer_norm(x.to(g.dtype), unit.normalized_shape, None, None, unit.eps)
     lead = tuple(range(1 if per_sample else 0, x.dim() - len(unit.normalized_shape)))
-    out = {}
+    out = {}  # (sum over no dimension would be a sum over all of them: a [n, d] input is its own sum)
     if unit.weight is not None and unit.weight.requires_grad:
-        out[unit.weight] = (g * x_hat).sum(lead)
+        out[unit.weight] = (g * x_hat).sum(lead) if lead else g * x_hat
     if unit.bias is not None and unit.bias.requires_grad:
-        out[unit.bias] = g.sum(lead)
+        out[unit.bias] = g.sum(lead) if lead else g
     return out

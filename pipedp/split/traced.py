@@ -51,7 +51,10 @@ class _TopLevelTracer(fx.Tracer):
 
     def trace(self, root, concrete_args=None):
         # pipe_split() calls torch.ops.pippy._pipe_split() with no tensor argument, which tracing would
-        # run rather than record: while tracing, that op records a mark instead (restored right after)
+        # run rather than record: while tracing, that op records a mark instead (restored right after);
+        # importing torch's pipelining registers the op
+        import torch.distributed.pipelining  # noqa: F401
+
         namespace = torch.ops.pippy
         original = namespace._pipe_split
         setattr(namespace, "_pipe_split", lambda: self.create_proxy("call_function", _split_mark, (), {}))

@@ -34,3 +34,23 @@ def test_one_stage_clipped_sum_equals_the_loop_oracle(keep, mode):
     stage.weight(0, torch.clamp(0.1 / (norms.sqrt() + 1e-6), max=1.0))
     got = dict(zip(stage.parameter_names(), stage.take_clipped_sum()))
     assert max_relative_error(got, want) < 1e-10
+
+
+@pytest.mark.parametrize("keep", [True, False])
+def test_layers_over_single_vectors_too(keep):
+    """[n, d] inputs (no sequence dimension): a LayerNorm's per-sample gradients are its rows."""
+    from loop_models import LoopNet
+
+    torch.manual_seed(0)
+    model = LoopNet().double()
+    g = torch.Generator().manual_seed(2)
+    x, y = torch.randn(6, 5, generator=g, dtype=torch.float64), torch.randint(0, 3, (6,), generator=g)
+    ce = lambda o, t: F.cross_entropy(o, t, reduction="none")  # noqa: E731
+    want = loop_clipped_sum(copy.deepcopy(model), ce, x, y, 0.1)
+    stage = Stage(0, 1, model_blocks(model), ce, "ghost", keep_per_sample=keep)
+    stage.forward(0, x, y)
+    norms = stage.backward(0, torch.ones(6)).squared_norms
+    assert bool(stage.pending[0].kept) == keep
+    stage.weight(0, torch.clamp(0.1 / (norms.sqrt() + 1e-6), max=1.0))
+    got = dict(zip(stage.parameter_names(), stage.take_clipped_sum()))
+    assert max_relative_error(got, want) < 1e-10
