@@ -80,17 +80,14 @@ def traced_blocks(model: nn.Module) -> Optional[List[Block]]:
             body.append(n)
     kept_together = _spans_sharing_parameters(model, body)
     meta = _non_tensor_values(nodes)
-    cuts = []
-    for k, cut in enumerate(marks):
-        _check_mark(model, k, cut, placeholders + body, len(placeholders), kept_together, meta)
-    if marks:
-        cuts = sorted(set(c for c in marks if 0 < c < len(body)))
-    for i, node in enumerate(body[:-1] if not marks else []):
-        if node.op != "call_module" or any(a <= i < b for a, b in kept_together):
-            continue
-        crossing = _crossing(placeholders + body, len(placeholders) + i + 1)
-        if crossing and not any(n in meta for n in crossing):
-            cuts.append(i + 1)
+    if marks:  # the user's marks choose the cuts
+        for k, cut in enumerate(marks):
+            _check_mark(model, k, cut, placeholders + body, len(placeholders), kept_together, meta)
+        cuts = sorted({c for c in marks if 0 < c < len(body)})
+    else:  # after any top-level call where only tensors cross and no layer is used on both sides
+        cuts = [i + 1 for i, node in enumerate(body[:-1])
+                if node.op == "call_module" and not any(a <= i < b for a, b in kept_together)
+                and _only_tensors_cross(placeholders + body, len(placeholders) + i + 1, meta)]
     bounds = [0] + cuts + [len(body)]
     pieces = [body[a:b] for a, b in zip(bounds, bounds[1:]) if b > a]
     if len(pieces) < 2:
@@ -107,6 +104,11 @@ def traced_blocks(model: nn.Module) -> Optional[List[Block]]:
         blocks.append(Block("", _piece_module(model, piece, incoming, result), input_names=names))
         incoming = outgoing
     return blocks
+
+
+def _only_tensors_cross(nodes: List[fx.Node], cut: int, meta: Set[fx.Node]) -> bool:
+    crossing = _crossing(nodes, cut)
+    return bool(crossing) and not any(n in meta for n in crossing)
 
 
 def _check_mark(model: nn.Module, k: int, cut: int, nodes: List[fx.Node], offset: int, kept_together, meta) -> None:
