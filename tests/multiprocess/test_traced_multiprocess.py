@@ -49,3 +49,18 @@ def test_each_process_loads_only_its_stage_of_a_traced_model(tmp_path):
         expected_batch_size=6, transport="inprocess")
     trainer.step({"ids": ids, "mask": torch.ones_like(ids)}, torch.randint(0, 11, (6, 5), generator=g))
     assert max_relative_error(results[0][1], trainer.state_dict()) < 1e-12
+
+
+def test_the_torchrun_example_of_the_automatic_split_runs():
+    import os
+    import subprocess
+    import sys
+
+    from pipedp.runtime.launch import free_port
+
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
+                          "--master_port", str(free_port()), os.path.join(root, "examples", "auto_split.py"),
+                          "--steps", "3"], capture_output=True, text=True, timeout=240, cwd=root)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "partition: blocks per stage" in out.stdout and "step   3" in out.stdout
