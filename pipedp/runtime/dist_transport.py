@@ -1,12 +1,16 @@
 """Transport over torch.distributed: P2P activations/gradients, norm all-reduce.
 
-Every tensor travels as a small int64 header (micro-batch id, channel, how many tensors the
-message holds, dtype, shape) followed by its payload; a tuple of tensors (several values
-crossing one cut) is its tensors one after the other, and an empty tuple is one header.
-The receiver allocates from the header and checks the micro-batch id, so a
-message of another shape can never land in a stale buffer (on gloo a smaller message
-into a larger buffer succeeds silently), and an out-of-order message is an error, not a
-wrong gradient. Sends are non-blocking (isend) and completed at the end of the pass.
+Every tensor travels with a small int64 header (micro-batch id, channel, how many tensors the
+message holds, dtype, shape); a tuple of tensors (several values crossing one cut) is its
+tensors one after the other, and an empty tuple is one header. The first message of each kind
+in a pass sends the header on its own, then the payload allocated from it; every later one of
+the same shape (the micro-batches of a pass are padded to one) travels as one buffer, header
+bytes then payload bytes, of the size both sides now know: one message instead of two. A
+message of a new shape is announced by a notice in that buffer, then sent as the first was. The receiver
+checks every header against what it expects: a message of another shape can never land in a
+stale buffer (on gloo a smaller message into a larger buffer succeeds silently), and an
+out-of-order message is an error, not a wrong gradient. Sends are non-blocking (isend), freed
+once the peer has provably received them, else at the end of the pass.
 Activations and gradients travel on two separate process groups (two communicators):
 in 1F1B neighbours send to each other at the same time, and on NCCL, where the operations
 of one communicator run in order on one stream, one shared channel could block a send
@@ -15,7 +19,7 @@ behind a receive that waits for it.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Dict, List, Tuple
+from typing import Dict, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -26,11 +30,14 @@ from ..errors import TransportError
 from .microbatch import Activation
 
 _HEADER = 11  # mb, channel, parts, dtype code, ndim, up to 6 dims
+_HEADER_BYTES = 8 * _HEADER  # a multiple of every element size: the payload after it views as any dtype
 _BARE = -1  # "parts" of a bare tensor; a tuple of k tensors says k
+_RESHAPED = -2  # "parts" of a notice in a joined buffer: this message has a new shape, its header follows
 _DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32,
            torch.int16, torch.int8, torch.uint8, torch.bool]
 _CHANNEL = {Kind.SEND_F: 0, Kind.RECV_F: 0, Kind.SEND_B: 1, Kind.RECV_B: 1}
 _NAMES = {0: "activation", 1: "gradient"}
+Spec = Tuple[int, Tuple[Tuple[int, Tuple[int, ...]], ...]]  # parts, then (dtype code, shape) of each tensor
 
 
 @dataclass
@@ -59,6 +66,15 @@ class DistTransport:
         self.group = groups.norms
         self.device = device
         self._pending: Dict[tuple, List] = {}  # (channel, mb) -> [(work, tensor kept alive)]
+        # this pass's message shapes, by (side, channel, n): the n-th message of a micro-batch on a channel
+        self._known: Dict[tuple, Spec] = {}
+        self._count: Dict[tuple, int] = {}  # (side, channel, mb) -> messages so far
+
+    def _slot(self, side: str, kind: Kind, mb: int) -> tuple:
+        count = (side, _CHANNEL[kind], mb)
+        n = self._count.get(count, 0)
+        self._count[count] = n + 1
+        return side, _CHANNEL[kind], n
 
     def send(self, kind: Kind, mb: int, message: Activation) -> None:
         tensors = [message] if isinstance(message, torch.Tensor) else list(message)
@@ -68,13 +84,30 @@ class DistTransport:
                 raise TransportError(f"cannot send a {tensor.dtype} tensor between stages: use one of {_DTYPES}")
             if tensor.dim() > _HEADER - 5:
                 raise TransportError(f"cannot send a {tensor.dim()}-d tensor between stages (at most {_HEADER - 5})")
+        tensors = [t.detach().contiguous() for t in tensors]
         dst, group = self.peer[kind], self.channel_group[_CHANNEL[kind]]
         sent = self._pending.setdefault((_CHANNEL[kind], mb), [])
-        if not tensors:  # an empty message: its header says so
+        slot = self._slot("send", kind, mb)
+        spec: Spec = (parts, tuple((_DTYPES.index(t.dtype), tuple(t.shape)) for t in tensors))
+        known = self._known.get(slot)
+        if known == spec:  # header and payload in one buffer of the size the receiver expects
+            for tensor in tensors:
+                joined = torch.cat([self._header(mb, kind, parts, tensor).view(torch.uint8),
+                                    tensor.reshape(-1).view(torch.uint8)])
+                sent.append((dist.isend(joined, dst, group=group), joined))
+            return
+        if known is not None:  # another shape than this pass's earlier micro-batches: say so in the
+            code, shape = known[1][0]  # buffer the receiver expects, then announce the new shape
+            notice = torch.zeros(_HEADER_BYTES + _DTYPES[code].itemsize * int(torch.Size(shape).numel()),
+                                 dtype=torch.uint8, device=self.device)
+            notice[:_HEADER_BYTES] = self._header(mb, kind, _RESHAPED, None).view(torch.uint8)
+            sent.append((dist.isend(notice, dst, group=group), notice))
+        if tensors:  # an empty message is never remembered: it always sends its header
+            self._known[slot] = spec
+        else:
             header = self._header(mb, kind, 0, None)
             sent.append((dist.isend(header, dst, group=group), header))
-        for tensor in tensors:
-            tensor = tensor.detach().contiguous()
+        for tensor in tensors:  # the header on its own, then the payload allocated from it
             header = self._header(mb, kind, parts, tensor)
             sent.extend([(dist.isend(header, dst, group=group), header), (dist.isend(tensor, dst, group=group), tensor)])
 
@@ -87,29 +120,64 @@ class DistTransport:
         return header.to(self.device)
 
     def recv(self, kind: Kind, mb: int) -> Activation:
-        parts, first = self._recv_one(kind, mb)
+        slot = self._slot("recv", kind, mb)
+        known = self._known.get(slot)
+        tensors: List[torch.Tensor] = []
+        if known is not None:
+            parts = known[0]
+            for code, shape in known[1]:
+                tensor = self._recv_joined(kind, mb, parts, code, shape)
+                if tensor is None:  # a notice: this micro-batch's message has a new shape
+                    known, tensors = None, []
+                    break
+                tensors.append(tensor)
+        if known is None:
+            parts, first = self._recv_one(kind, mb)
+            tensors = [] if parts == 0 else [first] + [self._recv_one(kind, mb)[1] for _ in range(parts - 1)]
+            if tensors:
+                self._known[slot] = (parts, tuple((_DTYPES.index(t.dtype), tuple(t.shape)) for t in tensors))
         if parts == _BARE:
-            return first
-        if parts == 0:
-            return ()
-        return (first,) + tuple(self._recv_one(kind, mb)[1] for _ in range(parts - 1))
+            return tensors[0]
+        return tuple(tensors)
 
     def _recv_one(self, kind: Kind, mb: int) -> Tuple[int, torch.Tensor]:
         src, group = self.peer[kind], self.channel_group[_CHANNEL[kind]]
         header = torch.zeros(_HEADER, dtype=torch.int64, device=self.device)
         self._wait_for(lambda: dist.recv(header, src, group=group), src, kind, mb)
+        parts, dtype, shape = self._check(header, kind, mb, None)
+        if parts == 0:
+            return 0, header
+        payload = torch.empty(shape, dtype=_DTYPES[dtype], device=self.device)
+        self._wait_for(lambda: dist.recv(payload, src, group=group), src, kind, mb)
+        return parts, payload
+
+    def _recv_joined(self, kind: Kind, mb: int, parts: int, code: int, shape: Tuple[int, ...]
+                     ) -> Optional[torch.Tensor]:
+        """The payload of a joined buffer, or None for a notice that a new shape follows."""
+        src, group = self.peer[kind], self.channel_group[_CHANNEL[kind]]
+        nbytes = _DTYPES[code].itemsize * int(torch.Size(shape).numel())
+        joined = torch.empty(_HEADER_BYTES + nbytes, dtype=torch.uint8, device=self.device)
+        self._wait_for(lambda: dist.recv(joined, src, group=group), src, kind, mb)
+        if self._check(joined[:_HEADER_BYTES].view(torch.int64), kind, mb, (parts, code, shape))[0] == _RESHAPED:
+            return None
+        return joined[_HEADER_BYTES:].view(_DTYPES[code]).view(shape)
+
+    def _check(self, header: torch.Tensor, kind: Kind, mb: int, expected: Optional[tuple]):
+        """The header's (parts, dtype code, shape), refused unless it is the expected message."""
+        src = self.peer[kind]
         got_mb, channel, parts, dtype, ndim = (int(v) for v in header[:5].tolist())
         if got_mb != mb or channel != _CHANNEL[kind]:
             raise TransportError(
                 f"stage {self.stage} expected the {_NAMES[_CHANNEL[kind]]} of micro-batch {mb} from rank {src}, "
                 f"got the {_NAMES.get(channel, channel)} of micro-batch {got_mb}: the ranks run different schedules"
             )
-        if parts == 0:
-            return 0, header
-        shape = [int(v) for v in header[5 : 5 + ndim].tolist()]
-        payload = torch.empty(shape, dtype=_DTYPES[dtype], device=self.device)
-        self._wait_for(lambda: dist.recv(payload, src, group=group), src, kind, mb)
-        return parts, payload
+        shape = tuple(int(v) for v in header[5 : 5 + ndim].tolist())
+        if expected is not None and parts != _RESHAPED and (parts, dtype, shape) != expected:
+            raise TransportError(
+                f"stage {self.stage} got the {_NAMES[channel]} of micro-batch {mb} from rank {src} as (parts, dtype, "
+                f"shape) {(parts, dtype, shape)}, expected {expected} like the earlier micro-batches of this pass"
+            )
+        return parts, dtype, shape
 
     def _wait_for(self, receive, src: int, kind: Kind, mb: int) -> None:
         """A receive that names the silent peer when it times out or the peer's connection breaks."""
@@ -136,3 +204,4 @@ class DistTransport:
             for work, _ in sends:
                 work.wait()
         self._pending = {}
+        self._known, self._count = {}, {}  # the next pass may have other shapes

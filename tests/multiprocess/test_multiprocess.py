@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from oracles import max_relative_error, opacus_step
-from pipedp import RankFailedError
+from pipedp import PipelineDPTrainer, RankFailedError
 from pipedp.runtime.launch import free_port, launch
 from workers import CLIP, LR, make_batch, make_model
 
@@ -131,3 +131,27 @@ def test_per_layer_clipping_in_processes_equals_in_process():
     want = parity(0, [dict(cfg, transport="inprocess")], N)[0]
     assert max_relative_error(got, want) < 1e-12
     assert max_relative_error(got, opacus_reference("ghost")) > 1e-6  # not flat clipping
+
+
+def test_micro_batches_of_one_pass_may_send_other_shapes():
+    """The transport joins header and payload once a shape is known; a micro-batch whose stage output has
+    another width (data-dependent) is announced and sent anew, forward and backward. Oracle: the loop of
+    batch-size-1 passes for the first step; the in-process run for two."""
+    import copy
+
+    from oracles import loop_clipped_sum
+    from workers import variable_width_data, variable_width_model, variable_width_step
+
+    model = variable_width_model()
+    x, y = variable_width_data()
+    want = loop_clipped_sum(copy.deepcopy(model), lambda o, t: torch.nn.functional.cross_entropy(o, t, reduction="none"),
+                            x, y, 0.1)
+    trainer = PipelineDPTrainer(model, lambda o, t: torch.nn.functional.cross_entropy(o, t, reduction="none"),
+                                lambda p: torch.optim.SGD(p, lr=1.0), stages=2, microbatches=4, noise_multiplier=0.0,
+                                max_grad_norm=0.1, expected_batch_size=1, transport="inprocess")
+    before = {k: v.detach().clone() for k, v in model.named_parameters()}
+    trainer.step(x, y)
+    got = {k: before[k] - p.detach() for k, p in model.named_parameters()}
+    assert max_relative_error(got, want) < 1e-10
+    over_processes = launch(variable_width_step, 2, (), timeout_s=300)[0]
+    assert max_relative_error(over_processes, variable_width_step(0, inprocess=True)) < 1e-12

@@ -297,3 +297,46 @@ def traced_stage_step(rank, weights):
     ids = torch.randint(0, 11, (6, 5), generator=g)
     trainer.step({"ids": ids, "mask": torch.ones_like(ids)}, torch.randint(0, 11, (6, 5), generator=g))
     return resident, trainer.state_dict()
+
+
+def variable_width_model():
+    """A stage output whose width depends on the data: the micro-batches of one pass send other shapes."""
+
+    class Trim(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = torch.nn.Linear(4, 4)
+
+        def forward(self, x):
+            return self.lin(x)[:, : 4 if float(x[0, 0]) > 0 else 2]
+
+    class Head(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = torch.nn.Linear(1, 3)
+
+        def forward(self, h):
+            return self.lin(torch.tanh(h).sum(-1, keepdim=True))
+
+    torch.manual_seed(0)
+    return torch.nn.Sequential(Trim(), Head()).double()
+
+
+def variable_width_data():
+    g = torch.Generator().manual_seed(9)
+    x = torch.randn(8, 4, generator=g, dtype=torch.float64)
+    # micro-batches of 2, both rows of one sign (so a sample alone gets its micro-batch's width): 4, 2, 2, 4
+    x[:, 0] = torch.tensor([1.0, 1.0, -1.0, -1.0, -1.0, -1.0, 1.0, 1.0], dtype=torch.float64)
+    return x, torch.randint(0, 3, (8,), generator=g)
+
+
+def variable_width_step(rank, inprocess=False):
+    model = variable_width_model()
+    x, y = variable_width_data()
+    kw = {"transport": "inprocess"} if inprocess else {}
+    trainer = PipelineDPTrainer(model, lambda o, t: torch.nn.functional.cross_entropy(o, t, reduction="none"),
+                                lambda p: torch.optim.SGD(p, lr=1.0), stages=2, microbatches=4, noise_multiplier=0.0,
+                                max_grad_norm=0.1, expected_batch_size=1, **kw)
+    for _ in range(2):  # the second pass starts from what the first one learnt
+        trainer.step(x, y)
+    return trainer.state_dict()
