@@ -33,6 +33,17 @@ def step_update(model, trainer, x, y):
     return {k: before[k] - p.detach() for k, p in model.named_parameters()}
 
 
+def class_step_error(model, x, y, clip=0.1):
+    """One noise-free step on 2 stages (a classifier) against the loop oracle: the max relative error."""
+    def ce(o, t):
+        return F.cross_entropy(o, t, reduction="none")
+
+    want = loop_clipped_sum(copy.deepcopy(model), ce, x, y, clip)
+    trainer = PipelineDPTrainer(model, ce, sgd, stages=2, microbatches=2, noise_multiplier=0.0, max_grad_norm=clip,
+                                expected_batch_size=1)
+    return max_relative_error(step_update(model, trainer, x, y), want)
+
+
 @pytest.mark.parametrize("stages", [2, 3])
 @pytest.mark.parametrize("mode", ["ghost", "materialize"])
 def test_a_long_skip_connection_crosses_the_split(stages, mode):
@@ -115,6 +126,14 @@ def test_measured_costs_balance_a_model_with_dict_inputs():
     trainer.close()
 
 
+class TwoLayers(torch.nn.Module):
+    """Two small layers; each refusal test below gives it the forward it is about."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = torch.nn.Linear(4, 4), torch.nn.Linear(4, 4)
+
+
 class SharedTwice(torch.nn.Module):
     """One layer called at the start and at the end: its two uses must land on one stage."""
 
@@ -138,12 +157,8 @@ def test_a_module_called_twice_stays_on_one_stage_and_is_exact():
     holding = [k for k, b in enumerate(blocks) if any(p is model.shared.weight for p in b.module.parameters())]
     assert holding == [0]  # both calls in one block: no cut between them
     g = torch.Generator().manual_seed(4)
-    x, y = torch.randn(6, 6, generator=g, dtype=torch.float64), torch.randint(0, 6, (6,), generator=g)
-    ce = lambda o, t: F.cross_entropy(o, t, reduction="none")  # noqa: E731
-    want = loop_clipped_sum(copy.deepcopy(model), ce, x, y, 0.1)
-    trainer = PipelineDPTrainer(model, ce, sgd, stages=2, microbatches=2, noise_multiplier=0.0, max_grad_norm=0.1,
-                                expected_batch_size=1)
-    assert max_relative_error(step_update(model, trainer, x, y), want) < 1e-10
+    assert class_step_error(model, torch.randn(6, 6, generator=g, dtype=torch.float64),
+                            torch.randint(0, 6, (6,), generator=g)) < 1e-10
 
 
 def test_what_the_graph_shows_cannot_be_clipped_is_refused_by_name():
@@ -158,11 +173,7 @@ def test_what_the_graph_shows_cannot_be_clipped_is_refused_by_name():
     with pytest.raises(UnsupportedModelError, match="reads the trainable parameter 'embed.weight' directly"):
         PipelineDPTrainer(Functional(), seq_loss, stages=2, expected_batch_size=2)
 
-    class InPlace(torch.nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.a, self.b = torch.nn.Linear(4, 4), torch.nn.Linear(4, 4)
-
+    class InPlace(TwoLayers):
         def forward(self, x):
             h = self.a(x)
             h.add_(1.0)  # changes a's captured output (a traced `h += 1` is out of place)
@@ -171,11 +182,7 @@ def test_what_the_graph_shows_cannot_be_clipped_is_refused_by_name():
     with pytest.raises(UnsupportedModelError, match="updates the output of layer 'a' in place"):
         PipelineDPTrainer(InPlace(), seq_loss, stages=2, expected_batch_size=2)
 
-    class SizeAtTheEnd(torch.nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.a, self.b = torch.nn.Linear(4, 4), torch.nn.Linear(4, 4)
-
+    class SizeAtTheEnd(TwoLayers):
         def forward(self, x):
             n = x.shape[-1]  # a Python number made at the start, used at the end: crosses every cut
             return self.b(self.a(x)) / n
@@ -217,12 +224,8 @@ def test_pipe_split_marks_in_a_plain_module_choose_the_cut_and_several_tensors_c
     assert len(blocks) == 2  # only the mark: no cut between a and b although one tensor crosses there
     assert {n for n, _ in blocks[0].module.named_parameters()} == {"a.weight", "a.bias", "b.weight", "b.bias"}
     g = torch.Generator().manual_seed(7)
-    x, y = torch.randn(6, 4, generator=g, dtype=torch.float64), torch.randint(0, 3, (6,), generator=g)
-    ce = lambda o, t: F.cross_entropy(o, t, reduction="none")  # noqa: E731
-    want = loop_clipped_sum(copy.deepcopy(model), ce, x, y, 0.1)
-    trainer = PipelineDPTrainer(model, ce, sgd, stages=2, microbatches=2, noise_multiplier=0.0, max_grad_norm=0.1,
-                                expected_batch_size=1)
-    assert max_relative_error(step_update(model, trainer, x, y), want) < 1e-10
+    assert class_step_error(model, torch.randn(6, 4, generator=g, dtype=torch.float64),
+                            torch.randint(0, 3, (6,), generator=g)) < 1e-10
     import torch.distributed.pipelining._IR as ir
 
     assert torch.ops.pippy._pipe_split is not None and ir.pipe_split() is None  # the op is restored after tracing
@@ -231,11 +234,7 @@ def test_pipe_split_marks_in_a_plain_module_choose_the_cut_and_several_tensors_c
 def test_a_mark_that_cannot_be_a_stage_boundary_is_refused_by_name():
     from torch.distributed.pipelining import pipe_split
 
-    class SizeAcross(torch.nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.a, self.b = torch.nn.Linear(4, 4), torch.nn.Linear(4, 4)
-
+    class SizeAcross(TwoLayers):
         def forward(self, x):
             n = x.shape[-1]
             h = self.a(x)
@@ -245,11 +244,7 @@ def test_a_mark_that_cannot_be_a_stage_boundary_is_refused_by_name():
     with pytest.raises(UnsupportedModelError, match="pipe_split\\(\\) mark 1: a non-tensor value"):
         PipelineDPTrainer(SizeAcross(), seq_loss, stages=2, expected_batch_size=2)
 
-    class SharedAcross(torch.nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.a, self.b = torch.nn.Linear(4, 4), torch.nn.Linear(4, 4)
-
+    class SharedAcross(TwoLayers):
         def forward(self, x):
             h = self.a(x)
             pipe_split()
