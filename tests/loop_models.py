@@ -62,3 +62,22 @@ class MaskedNet(torch.nn.Module):
         for block in self.blocks:
             h = block(h, mask)
         return self.head(self.norm(h + e)) + self.token_bias(ids)
+
+
+class TiedLM(torch.nn.Module):
+    """A plain language model whose output head shares the input embedding's weight; ``shift``: the
+    embedding reads other ids than the inputs (which the cross-stage tie cannot handle)."""
+
+    def __init__(self, vocab=11, d=8, shift=0):
+        super().__init__()
+        self.shift, self.vocab = shift, vocab
+        self.embed = torch.nn.Embedding(vocab, d)
+        self.blocks = torch.nn.ModuleList([MaskedBlock(d) for _ in range(3)])
+        self.head = torch.nn.Linear(d, vocab, bias=False)
+        self.head.weight = self.embed.weight
+
+    def forward(self, input_ids, mask):
+        h = self.embed((input_ids + self.shift) % self.vocab)
+        for block in self.blocks:
+            h = block(h, mask)
+        return self.head(h)

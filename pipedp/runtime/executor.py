@@ -15,6 +15,7 @@ import torch
 
 from schedules import Action, Kind
 
+from ..errors import UnsupportedModelError
 from ..privacy.clipping import Clipping, clip_factors
 from .microbatch import Activation, PassBatch, detached
 from .protocols import PendingReduction, Transport, WouldBlock
@@ -132,11 +133,10 @@ class Executor:
         norms = result.squared_norms
         if self.tied:  # ||g_emb + g_head||^2 = ||g_emb||^2 + ||g_head||^2 + 2 <g_emb, g_head>
             if self.stage.is_last:
-                inputs = state.batch.inputs[mb]
-                ids = inputs["input_ids"] if isinstance(inputs, dict) else inputs
-                state.tie_out[mb] = self.stage.tie_message(mb, ids)
+                state.tie_out[mb] = self.stage.tie_message(mb, _token_ids(state.batch.inputs[mb]))
             elif self.stage.is_first:
-                norms = norms + 2 * self.stage.tie_cross(mb, state.tie_in.pop(mb)).to(norms.device)
+                cross = self.stage.tie_cross(mb, state.tie_in.pop(mb), _token_ids(state.batch.inputs[mb]))
+                norms = norms + 2 * cross.to(norms.device)
             else:
                 state.tie_out[mb] = state.tie_in.pop(mb)  # relayed towards stage 0
         state.norms[mb] = norms
@@ -178,6 +178,19 @@ class Executor:
             self._pass.tie_in[mb] = self.transport.recv(Kind.RECV_B, mb)
         # the next stage computed this gradient from our activation of mb: it has received it
         self.transport.release(Kind.SEND_F, mb)
+
+
+def _token_ids(inputs) -> torch.Tensor:
+    """The token ids the last stage builds the tie's message from: the micro-batch's input tensor, or
+    its ``input_ids`` (the first stage checks that its tied embedding read exactly these)."""
+    if not isinstance(inputs, dict):
+        return inputs
+    if "input_ids" not in inputs:
+        raise UnsupportedModelError(
+            f"an embedding tied to the head across stages needs the token ids as inputs['input_ids'] (the inputs "
+            f"hold {sorted(inputs)}): name the ids input input_ids, or give the head its own weight"
+        )
+    return inputs["input_ids"]
 
 
 def run_in_process(executors: List[Executor]) -> None:

@@ -427,11 +427,19 @@ class Stage:
         picked = grads.gather(2, ids[:, None, :].expand(n, grads.shape[1], ids.shape[1]))  # [n, s, t] = B[s, x[t]]
         return torch.bmm(picked.transpose(1, 2), head_in.to(picked.dtype))
 
-    def tie_cross(self, mb: int, message: torch.Tensor) -> torch.Tensor:
-        """Owner (first stage), after I(mb): <g_emb,i, g_head,i> per sample, [n] float64."""
+    def tie_cross(self, mb: int, message: torch.Tensor, message_ids: torch.Tensor) -> torch.Tensor:
+        """Owner (first stage), after I(mb): <g_emb,i, g_head,i> per sample, [n] float64. ``message_ids``:
+        the ids the partner built ``message`` from, which must be the ones the embedding read."""
         state = self.pending[mb]
         unit = self.units[self.tie_unit]
-        ids = state.calls[self.tie_unit][0].inputs[0]
+        calls = state.calls.get(self.tie_unit, [])
+        ids = calls[0].inputs[0] if len(calls) == 1 else None
+        if ids is None or ids.shape != message_ids.shape or not torch.equal(ids, message_ids.to(ids.device)):
+            raise UnsupportedModelError(
+                f"the tied embedding {self.tie_unit!r} must read the micro-batch's token ids, once and unchanged, for "
+                "pipedp to compute the tie's cross term exactly; it read other values (or ran "
+                f"{len(calls)} times): give the head its own weight"
+            )
         grads = state.backprops[self.tie_unit][0]
         if unit.padding_idx is not None:  # autograd gives the padding row no gradient
             grads = grads * (ids != unit.padding_idx).unsqueeze(-1).to(grads.dtype)

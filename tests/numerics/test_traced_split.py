@@ -252,3 +252,37 @@ def test_a_mark_that_cannot_be_a_stage_boundary_is_refused_by_name():
 
     with pytest.raises(UnsupportedModelError, match="mark 1 falls between two uses of one layer's weights"):
         PipelineDPTrainer(SharedAcross(), seq_loss, stages=2, expected_batch_size=2)
+
+
+def tied_batch(generator):
+    ids = torch.randint(0, 11, (5, 6), generator=generator)
+    return {"input_ids": ids, "mask": torch.ones_like(ids)}, torch.randint(0, 11, (5, 6), generator=generator)
+
+
+@pytest.mark.parametrize("stages", [2, 3])
+def test_a_plain_model_with_its_head_tied_to_its_embedding_is_exact_across_stages(stages):
+    from loop_models import TiedLM
+
+    torch.manual_seed(0)
+    model = TiedLM().double()
+    x, y = tied_batch(torch.Generator().manual_seed(1))
+    want = loop_clipped_sum(copy.deepcopy(model), seq_loss, x, y, 0.1)
+    trainer = PipelineDPTrainer(model, seq_loss, sgd, stages=stages, microbatches=2, noise_multiplier=0.0,
+                                max_grad_norm=0.1, expected_batch_size=1)
+    assert max_relative_error(step_update(model, trainer, x, y), want) < 1e-10
+
+
+def test_a_tie_the_cross_term_cannot_follow_is_refused_by_name():
+    from loop_models import TiedLM
+
+    x, y = tied_batch(torch.Generator().manual_seed(1))
+    shifted = PipelineDPTrainer(TiedLM(shift=3).double(), seq_loss, stages=2, microbatches=2, expected_batch_size=5)
+    with pytest.raises(UnsupportedModelError, match="tied embedding 'embed' must read the micro-batch's token ids"):
+        shifted.step(x, y)
+    class TiedByIds(TiedLM):
+        def forward(self, ids, mask):  # the ids under another name than input_ids
+            return super().forward(ids, mask)
+
+    renamed = PipelineDPTrainer(TiedByIds().double(), seq_loss, stages=2, microbatches=2, expected_batch_size=5)
+    with pytest.raises(UnsupportedModelError, match=r"needs the token ids as inputs\['input_ids'\]"):
+        renamed.step({"ids": x["input_ids"], "mask": x["mask"]}, y)
