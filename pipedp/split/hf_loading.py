@@ -6,15 +6,12 @@ shards, tokenizer files).
 from __future__ import annotations
 
 import os
-from typing import Dict, List
+from typing import List
 
 import torch
 import torch.nn as nn
 
-from .adapters import model_blocks
-from .hf import SPECS
-from .partition import partition
-from .stage_loading import materialize_stage, resident_parameter_bytes  # noqa: F401 (re-exported)
+from .stage_loading import load_stage, resident_parameter_bytes  # noqa: F401 (re-exported)
 
 
 def _require_transformers():
@@ -47,17 +44,6 @@ def build_on_meta(path_or_config, attn_implementation: str = "sdpa") -> nn.Modul
         return AutoModelForCausalLM.from_config(config, attn_implementation=attn_implementation)
 
 
-def tied_aliases(model: nn.Module) -> Dict[str, str]:
-    """Names a tied checkpoint may not store, mapped to the stored twin."""
-    name = type(model).__name__
-    if name == "GPT2LMHeadModel":
-        return {"lm_head.weight": "transformer.wte.weight"}
-    spec = SPECS.get(getattr(model.config, "model_type", None)) if name.endswith("ForCausalLM") else None
-    if spec is not None:
-        return {f"{spec.head}.weight": f"{spec.body}.{spec.embed}.weight"}
-    return {}
-
-
 def tokenize_for_model(path: str, text: str) -> List[int]:
     _require_transformers()
     from transformers import AutoTokenizer
@@ -80,29 +66,4 @@ def load_pipeline_stage(
     tensors from the (possibly sharded) safetensors checkpoint, so no rank ever holds the
     whole model.
     """
-    model = build_on_meta(folder, attn_implementation)
-    tied = tied_aliases(model)
-    stage_blocks = partition(model_blocks(model, untie_weights), stages, balance)
-    if not 0 <= stage < stages:
-        raise ValueError(f"stage must be in 0..{stages - 1}, got {stage}")
-    materialize_stage(folder, stage_blocks[stage], tied, device)
-    if not untie_weights:
-        _retie(model)
-    return model
-
-
-def _retie(model: nn.Module) -> None:
-    """Materialising a stage gives its modules new tensors, which breaks a tie between the input
-    embedding and the head: point the other side at this rank's real tensor again, so every rank
-    sees the tie (pipedp then trains it exactly across stages; the other side's stage stays on meta)."""
-    if not getattr(model.config, "tie_word_embeddings", False):
-        return
-    embedding, head = model.get_input_embeddings(), model.get_output_embeddings()
-    if embedding is None or head is None:
-        return
-    if not embedding.weight.is_meta:
-        head.weight = embedding.weight
-    elif not head.weight.is_meta:
-        embedding.weight = head.weight
-    else:  # a middle stage: neither is real here; keep them one (meta) tensor all the same
-        head.weight = embedding.weight
+    return load_stage(build_on_meta(folder, attn_implementation), folder, stages, stage, balance, device, untie_weights)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json
 import os
-from typing import Dict, List, Mapping, Optional, Union
+from typing import Dict, List, Mapping, Optional, Tuple, Union
 
 import torch
 import torch.nn as nn
@@ -49,18 +49,19 @@ def _safetensors_keys(path: str) -> List[str]:
         return list(f.keys())
 
 
-def read_tensors(source: WeightSource, names: List[str], aliases: Optional[Dict[str, str]] = None
+def read_tensors(source: WeightSource, names: List[str], twins: Optional[Dict[str, List[str]]] = None
                  ) -> Dict[str, torch.Tensor]:
-    """Read only ``names`` from ``source`` (``aliases`` maps a tied name to its stored twin)."""
-    aliases = aliases or {}
+    """Read only ``names`` from ``source`` (``twins``: the other names of a tied tensor, one of which a
+    checkpoint may store instead)."""
+    twins = twins or {}
     if isinstance(source, Mapping):
         stored_in: Dict[str, str] = {k: "" for k in source}
     else:
         stored_in = weight_map(os.fspath(source))
     wanted: Dict[str, List[tuple]] = {}
     for name in names:
-        stored = name if name in stored_in else aliases.get(name)
-        if stored not in stored_in:
+        stored = next((n for n in [name] + twins.get(name, []) if n in stored_in), None)
+        if stored is None:
             raise CheckpointError(
                 f"{name!r} is not in the weights at {_describe(source)}: they belong to another model or an "
                 "incomplete save"
@@ -82,9 +83,10 @@ def _describe(source: WeightSource) -> str:
     return "the given mapping" if isinstance(source, Mapping) else repr(os.fspath(source))
 
 
-def materialize_stage(source: WeightSource, stage_blocks: List[Block], aliases: Optional[Dict[str, str]] = None,
+def materialize_stage(source: WeightSource, stage_blocks: List[Block], twins: Optional[Dict[str, List[str]]] = None,
                       device="cpu") -> None:
-    """Give this stage's blocks real memory and load their tensors from ``source``."""
+    """Give this stage's blocks real memory and load their tensors from ``source`` (this breaks
+    every parameter sharing: ``load_stage`` restores it)."""
     for block in stage_blocks:
         own = {k: block.qualified(k) for k in block.module.state_dict().keys()}
         missing = _non_persistent_buffers(block.module)
@@ -94,7 +96,7 @@ def materialize_stage(source: WeightSource, stage_blocks: List[Block], aliases: 
                 "(register_buffer(..., persistent=False)) and were built on the meta device have no value; make "
                 "them persistent, compute them in forward, or build the model on the CPU"
             )
-        tensors = read_tensors(source, list(own.values()), aliases)
+        tensors = read_tensors(source, list(own.values()), twins)
         block.module.to_empty(device=device)
         block.module.load_state_dict({k: tensors[q] for k, q in own.items()}, strict=True)
         for module in block.module.modules():  # Hugging Face: non-persistent buffers (rotary frequencies)
@@ -115,10 +117,13 @@ def _non_persistent_buffers(module: nn.Module) -> List[str]:
 
 
 def load_stage(model: nn.Module, weights: WeightSource, stages: int, stage: int, balance: Balance = "params",
-               device="cpu") -> nn.Module:
+               device="cpu", untie_weights: bool = False) -> nn.Module:
     """``model`` built on the meta device (``with torch.device("meta"): model = Net()``), with only
     ``stage``'s parameters given memory and loaded from ``weights``. Hand the result to
-    PipelineDPTrainer with the same ``stages`` and ``balance`` on the rank that runs that stage."""
+    PipelineDPTrainer with the same ``stages``, ``balance`` and ``untie_weights`` on the rank that
+    runs that stage. Tied parameters stay tied: giving a module memory replaces its parameters, so
+    every sharer is pointed back at the one real tensor afterwards (pipedp then trains an
+    embedding tied to the head exactly across stages, and refuses any other sharing across stages)."""
     if not 0 <= stage < stages:
         raise ValueError(f"stage must be in 0..{stages - 1}, got {stage}")
     if callable(balance):
@@ -126,9 +131,34 @@ def load_stage(model: nn.Module, weights: WeightSource, stages: int, stage: int,
             "a measured balance runs the blocks, and a model on the meta device has no values to run: pass "
             "balance='params', 'uniform' or the per-block costs as a list (e.g. measured once on a small copy)"
         )
-    stage_blocks = partition(model_blocks(model), stages, balance)
-    materialize_stage(weights, stage_blocks[stage], device=device)
+    twins = _twin_names(model)  # before any untying: a tied checkpoint may store one name only
+    blocks = model_blocks(model, untie_weights)
+    shared = _sharing(model)  # the ties that remain
+    materialize_stage(weights, partition(blocks, stages, balance)[stage], twins, device)
+    for uses in shared:
+        tensors = [getattr(module, name) for module, name in uses]
+        real = next((t for t in tensors if not t.is_meta), tensors[0])  # on a middle stage: keep the meta one
+        for module, name in uses:
+            setattr(module, name, real)
     return model
+
+
+def _twin_names(model: nn.Module) -> Dict[str, List[str]]:
+    """Each name of a tensor the model holds under several names -> its other names."""
+    names: Dict[int, List[str]] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        names.setdefault(id(p), []).append(name)
+    return {n: [m for m in group if m != n] for group in names.values() if len(group) > 1 for n in group}
+
+
+def _sharing(model: nn.Module) -> List[List[Tuple[nn.Module, str]]]:
+    """(module, attribute) of every use of each parameter that several modules hold."""
+    uses: Dict[int, List[Tuple[nn.Module, str]]] = {}
+    for module in model.modules():
+        for name, p in module._parameters.items():
+            if p is not None:
+                uses.setdefault(id(p), []).append((module, name))
+    return [u for u in uses.values() if len(u) > 1]
 
 
 def resident_parameter_bytes(model: nn.Module) -> int:

@@ -64,3 +64,20 @@ def test_the_torchrun_example_of_the_automatic_split_runs():
                           "--steps", "3"], capture_output=True, text=True, timeout=240, cwd=root)
     assert out.returncode == 0, out.stderr[-3000:]
     assert "partition: blocks per stage" in out.stdout and "step   3" in out.stdout
+
+
+def test_each_process_loads_its_stage_of_a_tied_model_and_the_tie_holds(tmp_path):
+    """The head shares the embedding's weight; materialising a stage replaces parameters, and the tie is
+    restored, so the cross-stage tie is trained exactly: equal to the whole model's step in one process
+    (itself checked against the loop oracle in tests/numerics/test_traced_split.py)."""
+    from safetensors.torch import save_model
+
+    from loop_models import TiedLM
+    from oracles import max_relative_error
+    from workers import tied_stage_step, tied_step
+
+    torch.manual_seed(0)
+    whole = TiedLM().double()
+    save_model(whole, str(tmp_path / "tied.safetensors"))
+    got = launch(tied_stage_step, 2, (str(tmp_path / "tied.safetensors"),), timeout_s=300)[0]
+    assert max_relative_error(got, tied_step(whole, transport="inprocess")) < 1e-12

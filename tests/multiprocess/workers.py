@@ -340,3 +340,25 @@ def variable_width_step(rank, inprocess=False):
     for _ in range(2):  # the second pass starts from what the first one learnt
         trainer.step(x, y)
     return trainer.state_dict()
+
+
+def tied_stage_step(rank, weights):
+    """TiedLM built on the meta device, each rank loading its stage; the tie spans the two stages."""
+    from loop_models import TiedLM
+    from pipedp import load_stage
+
+    with torch.device("meta"):
+        model = TiedLM().double()
+    load_stage(model, weights, 2, rank)
+    return tied_step(model)
+
+
+def tied_step(model, **kw):
+    g = torch.Generator().manual_seed(8)
+    ids = torch.randint(0, 11, (6, 5), generator=g)
+    trainer = PipelineDPTrainer(
+        model, lambda o, t: torch.nn.functional.cross_entropy(o.transpose(1, 2), t, reduction="none").mean(1),
+        lambda p: torch.optim.SGD(p, lr=0.5), stages=2, microbatches=2, noise_multiplier=0.0, max_grad_norm=0.1,
+        expected_batch_size=6, **kw)
+    trainer.step({"input_ids": ids, "mask": torch.ones_like(ids)}, torch.randint(0, 11, (6, 5), generator=g))
+    return trainer.state_dict()

@@ -57,3 +57,19 @@ def test_what_cannot_be_loaded_is_refused_by_name(tmp_path):
         model = WithTable()
     with pytest.raises(CheckpointError, match="b.table: buffers that are not saved"):
         load_stage(model, {k: torch.zeros(v.shape) for k, v in model.state_dict().items()}, 2, 1)
+
+
+def test_a_tied_model_stays_tied_on_every_stage(tmp_path):
+    from safetensors.torch import save_model
+
+    from loop_models import TiedLM
+
+    torch.manual_seed(0)
+    whole = TiedLM().double()
+    save_model(whole, str(tmp_path / "tied.safetensors"))  # stores the shared tensor under one name
+    for stage in (0, 1):
+        with torch.device("meta"):
+            model = TiedLM().double()
+        load_stage(model, str(tmp_path / "tied.safetensors"), 2, stage)
+        assert model.head.weight is model.embed.weight  # one tensor again, as in the model built
+        assert not model.embed.weight.is_meta and torch.equal(model.embed.weight, whole.embed.weight)
