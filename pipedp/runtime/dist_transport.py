@@ -40,6 +40,15 @@ _NAMES = {0: "activation", 1: "gradient"}
 Spec = Tuple[int, Tuple[Tuple[int, Tuple[int, ...]], ...]]  # parts, then (dtype code, shape) of each tensor
 
 
+def _spec(parts: int, tensors: List[torch.Tensor]) -> Spec:
+    return parts, tuple((_DTYPES.index(t.dtype), tuple(t.shape)) for t in tensors)
+
+
+def _joined_bytes(code: int, shape: Tuple[int, ...]) -> int:
+    """The size of a joined buffer: the header, then the payload's bytes."""
+    return _HEADER_BYTES + _DTYPES[code].itemsize * int(torch.Size(shape).numel())
+
+
 @dataclass
 class PipelineGroups:
     """The process groups of one pipeline (one replica's stages)."""
@@ -88,7 +97,7 @@ class DistTransport:
         dst, group = self.peer[kind], self.channel_group[_CHANNEL[kind]]
         sent = self._pending.setdefault((_CHANNEL[kind], mb), [])
         slot = self._slot("send", kind, mb)
-        spec: Spec = (parts, tuple((_DTYPES.index(t.dtype), tuple(t.shape)) for t in tensors))
+        spec = _spec(parts, tensors)
         known = self._known.get(slot)
         if known == spec:  # header and payload in one buffer of the size the receiver expects
             for tensor in tensors:
@@ -98,8 +107,7 @@ class DistTransport:
             return
         if known is not None:  # another shape than this pass's earlier micro-batches: say so in the
             code, shape = known[1][0]  # buffer the receiver expects, then announce the new shape
-            notice = torch.zeros(_HEADER_BYTES + _DTYPES[code].itemsize * int(torch.Size(shape).numel()),
-                                 dtype=torch.uint8, device=self.device)
+            notice = torch.zeros(_joined_bytes(code, shape), dtype=torch.uint8, device=self.device)
             notice[:_HEADER_BYTES] = self._header(mb, kind, _RESHAPED, None).view(torch.uint8)
             sent.append((dist.isend(notice, dst, group=group), notice))
         if tensors:  # an empty message is never remembered: it always sends its header
@@ -135,7 +143,7 @@ class DistTransport:
             parts, first = self._recv_one(kind, mb)
             tensors = [] if parts == 0 else [first] + [self._recv_one(kind, mb)[1] for _ in range(parts - 1)]
             if tensors:
-                self._known[slot] = (parts, tuple((_DTYPES.index(t.dtype), tuple(t.shape)) for t in tensors))
+                self._known[slot] = _spec(parts, tensors)
         if parts == _BARE:
             return tensors[0]
         return tuple(tensors)
@@ -155,8 +163,7 @@ class DistTransport:
                      ) -> Optional[torch.Tensor]:
         """The payload of a joined buffer, or None for a notice that a new shape follows."""
         src, group = self.peer[kind], self.channel_group[_CHANNEL[kind]]
-        nbytes = _DTYPES[code].itemsize * int(torch.Size(shape).numel())
-        joined = torch.empty(_HEADER_BYTES + nbytes, dtype=torch.uint8, device=self.device)
+        joined = torch.empty(_joined_bytes(code, shape), dtype=torch.uint8, device=self.device)
         self._wait_for(lambda: dist.recv(joined, src, group=group), src, kind, mb)
         if self._check(joined[:_HEADER_BYTES].view(torch.int64), kind, mb, (parts, code, shape))[0] == _RESHAPED:
             return None

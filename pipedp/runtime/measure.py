@@ -15,7 +15,7 @@ from typing import List, Sequence
 import torch
 
 from ..split.blocks import Block
-from .microbatch import Inputs, activation_tensors, detached, rows
+from .microbatch import Inputs, detached, rows, tensors_of
 from .stage import Stage
 
 
@@ -26,7 +26,7 @@ def _time_block(block: Block, x, size: int, first: bool, grad_mode: str, repeats
         stage.verified = True  # time the passes, not the first-use check
         start = time.perf_counter()
         out = stage.forward(0, x, size=size)
-        ones = tuple(torch.ones_like(t) for t in activation_tensors(out) if t.is_floating_point())
+        ones = tuple(torch.ones_like(t) for t in tensors_of(out) if t.is_floating_point())
         stage.backward(0, ones if isinstance(out, tuple) else ones[0] if ones else ())
         stage.weight(0, torch.ones(size, dtype=torch.float64))
         elapsed = time.perf_counter() - start

@@ -26,10 +26,6 @@ Inputs = Union[torch.Tensor, Dict[str, torch.Tensor]]
 Activation = Union[torch.Tensor, Tuple[torch.Tensor, ...]]
 
 
-def activation_tensors(value: Activation) -> List[torch.Tensor]:
-    return list(value) if isinstance(value, tuple) else [value]
-
-
 def detached(value: Activation) -> Activation:
     return tuple(t.detach() for t in value) if isinstance(value, tuple) else value.detach()
 
@@ -48,8 +44,11 @@ def to_device(inputs: Inputs, device) -> Inputs:
     return {k: v.to(device) for k, v in inputs.items()} if isinstance(inputs, dict) else inputs.to(device)
 
 
-def tensors_of(inputs: Inputs) -> List[torch.Tensor]:
-    return list(inputs.values()) if isinstance(inputs, dict) else [inputs]
+def tensors_of(value: Union[Inputs, Activation]) -> List[torch.Tensor]:
+    """The tensors of micro-batch inputs (a tensor or a dict) or of an activation (a tensor or a tuple)."""
+    if isinstance(value, dict):
+        return list(value.values())
+    return list(value) if isinstance(value, tuple) else [value]
 
 
 @dataclass

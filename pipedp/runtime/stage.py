@@ -27,7 +27,7 @@ from ..privacy.per_sample import (
 from ..split.blocks import Block
 from ..split.partition import Tie
 from .capture import ActivationCapture, LayerCall, block_units
-from .microbatch import Activation, activation_tensors, rows
+from .microbatch import Activation, tensors_of
 
 
 @dataclass
@@ -172,12 +172,13 @@ class Stage:
         attention mask); ``size``: the micro-batch's rows (default: read from ``x``)."""
         if not self.is_first:  # the received tensors become leaves whose gradients go back
             x = tuple(_leaf(t) for t in x) if isinstance(x, tuple) else _leaf(x)
-        size = size if size is not None else rows(x if not isinstance(x, tuple) else x[0])
+        first = tensors_of(x)[0]
+        size = size if size is not None else int(first.shape[0])
         state = MicroBatchState(size=size)
         if not self.is_first:
-            state.inputs = tuple(t for t in activation_tensors(x) if t.is_floating_point())
+            state.inputs = tuple(t for t in tensors_of(x) if t.is_floating_point())
             state.tuple_input = isinstance(x, tuple)
-        device = (next(iter(x.values())) if isinstance(x, dict) else activation_tensors(x)[0]).device
+        device = first.device
         with self.capture.recording(mb, size), self._compute_precision(device):
             out = x
             for b in self.blocks:
@@ -279,8 +280,8 @@ class Stage:
         """The stage's outputs that carry a gradient back, with their incoming gradients."""
         if self.is_last:
             return ([output], [grad_output.to(output.dtype)]) if output.requires_grad else ([], [])
-        floating = [t for t in activation_tensors(output) if t.is_floating_point()]
-        incoming = activation_tensors(grad_output)
+        floating = [t for t in tensors_of(output) if t.is_floating_point()]
+        incoming = tensors_of(grad_output)
         if len(incoming) != len(floating):
             raise TransportError(
                 f"stage {self.index} sent {len(floating)} floating-point tensors but got {len(incoming)} gradients "
@@ -370,17 +371,20 @@ class Stage:
     def weight(self, mb: int, clip_factors: torch.Tensor) -> None:
         """``clip_factors``: [n], or [units, n] (a row per unit, ``self.units`` order) for per_layer."""
         state = self.pending.pop(mb)
-        rows = {name: u for u, name in enumerate(self.units)}
+        unit_row = {name: u for u, name in enumerate(self.units)}
         # rows with clip factor 0 (padding, or a sample whose norm was not finite) must add exactly
         # nothing, and 0 * NaN is NaN: their inputs and output-grads are zeroed, not just scaled
         dropped = clip_factors == 0
         any_dropped = bool(dropped.any())
+
+        def for_unit(name: str):  # (the unit's clip factors [n], its dropped rows, its per-layer row or None)
+            row = unit_row[name] if clip_factors.dim() == 2 else None
+            return (clip_factors, dropped, None) if row is None else (clip_factors[row], dropped[row], row)
+
         shaped: Dict[tuple, torch.Tensor] = {}  # the clip factors broadcastable to each backprop
         for name, calls in state.calls.items():
             unit = self.units[name]
-            row = rows[name] if clip_factors.dim() == 2 else None
-            factors = clip_factors[row] if row is not None else clip_factors
-            unit_dropped = dropped[row] if row is not None else dropped
+            factors, unit_dropped, row = for_unit(name)
             for call, bp in zip(calls, state.backprops[name]):
                 key = (bp.dtype, bp.dim(), row)
                 if key not in shaped:
@@ -392,9 +396,7 @@ class Stage:
                 for p, g in clipped_grad_sum(unit, inputs, scaled).items():
                     self._add_clipped(p, g)
         for name, grads in state.kept.items():  # sum_i c_i g_i of the kept per-sample gradients
-            row = rows[name] if clip_factors.dim() == 2 else None
-            factors = clip_factors[row] if row is not None else clip_factors
-            unit_dropped = dropped[row] if row is not None else dropped
+            factors, unit_dropped, _ = for_unit(name)
             for p, g in grads.items():
                 if any_dropped:
                     g = _zero_rows(g, unit_dropped)
