@@ -3,6 +3,7 @@ import pytest
 import torch
 
 from pipedp import PipelineDPTrainer
+from pipedp.models import token_loss
 from pipedp.runtime.launch import launch
 
 pytestmark = pytest.mark.dist
@@ -44,8 +45,7 @@ def test_each_process_loads_only_its_stage_of_a_traced_model(tmp_path):
     g = torch.Generator().manual_seed(8)
     ids = torch.randint(0, 11, (6, 5), generator=g)
     trainer = PipelineDPTrainer(
-        whole, lambda o, t: torch.nn.functional.cross_entropy(o.transpose(1, 2), t, reduction="none").mean(1),
-        lambda p: torch.optim.SGD(p, lr=0.5), stages=2, microbatches=2, noise_multiplier=0.0, max_grad_norm=0.1,
+        whole, token_loss, lambda p: torch.optim.SGD(p, lr=0.5), stages=2, microbatches=2, noise_multiplier=0.0, max_grad_norm=0.1,
         expected_batch_size=6, transport="inprocess")
     trainer.step({"ids": ids, "mask": torch.ones_like(ids)}, torch.randint(0, 11, (6, 5), generator=g))
     assert max_relative_error(results[0][1], trainer.state_dict()) < 1e-12

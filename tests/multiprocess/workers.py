@@ -166,14 +166,13 @@ def llama_export(rank, path):
     """One noisy DP step of a tiny Llama on 2 stages, then a Hugging Face folder written by rank 0."""
     import transformers
 
-    from pipedp.models import token_loss as lm_loss
 
     cfg = transformers.LlamaConfig(vocab_size=40, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
                                    num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=32)
     torch.manual_seed(0)
     model = transformers.LlamaForCausalLM(cfg).double()
     kw = {} if path else {"transport": "inprocess"}
-    trainer = PipelineDPTrainer(model, lm_loss, lambda p: torch.optim.SGD(p, lr=0.5), stages=2, microbatches=2,
+    trainer = PipelineDPTrainer(model, token_loss, lambda p: torch.optim.SGD(p, lr=0.5), stages=2, microbatches=2,
                                 noise_multiplier=1.0, expected_batch_size=6, **kw)
     g = torch.Generator().manual_seed(1)
     x, y = torch.randint(0, 40, (6, 8), generator=g), torch.randint(0, 40, (6, 8), generator=g)
@@ -188,7 +187,6 @@ def llama_padded_step(rank, inprocess=False):
     """One noisy step of a tiny Llama on a left-padded dict batch (input_ids + attention_mask)."""
     import transformers
 
-    from pipedp.models import token_loss as lm_loss
 
     cfg = transformers.LlamaConfig(vocab_size=40, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
                                    num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=32)
@@ -201,7 +199,7 @@ def llama_padded_step(rank, inprocess=False):
         mask[i, :pad] = 0
     ids, labels = ids.masked_fill(mask == 0, 0), labels.masked_fill(mask == 0, -100)
     kw = {"transport": "inprocess"} if inprocess else {}
-    trainer = PipelineDPTrainer(model, lm_loss, lambda p: torch.optim.SGD(p, lr=0.5), stages=2, microbatches=2,
+    trainer = PipelineDPTrainer(model, token_loss, lambda p: torch.optim.SGD(p, lr=0.5), stages=2, microbatches=2,
                                 noise_multiplier=1.0, max_grad_norm=0.3, expected_batch_size=5, **kw)
     trainer.step({"input_ids": ids, "attention_mask": mask}, labels)
     return trainer.state_dict()
@@ -211,7 +209,6 @@ def tied_llama_step(rank, noise, inprocess=False):
     """One DP step of a tiny Llama whose embedding is tied to its head, on 2 stages."""
     import transformers
 
-    from pipedp.models import token_loss as lm_loss
 
     cfg = transformers.LlamaConfig(vocab_size=40, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
                                    num_attention_heads=2, num_key_value_heads=1, tie_word_embeddings=True)
@@ -220,7 +217,7 @@ def tied_llama_step(rank, noise, inprocess=False):
     g = torch.Generator().manual_seed(2)
     x, y = torch.randint(0, 40, (7, 8), generator=g), torch.randint(0, 40, (7, 8), generator=g)
     kw = {"transport": "inprocess"} if inprocess else {}
-    trainer = PipelineDPTrainer(model, lm_loss, lambda p: torch.optim.SGD(p, lr=1.0), stages=2, microbatches=3,
+    trainer = PipelineDPTrainer(model, token_loss, lambda p: torch.optim.SGD(p, lr=1.0), stages=2, microbatches=3,
                                 noise_multiplier=noise, max_grad_norm=0.3, expected_batch_size=1, **kw)
     trainer.step(x, y)
     trainer.step(x, y)  # a second step: the two copies must still be equal
@@ -229,7 +226,6 @@ def tied_llama_step(rank, noise, inprocess=False):
 
 def tied_llama_from_folder(rank, folder, inprocess=False):
     """A tied Llama read stage by stage from a local folder (each rank its own stage), one DP step."""
-    from pipedp.models import token_loss as lm_loss
     from pipedp.split.hf_loading import load_local_model, load_pipeline_stage
 
     if inprocess:
@@ -239,7 +235,7 @@ def tied_llama_from_folder(rank, folder, inprocess=False):
     g = torch.Generator().manual_seed(3)
     x, y = torch.randint(0, 40, (6, 8), generator=g), torch.randint(0, 40, (6, 8), generator=g)
     kw = {"transport": "inprocess"} if inprocess else {}
-    trainer = PipelineDPTrainer(model, lm_loss, lambda p: torch.optim.SGD(p, lr=1.0), stages=2, microbatches=2,
+    trainer = PipelineDPTrainer(model, token_loss, lambda p: torch.optim.SGD(p, lr=1.0), stages=2, microbatches=2,
                                 noise_multiplier=0.0, max_grad_norm=0.3, expected_batch_size=1, **kw)
     trainer.step(x, y)
     return trainer.state_dict()
@@ -272,8 +268,7 @@ def traced_masked_step(rank, inprocess=False):
     y = torch.randint(0, 11, (7, 5), generator=g)
     kw = {"transport": "inprocess"} if inprocess else {}
     trainer = PipelineDPTrainer(
-        model, lambda o, t: torch.nn.functional.cross_entropy(o.transpose(1, 2), t, reduction="none").mean(1),
-        lambda p: torch.optim.SGD(p, lr=0.5), stages=2, microbatches=3, noise_multiplier=1.0, max_grad_norm=0.1,
+        model, token_loss, lambda p: torch.optim.SGD(p, lr=0.5), stages=2, microbatches=3, noise_multiplier=1.0, max_grad_norm=0.1,
         expected_batch_size=7, **kw)
     trainer.step({"ids": ids, "mask": mask}, y)
     return trainer.state_dict()
@@ -290,8 +285,7 @@ def traced_stage_step(rank, weights):
     load_stage(model, weights, 2, rank)
     resident = resident_parameter_bytes(model)
     trainer = PipelineDPTrainer(
-        model, lambda o, t: torch.nn.functional.cross_entropy(o.transpose(1, 2), t, reduction="none").mean(1),
-        lambda p: torch.optim.SGD(p, lr=0.5), stages=2, microbatches=2, noise_multiplier=0.0, max_grad_norm=0.1,
+        model, token_loss, lambda p: torch.optim.SGD(p, lr=0.5), stages=2, microbatches=2, noise_multiplier=0.0, max_grad_norm=0.1,
         expected_batch_size=6)
     g = torch.Generator().manual_seed(8)
     ids = torch.randint(0, 11, (6, 5), generator=g)
@@ -357,8 +351,7 @@ def tied_step(model, **kw):
     g = torch.Generator().manual_seed(8)
     ids = torch.randint(0, 11, (6, 5), generator=g)
     trainer = PipelineDPTrainer(
-        model, lambda o, t: torch.nn.functional.cross_entropy(o.transpose(1, 2), t, reduction="none").mean(1),
-        lambda p: torch.optim.SGD(p, lr=0.5), stages=2, microbatches=2, noise_multiplier=0.0, max_grad_norm=0.1,
+        model, token_loss, lambda p: torch.optim.SGD(p, lr=0.5), stages=2, microbatches=2, noise_multiplier=0.0, max_grad_norm=0.1,
         expected_batch_size=6, **kw)
     trainer.step({"input_ids": ids, "mask": torch.ones_like(ids)}, torch.randint(0, 11, (6, 5), generator=g))
     return trainer.state_dict()

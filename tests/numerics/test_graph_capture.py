@@ -12,6 +12,7 @@ from loop_models import LoopNet
 from oracles import loop_clipped_sum, max_relative_error
 from pipedp import PipelineDPTrainer, UnsupportedModelError
 from pipedp import SplitModel
+from pipedp.models import token_loss
 
 warnings.filterwarnings("ignore", category=FutureWarning)
 
@@ -90,8 +91,7 @@ def test_untraceable_model_names_the_problem():
         PipelineDPTrainer(SplitModel(DataDependent(), torch.randn(2, 3)), loss, stages=2, expected_batch_size=2)
 
 
-def seq_loss(out, y):  # per-sample mean over positions
-    return torch.nn.functional.cross_entropy(out.transpose(1, 2), y, reduction="none").mean(1)
+seq_loss = token_loss  # per-sample mean over positions
 
 
 def loop_net():
