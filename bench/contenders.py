@@ -20,6 +20,7 @@ import torch.distributed as dist
 import torch.distributed.pipelining  # noqa: F401
 
 import pipedp.train.trainer  # noqa: F401
+from pipedp.runtime.process import settle_process
 
 from .memory import PeakMemory
 from .presets import PRESETS, Preset
@@ -156,6 +157,7 @@ def naive_split(preset: Preset, batch: int, stages: int, warmup: int, reps: int)
 def run_multiprocess(rank: int, plan: List[Dict], preset_name: str, batch: int, stages: int, warmup: int, reps: int):
     """Runs every multi-process contender of the plan in turn on this rank."""
     warnings.filterwarnings("ignore")
+    settle_process()  # as `pipedp train` does, for every contender alike (see pipedp/runtime/process.py)
     preset = PRESETS[preset_name]
     results = []
     for item in plan:

@@ -4,6 +4,7 @@ kernel, context switches and page faults per step, for torch's Schedule1F1B (no 
 
     python -m bench.cpu_time                          # gpt preset, 2 stages, m=8, 5 steps
     python -m bench.cpu_time --clipping per_stage     # pipedp without the per-micro-batch norm all-reduce
+    python -m bench.cpu_time --grad-mode keep         # pipedp holding per-sample gradients from I to W
 
 A wall time well above user + sys means waiting; many involuntary context switches mean more
 runnable threads than cores; sys time is mostly socket, futex and page-fault work.
@@ -16,6 +17,7 @@ import sys
 import time
 from typing import Dict, List
 
+from pipedp.config import GRAD_MODES
 from pipedp.runtime.launch import launch
 
 from .presets import PRESETS
@@ -41,13 +43,15 @@ def _usage(step, warmup: int, reps: int, sync) -> Dict[str, float]:
     }
 
 
-def _rank(rank: int, contender: str, preset_name: str, m: int, clipping: str, warmup: int, reps: int):
+def _rank(rank: int, contender: str, preset_name: str, m: int, clipping: str, grad_mode: str, warmup: int, reps: int):
     import torch
     import torch.distributed as dist
 
-    from pipedp import PipelineDPTrainer
+    from pipedp import PipelineDPTrainer, settle_process
 
     from .contenders import torch_pipeline_step
+
+    settle_process()  # both contenders under the settings `pipedp train` uses
 
     preset, stages = PRESETS[preset_name], dist.get_world_size()
     x, y = preset.make_batch(32, 0)
@@ -58,7 +62,7 @@ def _rank(rank: int, contender: str, preset_name: str, m: int, clipping: str, wa
         norm = [1.0 / stages ** 0.5] * stages if clipping == "per_stage" else 1.0
         trainer = PipelineDPTrainer(preset.build(), preset.loss, lambda p: torch.optim.SGD(p, lr=1e-3), stages=stages,
                                     microbatches=m, noise_multiplier=1.0, max_grad_norm=norm, clipping=clipping,
-                                    expected_batch_size=32)
+                                    grad_mode=grad_mode, expected_batch_size=32)
 
         def step():
             trainer.step(x, y)
@@ -71,6 +75,7 @@ def main(argv=None) -> List[Dict]:
     p.add_argument("--stages", type=int, default=2)
     p.add_argument("--microbatches", type=int, default=8)
     p.add_argument("--clipping", default="flat", choices=["flat", "per_stage"])
+    p.add_argument("--grad-mode", default="ghost", choices=GRAD_MODES)
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--reps", type=int, default=5)
     args = p.parse_args(argv)
@@ -79,9 +84,9 @@ def main(argv=None) -> List[Dict]:
           f"(`python -m bench.cpu_time {' '.join(sys.argv[1:] if argv is None else argv)}`)\n")
     print("| contender | rank | wall ms | user ms | sys ms | voluntary / involuntary switches | minor faults |")
     print("|---|---|---|---|---|---|---|")
-    for contender in ("torch-1f1b", f"pipedp-1f1b ({args.clipping})"):
+    for contender in ("torch-1f1b", f"pipedp-1f1b ({args.clipping}, {args.grad_mode})"):
         per_rank = launch(_rank, args.stages, (contender.split(" ")[0], args.preset, args.microbatches, args.clipping,
-                                               args.warmup, args.reps), timeout_s=1200, threads=1)
+                                               args.grad_mode, args.warmup, args.reps), timeout_s=1200, threads=1)
         for rank, r in enumerate(per_rank):
             rows.append(dict(r, contender=contender, rank=rank))
             print(f"| {contender} | {rank} | {r['wall ms']:.1f} | {r['user ms']:.1f} | {r['sys ms']:.1f} | "

@@ -17,6 +17,7 @@ import time
 import torch
 
 from pipedp.runtime.launch import launch
+from pipedp.runtime.process import settle_process
 
 from .contenders import run_multiprocess, single_process
 from .presets import PRESETS
@@ -51,6 +52,7 @@ def main(argv=None) -> dict:
     preset = PRESETS[args.preset]
     start = time.perf_counter()
     torch.set_num_threads(args.stages)  # one process gets the cores the pipeline's processes get
+    settle_process()  # every contender, in every process, runs under the settings `pipedp train` uses
     singles = [single_process(n, preset, args.batch, args.warmup, args.reps)
                for n in ("plain", "opacus-hooks", "opacus-ghost")]
     plan = [{"kind": "naive", "name": "naive-split", "microbatches": 1}]

@@ -41,11 +41,12 @@ _LAZY = {
     "load_stage": ("pipedp.split.stage_loading", "load_stage"),
     "launch": ("pipedp.runtime.launch", "launch"),
     "init_from_env": ("pipedp.runtime.launch", "init_from_env"),
+    "settle_process": ("pipedp.runtime.process", "settle_process"),
 }
 
 __all__ = [
     "PipelineDPTrainer", "PipelineConfig", "PrivacyConfig", "FitResult", "SplitModel", "measured_costs",
-    "load_stage", "launch", "init_from_env",
+    "load_stage", "launch", "init_from_env", "settle_process",
     "PipeDPError", "ConfigError", "UnsupportedModelError", "PartitionError", "BatchError", "ConfigMismatchError",
     "RankFailedError", "TransportError", "PrivacyBudgetExceeded", "CheckpointError", "NonFiniteError",
 ]

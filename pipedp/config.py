@@ -18,7 +18,7 @@ import schedules
 
 from .errors import ConfigError
 
-GRAD_MODES = ("ghost", "materialize")
+GRAD_MODES = ("ghost", "materialize", "keep")
 CLIPPING_MODES = ("flat", "per_stage", "per_layer")
 ACCOUNTANTS = ("prv", "rdp", "gdp")
 TRANSPORTS = ("auto", "inprocess", "distributed")
@@ -53,8 +53,10 @@ class PipelineConfig:
         "(default equal; python -m bench.schedule_sim measures them)", cli=False, resume=True)
     microbatch_size: Optional[int] = option(
         None, "static micro-batch size; a larger logical batch runs as several passes (virtual steps)")
-    grad_mode: str = option("ghost", "per-sample norms: ghost (Gram matrices where cheaper) or materialize",
-                            choices=GRAD_MODES, resume=True)
+    grad_mode: str = option(
+        "ghost", "per-sample norms: ghost (Gram matrices where cheaper), materialize, or keep (every Linear's and "
+        "LayerNorm's per-sample gradients computed once in I and held until W: fastest, and micro-batch size x "
+        "those parameters of memory per micro-batch between I and W)", choices=GRAD_MODES, resume=True)
     replicas: int = option(1, "data-parallel replicas (world size = stages x replicas)", resume=True)
     precision: str = option("32", "32: as the model is; bf16-mixed: bf16 autocast forward, float32 weights, "
                             "optimizer and per-sample arithmetic; bf16-true: the model in bf16 (weights, "

@@ -26,6 +26,7 @@ def test_bench_qps_quick(tmp_path):
 @pytest.mark.dist
 def test_bench_cpu_time_quick():
     out = subprocess.run([sys.executable, "-m", "bench.cpu_time", "--preset", "tiny", "--microbatches", "2",
-                          "--warmup", "1", "--reps", "1"], cwd=ROOT, capture_output=True, text=True, timeout=300)
+                          "--warmup", "1", "--reps", "1", "--grad-mode", "keep"], cwd=ROOT, capture_output=True, text=True,
+                         timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
-    assert "| torch-1f1b | 1 |" in out.stdout and "| pipedp-1f1b (flat) | 1 |" in out.stdout
+    assert "| torch-1f1b | 1 |" in out.stdout and "| pipedp-1f1b (flat, keep) | 1 |" in out.stdout

@@ -1,7 +1,6 @@
 """``pipedp train``: resolve the job once, then run it on every rank (own processes or torchrun)."""
 from __future__ import annotations
 
-import gc
 import math
 import os
 import time
@@ -16,6 +15,7 @@ from ..errors import PipeDPError
 from ..models import GPTConfig, tiny_gpt, token_loss
 from ..privacy.accounting import calibrate_noise
 from ..runtime.launch import init_from_env, launch
+from ..runtime.process import settle_process
 from ..split.adapters import model_blocks
 from ..split.hf_loading import load_local_model, load_pipeline_stage, tokenize_for_model
 from ..split.partition import block_costs
@@ -159,10 +159,7 @@ def train_rank(rank: int, job: Job) -> dict:
                unit="step", dynamic_ncols=True)
     state = {"samples": 0, "first_loss": None, "first_nonfinite": None, "eps": 0.0}
     eps_every = max(1, job.steps // 15)
-    # everything built so far (model, libraries) lives to the end: full garbage collections need not
-    # rescan it (each one took ~120 ms and came every ~10 steps on the gpt preset; see README)
-    gc.collect()
-    gc.freeze()
+    settle_process()  # the built objects out of full collections; freed memory kept for reuse (see README)
     t0 = time.perf_counter()
 
     def on_step(step, loss, tr):

@@ -106,7 +106,8 @@ def _functorch_grads(unit, inputs, backprops) -> Dict[nn.Parameter, torch.Tensor
 KEEP_MEMORY_RATIO = 1.0  # kept per-sample gradients take at most the memory of the captures they free
 
 
-def keeps_per_sample_grads(unit: nn.Module, inputs: Sequence[torch.Tensor], backprops: torch.Tensor) -> bool:
+def keeps_per_sample_grads(unit: nn.Module, inputs: Sequence[torch.Tensor], backprops: torch.Tensor,
+                           memory_ratio: float = KEEP_MEMORY_RATIO) -> bool:
     """Compute this unit's per-sample gradients once in I and keep them for W (the clipped sum is
     then their weighted sum, and the captured inputs and output-grads are freed at I), rather than
     ghost norms in I and the clipped weight product in W?
@@ -116,8 +117,8 @@ def keeps_per_sample_grads(unit: nn.Module, inputs: Sequence[torch.Tensor], back
     products (n T in out) in place of W's one product of the same size: cheaper whenever
     T^2 (in + out) > in out, which the memory rule below implies for T >= 2. LayerNorm's per-sample
     gradients are two [n, d] tensors: keeping them saves W's re-normalisation. The rule: keep when
-    the per-sample gradients take at most KEEP_MEMORY_RATIO times the captures they free (1: never
-    more memory; 2 measured 8% faster on the gpt preset for 25% more peak memory, so not taken)."""
+    the per-sample gradients take at most ``memory_ratio`` times the captures they free (the default 1:
+    never more memory; grad_mode="keep" passes infinity: every Linear and LayerNorm over T >= 2)."""
     linear = type(unit) is nn.Linear or _is_conv1d(unit)
     if not (linear or type(unit) is nn.LayerNorm) or _has_trainable_children(unit):
         return False
@@ -125,7 +126,7 @@ def keeps_per_sample_grads(unit: nn.Module, inputs: Sequence[torch.Tensor], back
         return False  # one position: ghost norms need no Gram matrix, W one small product
     held = sum(a.numel() for a in inputs if a.is_floating_point()) + backprops.numel()
     per_sample = backprops.shape[0] * sum(p.numel() for _, p in trainable_direct_params(unit))
-    return 0 < per_sample <= KEEP_MEMORY_RATIO * held
+    return 0 < per_sample <= memory_ratio * held
 
 
 class GramCache:

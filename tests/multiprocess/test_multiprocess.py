@@ -13,10 +13,11 @@ pytestmark = pytest.mark.dist
 N = 13  # does not divide into micro-batches: padded rows travel too
 
 GRID2 = [dict(stages=2, microbatches=m, schedule=s, grad_mode=g)
-         for s in ("gpipe", "1f1b", "dp-zb", "dp-zb-2x") for g in ("ghost", "materialize") for m in (4,)]
+         for s in ("gpipe", "1f1b", "dp-zb", "dp-zb-2x") for g in ("ghost", "materialize") for m in (4,)] + [
+    dict(stages=2, microbatches=4, schedule=s, grad_mode="keep") for s in ("1f1b", "dp-zb")]
 GRID4 = [dict(stages=4, microbatches=m, schedule=s, grad_mode=g)
          for s, g, m in (("gpipe", "ghost", 4), ("1f1b", "materialize", 4), ("1f1b", "ghost", 8), ("gpipe", "materialize", 2),
-                         ("dp-zb", "ghost", 8), ("dp-zb-2x", "materialize", 6))]
+                         ("dp-zb", "ghost", 8), ("dp-zb-2x", "materialize", 6), ("1f1b", "keep", 8))]
 MESH = [dict(stages=2, replicas=2, microbatches=2, schedule="1f1b", grad_mode="ghost")]
 
 

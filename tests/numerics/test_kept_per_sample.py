@@ -54,3 +54,30 @@ def test_layers_over_single_vectors_too(keep):
     stage.weight(0, torch.clamp(0.1 / (norms.sqrt() + 1e-6), max=1.0))
     got = dict(zip(stage.parameter_names(), stage.take_clipped_sum()))
     assert max_relative_error(got, want) < 1e-10
+
+
+def test_keep_mode_keeps_every_linear_and_layer_norm():
+    """grad_mode="keep" holds the per-sample gradients of layers the default memory rule would not
+    (here the tied-free head and the projections wider than their inputs), exactly."""
+    from pipedp.models import GPTConfig, tiny_gpt
+
+    torch.manual_seed(0)
+    model = tiny_gpt(GPTConfig(vocab_size=40, seq_len=6, d_model=8, n_heads=2, n_layers=1)).double()
+    g = torch.Generator().manual_seed(3)
+    x, y = torch.randint(0, 40, (5, 6), generator=g), torch.randint(0, 40, (5, 6), generator=g)
+    want = loop_clipped_sum(copy.deepcopy(model), seq_loss, x, y, 0.1)
+    kept = {}
+    for mode in ("ghost", "keep"):
+        stage = Stage(0, 1, model_blocks(model), seq_loss, mode)
+        stage.forward(0, x, y)
+        norms = stage.backward(0, torch.ones(5)).squared_norms
+        kept[mode] = set(stage.pending[0].kept)
+        stage.weight(0, torch.clamp(0.1 / (norms.sqrt() + 1e-6), max=1.0))
+        got = dict(zip(stage.parameter_names(), stage.take_clipped_sum()))
+        stage.close()
+        assert max_relative_error(got, want) < 1e-10
+    linears = {n for n, m in model.named_modules() if isinstance(m, (torch.nn.Linear, torch.nn.LayerNorm))}
+    assert kept["keep"] == linears  # every one of them, the wide head included
+    assert kept["ghost"] < linears  # the default rule leaves some out (the comparison is not empty)
+    with pytest.raises(ValueError, match="keep_per_sample=False contradicts"):
+        Stage(0, 1, model_blocks(model), seq_loss, "keep", keep_per_sample=False)

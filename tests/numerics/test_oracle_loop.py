@@ -54,7 +54,7 @@ class GatedResidual(nn.Module):
         return x + torch.tanh(self.gate) * self.lin(torch.tanh(self.lin(x)))
 
 
-@pytest.mark.parametrize("mode", ["ghost", "materialize"])
+@pytest.mark.parametrize("mode", ["ghost", "materialize", "keep"])
 @pytest.mark.parametrize("stages", [1, 2, 3])
 def test_custom_layers_reused_layers_match_loop(mode, stages):
     torch.manual_seed(0)
@@ -65,7 +65,7 @@ def test_custom_layers_reused_layers_match_loop(mode, stages):
     assert max_relative_error(got, want) < 1e-8
 
 
-@pytest.mark.parametrize("mode", ["ghost", "materialize"])
+@pytest.mark.parametrize("mode", ["ghost", "materialize", "keep"])
 def test_tied_embedding_and_head_on_one_stage_match_loop(mode):
     torch.manual_seed(0)
     cfg = GPTConfig(vocab_size=20, seq_len=6, d_model=8, n_heads=2, n_layers=1)
@@ -84,7 +84,7 @@ def test_tied_embedding_and_head_on_one_stage_match_loop(mode):
     microbatches=st.integers(1, 6),
     width=st.integers(1, 6),
     schedule=st.sampled_from(["gpipe", "1f1b"]),
-    mode=st.sampled_from(["ghost", "materialize"]),
+    mode=st.sampled_from(["ghost", "materialize", "keep"]),
 )
 @settings(max_examples=30, deadline=None)
 def test_random_shapes_match_loop(n, stages, microbatches, width, schedule, mode):
@@ -98,7 +98,7 @@ def test_random_shapes_match_loop(n, stages, microbatches, width, schedule, mode
     assert max_relative_error(got, want) < 1e-8
 
 
-@pytest.mark.parametrize("mode", ["ghost", "materialize"])
+@pytest.mark.parametrize("mode", ["ghost", "materialize", "keep"])
 def test_embedding_padding_idx_gets_no_gradient(mode):
     """Opacus 1.6's embedding samplers ignore padding_idx; the loop oracle (autograd) does not."""
     torch.manual_seed(0)
@@ -138,7 +138,7 @@ def test_per_stage_noise_is_scaled_to_the_total_sensitivity():
 
 
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "dp-zb"])
-@pytest.mark.parametrize("mode", ["ghost", "materialize"])
+@pytest.mark.parametrize("mode", ["ghost", "materialize", "keep"])
 def test_per_layer_clipping_matches_the_layer_wise_loop(schedule, mode):
     torch.manual_seed(1)
     cfg = GPTConfig(vocab_size=16, seq_len=6, d_model=8, n_heads=2, n_layers=2)
@@ -167,7 +167,7 @@ def test_per_layer_thresholds_are_checked_and_split_equally():
         Clipping.make("per_stage", {"a": 1.0}, 1)
 
 
-@pytest.mark.parametrize("mode", ["ghost", "materialize"])
+@pytest.mark.parametrize("mode", ["ghost", "materialize", "keep"])
 def test_a_fully_frozen_stage_trains_the_rest_exactly(mode, tmp_path):
     torch.manual_seed(2)
     model = mlp((5, 7, 7, 7, 3)).double()  # uniform over 3 stages: [0,1,2] [3,4] [5,6]

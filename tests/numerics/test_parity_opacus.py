@@ -60,7 +60,18 @@ def test_matches_opacus_float64(model_name, mode, schedule, stages, microbatches
 
 
 @pytest.mark.parametrize("model_name", ["mlp", "gpt"])
-@pytest.mark.parametrize("mode", ["ghost", "materialize"])
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "dp-zb", "dp-zb-2x"])
+@pytest.mark.parametrize("stages", [2, 3])
+@pytest.mark.parametrize("microbatches", [1, 4])
+def test_keep_mode_matches_opacus_float64(model_name, schedule, stages, microbatches):
+    """grad_mode="keep": every Linear's and LayerNorm's per-sample gradients held from I to W."""
+    got = run_pipedp(model_name, 13, "keep", torch.float64, stages, microbatches, schedule)
+    want = reference(model_name, 13, "hooks", torch.float64)
+    assert max_relative_error(got, want) < 1e-5
+
+
+@pytest.mark.parametrize("model_name", ["mlp", "gpt"])
+@pytest.mark.parametrize("mode", ["ghost", "materialize", "keep"])
 def test_matches_opacus_float32(model_name, mode):
     got = run_pipedp(model_name, 11, mode, torch.float32, 3, 4, "1f1b")
     want = reference(model_name, 11, mode, torch.float32)

@@ -29,7 +29,7 @@ def batch():
     return torch.randint(0, 40, (6, 8), generator=g), torch.randint(0, 40, (6, 8), generator=g)
 
 
-@pytest.mark.parametrize("mode", ["ghost", "materialize"])
+@pytest.mark.parametrize("mode", ["ghost", "materialize", "keep"])
 @pytest.mark.parametrize("targets, saved", [(["q_proj", "v_proj", "down_proj"], None), ("all-linear", None),
                                             (["q_proj", "v_proj"], ["lm_head"])])
 def test_lora_on_linear_layers_matches_the_loop_oracle(mode, targets, saved):
