@@ -5,7 +5,8 @@
 
 Per-process peak RSS above the process's state after building the model and one warm-up
 step at the same m (so the table shows what a step holds, not the model or the allocator's
-first-touch), for torch's Schedule1F1B (no DP) and pipedp's 1F1B and dp-zb.
+first-touch), for torch's Schedule1F1B (no DP) and pipedp's 1F1B and dp-zb (ghost), and 1F1B with
+grad_mode="keep" (per-sample gradients held from I to W).
 """
 from __future__ import annotations
 
@@ -31,12 +32,13 @@ PRESET = _gpt(GPTConfig(vocab_size=256, seq_len=64, d_model=256, n_heads=4, n_la
               "GPT-style, 4 layers, d=256, T=64", "gpt-256")
 
 
-def _pipedp_step(schedule: str, m: int, size: int):
+def _pipedp_step(schedule: str, m: int, size: int, grad_mode: str = "ghost"):
     from pipedp import PipelineDPTrainer
 
     torch.manual_seed(0)
     trainer = PipelineDPTrainer(PRESET.build(), PRESET.loss, lambda p: torch.optim.SGD(p, lr=1e-3), stages=2,
-                                microbatches=m, schedule=schedule, noise_multiplier=1.0, expected_batch_size=m * size)
+                                microbatches=m, schedule=schedule, noise_multiplier=1.0, expected_batch_size=m * size,
+                                grad_mode=grad_mode)
     x, y = PRESET.make_batch(m * size, 0)
     return lambda: trainer.step(x, y)
 
@@ -65,9 +67,13 @@ def _torch_step(m: int, size: int):
 def sweep(rank: int, ms: List[int], size: int) -> List[Dict]:
     warnings.filterwarnings("ignore")
     rows = []
-    for name in ("torch-1f1b", "pipedp-1f1b", "pipedp-dp-zb"):
+    for name in ("torch-1f1b", "pipedp-1f1b", "pipedp-dp-zb", "pipedp-1f1b-keep"):
         for m in ms:
-            step = _torch_step(m, size) if name == "torch-1f1b" else _pipedp_step(name[len("pipedp-"):], m, size)
+            if name == "torch-1f1b":
+                step = _torch_step(m, size)
+            else:
+                schedule = name[len("pipedp-"):].removesuffix("-keep")
+                step = _pipedp_step(schedule, m, size, "keep" if name.endswith("-keep") else "ghost")
             step()  # warm-up at this m
             dist.barrier()
             with PeakMemory() as mem:
