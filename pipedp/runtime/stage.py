@@ -124,10 +124,10 @@ class Stage:
         self.per_layer = per_layer
         self.precision = precision
         self._side_blocks = {id(b) for b in self.blocks if "side_inputs" in inspect.signature(b.module.forward).parameters}
-        # per-sample gradients computed in I and kept for W where cheaper (see keeps_per_sample_grads);
-        # False: ghost norms / materialised norms in I and the clipped product in W for every unit
         if grad_mode == "keep" and not keep_per_sample:
             raise ValueError("grad_mode='keep' keeps per-sample gradients: keep_per_sample=False contradicts it")
+        # per-sample gradients computed in I and kept for W where cheaper (see keeps_per_sample_grads);
+        # False: ghost norms / materialised norms in I and the clipped product in W for every unit
         self.keep_per_sample = keep_per_sample
         # grad_mode="keep": every unit with closed-form per-sample gradients keeps them, whatever their size
         self._keep_ratio = float("inf") if grad_mode == "keep" else KEEP_MEMORY_RATIO
@@ -382,26 +382,36 @@ class Stage:
         dropped = clip_factors == 0
         any_dropped = bool(dropped.any())
 
-        def for_unit(name: str):  # (the unit's clip factors [n], its dropped rows, its per-layer row or None)
-            row = unit_row[name] if clip_factors.dim() == 2 else None
-            return (clip_factors, dropped, None) if row is None else (clip_factors[row], dropped[row], row)
+        def row_of(name: str) -> Optional[int]:  # per_layer: the unit's row of the clip factors
+            return unit_row[name] if clip_factors.dim() == 2 else None
 
-        shaped: Dict[tuple, torch.Tensor] = {}  # the clip factors broadcastable to each backprop
+        def dropped_for(name: str) -> torch.Tensor:
+            row = row_of(name)
+            return dropped if row is None else dropped[row]
+
+        shaped: Dict[tuple, torch.Tensor] = {}
+
+        def factors_for(name: str, dtype: torch.dtype, dim: int) -> torch.Tensor:
+            """The unit's clip factors in ``dtype``, broadcastable to a [n, ...] tensor of ``dim`` dimensions
+            (converted once per call of weight, not once per tensor)."""
+            row = row_of(name)
+            key = (dtype, dim, row)
+            if key not in shaped:
+                factors = clip_factors if row is None else clip_factors[row]
+                shaped[key] = factors.to(dtype).reshape((-1,) + (1,) * (dim - 1))
+            return shaped[key]
+
         for name, calls in state.calls.items():
-            unit = self.units[name]
-            factors, unit_dropped, row = for_unit(name)
+            unit, unit_dropped = self.units[name], dropped_for(name)
             for call, bp in zip(calls, state.backprops[name]):
-                key = (bp.dtype, bp.dim(), row)
-                if key not in shaped:
-                    shaped[key] = factors.to(bp.dtype).reshape((-1,) + (1,) * (bp.dim() - 1))
-                scaled, inputs = bp * shaped[key], call.inputs
+                scaled, inputs = bp * factors_for(name, bp.dtype, bp.dim()), call.inputs
                 if any_dropped:
                     scaled = _zero_rows(scaled, unit_dropped)
                     inputs = tuple(_zero_rows(a, unit_dropped) if a.is_floating_point() else a for a in inputs)
                 for p, g in clipped_grad_sum(unit, inputs, scaled).items():
                     self._add_clipped(p, g)
         for name, grads in state.kept.items():  # sum_i c_i g_i of the kept per-sample gradients
-            factors, unit_dropped, _ = for_unit(name)
+            unit_dropped = dropped_for(name)
             for p, g in grads.items():
                 if any_dropped:
                     g = _zero_rows(g, unit_dropped)
@@ -410,12 +420,12 @@ class Stage:
                     total = self.clipped_sum[p] = torch.zeros(p.shape, dtype=g.dtype, device=g.device)
                 # one in-place matrix-vector product: [P, n] @ [n] added to the running sum (a tensordot
                 # and an add cost three times as much at these sizes)
-                total.view(-1).addmv_(g.reshape(g.shape[0], -1).t(), factors.to(g.dtype))
+                total.view(-1).addmv_(g.reshape(g.shape[0], -1).t(), factors_for(name, g.dtype, 1))
 
     def _add_clipped(self, p: nn.Parameter, g: torch.Tensor) -> None:
         if p in self.clipped_sum:
             self.clipped_sum[p] += g
-        else:
+        else:  # contiguous: the kept path adds to it through a flat view
             self.clipped_sum[p] = g.clone(memory_format=torch.contiguous_format)
 
     # ---- an embedding tied to the head on the last stage ----------------------------------
