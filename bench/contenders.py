@@ -5,6 +5,7 @@ One process per stage (one core each): torch.distributed.pipelining GPipe / 1F1B
 the naive split (bench/naive_split.py: Opacus hooks on each part, the whole batch as one
 micro-batch, norms summed across parts — the device_map hack, with no pipedp code), and pipedp.
 """
+
 from __future__ import annotations
 
 import statistics
@@ -49,6 +50,7 @@ def single_process(name: str, preset: Preset, batch: int, warmup: int, reps: int
         model = preset.build()
         opt = torch.optim.SGD(model.parameters(), lr=LR)
         if name == "plain":
+
             def step():
                 opt.zero_grad(set_to_none=True)
                 preset.mean_loss(model(x), y).backward()
@@ -70,8 +72,15 @@ def _opacus_step(name, preset, model, opt, x, y):
     token = x.dim() == 2 and not x.is_floating_point()
     if name == "opacus-ghost":
         model, opt, dp_loss, _ = engine.make_private(
-            module=model, optimizer=opt, data_loader=loader, criterion=criterion, noise_multiplier=1.0,
-            max_grad_norm=1.0, poisson_sampling=False, grad_sample_mode="ghost")
+            module=model,
+            optimizer=opt,
+            data_loader=loader,
+            criterion=criterion,
+            noise_multiplier=1.0,
+            max_grad_norm=1.0,
+            poisson_sampling=False,
+            grad_sample_mode="ghost",
+        )
 
         def step():
             opt.zero_grad(set_to_none=True)
@@ -80,13 +89,20 @@ def _opacus_step(name, preset, model, opt, x, y):
             loss.backward()
             opt.step()
     else:
-        model, opt, _ = engine.make_private(module=model, optimizer=opt, data_loader=loader, noise_multiplier=1.0,
-                                            max_grad_norm=1.0, poisson_sampling=False)
+        model, opt, _ = engine.make_private(
+            module=model,
+            optimizer=opt,
+            data_loader=loader,
+            noise_multiplier=1.0,
+            max_grad_norm=1.0,
+            poisson_sampling=False,
+        )
 
         def step():
             opt.zero_grad(set_to_none=True)
             preset.mean_loss(model(x), y).backward()
             opt.step()
+
     return step
 
 
@@ -126,16 +142,24 @@ def torch_pipeline_step(schedule: str, microbatches: int, preset: Preset, x, y) 
     return step
 
 
-def pipedp_pipeline(schedule: str, mode: str, microbatches: int, preset: Preset, batch: int, stages: int,
-                    warmup: int, reps: int):
+def pipedp_pipeline(
+    schedule: str, mode: str, microbatches: int, preset: Preset, batch: int, stages: int, warmup: int, reps: int
+):
     from pipedp import PipelineDPTrainer
 
     x, y = preset.make_batch(batch, 0)
     with PeakMemory() as mem:
         torch.manual_seed(0)
         trainer = PipelineDPTrainer(
-            preset.build(), preset.loss, lambda p: torch.optim.SGD(p, lr=LR), stages=stages,
-            microbatches=microbatches, schedule=schedule, grad_mode=mode, noise_multiplier=1.0, max_grad_norm=1.0,
+            preset.build(),
+            preset.loss,
+            lambda p: torch.optim.SGD(p, lr=LR),
+            stages=stages,
+            microbatches=microbatches,
+            schedule=schedule,
+            grad_mode=mode,
+            noise_multiplier=1.0,
+            max_grad_norm=1.0,
             expected_batch_size=batch,
         )
         times = _timed(lambda: trainer.step(x, y), warmup, reps, dist.barrier)
@@ -166,7 +190,9 @@ def run_multiprocess(rank: int, plan: List[Dict], preset_name: str, batch: int, 
         elif item["kind"] == "torch":
             r = torch_pipeline(item["schedule"], item["microbatches"], preset, batch, stages, warmup, reps)
         else:
-            r = pipedp_pipeline(item["schedule"], item["mode"], item["microbatches"], preset, batch, stages, warmup, reps)
+            r = pipedp_pipeline(
+                item["schedule"], item["mode"], item["microbatches"], preset, batch, stages, warmup, reps
+            )
         gathered: List = [None] * dist.get_world_size()
         dist.all_gather_object(gathered, r)
         results.append(dict(item, seconds=gathered[0]["seconds"], peak_mib=[g["peak_mib"] for g in gathered]))

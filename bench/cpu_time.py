@@ -9,6 +9,7 @@ kernel, context switches and page faults per step, for torch's Schedule1F1B (no 
 A wall time well above user + sys means waiting; many involuntary context switches mean more
 runnable threads than cores; sys time is mostly socket, futex and page-fault work.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -59,13 +60,23 @@ def _rank(rank: int, contender: str, preset_name: str, m: int, clipping: str, gr
     if contender == "torch-1f1b":
         step = torch_pipeline_step("1f1b", m, preset, x, y)
     else:
-        norm = [1.0 / stages ** 0.5] * stages if clipping == "per_stage" else 1.0
-        trainer = PipelineDPTrainer(preset.build(), preset.loss, lambda p: torch.optim.SGD(p, lr=1e-3), stages=stages,
-                                    microbatches=m, noise_multiplier=1.0, max_grad_norm=norm, clipping=clipping,
-                                    grad_mode=grad_mode, expected_batch_size=32)
+        norm = [1.0 / stages**0.5] * stages if clipping == "per_stage" else 1.0
+        trainer = PipelineDPTrainer(
+            preset.build(),
+            preset.loss,
+            lambda p: torch.optim.SGD(p, lr=1e-3),
+            stages=stages,
+            microbatches=m,
+            noise_multiplier=1.0,
+            max_grad_norm=norm,
+            clipping=clipping,
+            grad_mode=grad_mode,
+            expected_batch_size=32,
+        )
 
         def step():
             trainer.step(x, y)
+
     return _usage(step, warmup, reps, dist.barrier)
 
 
@@ -80,17 +91,34 @@ def main(argv=None) -> List[Dict]:
     p.add_argument("--reps", type=int, default=5)
     args = p.parse_args(argv)
     rows = []
-    print(f"{args.preset} preset, {args.stages} stages, m={args.microbatches}, per process and step "
-          f"(`python -m bench.cpu_time {' '.join(sys.argv[1:] if argv is None else argv)}`)\n")
+    print(
+        f"{args.preset} preset, {args.stages} stages, m={args.microbatches}, per process and step "
+        f"(`python -m bench.cpu_time {' '.join(sys.argv[1:] if argv is None else argv)}`)\n"
+    )
     print("| contender | rank | wall ms | user ms | sys ms | voluntary / involuntary switches | minor faults |")
     print("|---|---|---|---|---|---|---|")
     for contender in ("torch-1f1b", f"pipedp-1f1b ({args.clipping}, {args.grad_mode})"):
-        per_rank = launch(_rank, args.stages, (contender.split(" ")[0], args.preset, args.microbatches, args.clipping,
-                                               args.grad_mode, args.warmup, args.reps), timeout_s=1200, threads=1)
+        per_rank = launch(
+            _rank,
+            args.stages,
+            (
+                contender.split(" ")[0],
+                args.preset,
+                args.microbatches,
+                args.clipping,
+                args.grad_mode,
+                args.warmup,
+                args.reps,
+            ),
+            timeout_s=1200,
+            threads=1,
+        )
         for rank, r in enumerate(per_rank):
             rows.append(dict(r, contender=contender, rank=rank))
-            print(f"| {contender} | {rank} | {r['wall ms']:.1f} | {r['user ms']:.1f} | {r['sys ms']:.1f} | "
-                  f"{r['voluntary switches']:.0f} / {r['involuntary switches']:.0f} | {r['minor faults']:.0f} |")
+            print(
+                f"| {contender} | {rank} | {r['wall ms']:.1f} | {r['user ms']:.1f} | {r['sys ms']:.1f} | "
+                f"{r['voluntary switches']:.0f} / {r['involuntary switches']:.0f} | {r['minor faults']:.0f} |"
+            )
     return rows
 
 

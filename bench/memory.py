@@ -4,6 +4,7 @@ Before a phase: return freed heap to the OS (malloc_trim) and reset the kernel's
 mark (writing 5 to /proc/self/clear_refs); after it: VmHWM minus the RSS at the start.
 So contenders run one after another in the same process are measured separately.
 """
+
 from __future__ import annotations
 
 import ctypes

@@ -8,6 +8,7 @@ step at the same m (so the table shows what a step holds, not the model or the a
 first-touch), for torch's Schedule1F1B (no DP) and pipedp's 1F1B and dp-zb (ghost), and 1F1B with
 grad_mode="keep" (per-sample gradients held from I to W).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -28,17 +29,28 @@ from pipedp.runtime.launch import launch
 from .memory import PeakMemory
 from .presets import _gpt
 
-PRESET = _gpt(GPTConfig(vocab_size=256, seq_len=64, d_model=256, n_heads=4, n_layers=4),
-              "GPT-style, 4 layers, d=256, T=64", "gpt-256")
+PRESET = _gpt(
+    GPTConfig(vocab_size=256, seq_len=64, d_model=256, n_heads=4, n_layers=4),
+    "GPT-style, 4 layers, d=256, T=64",
+    "gpt-256",
+)
 
 
 def _pipedp_step(schedule: str, m: int, size: int, grad_mode: str = "ghost"):
     from pipedp import PipelineDPTrainer
 
     torch.manual_seed(0)
-    trainer = PipelineDPTrainer(PRESET.build(), PRESET.loss, lambda p: torch.optim.SGD(p, lr=1e-3), stages=2,
-                                microbatches=m, schedule=schedule, noise_multiplier=1.0, expected_batch_size=m * size,
-                                grad_mode=grad_mode)
+    trainer = PipelineDPTrainer(
+        PRESET.build(),
+        PRESET.loss,
+        lambda p: torch.optim.SGD(p, lr=1e-3),
+        stages=2,
+        microbatches=m,
+        schedule=schedule,
+        noise_multiplier=1.0,
+        expected_batch_size=m * size,
+        grad_mode=grad_mode,
+    )
     x, y = PRESET.make_batch(m * size, 0)
     return lambda: trainer.step(x, y)
 
@@ -51,8 +63,9 @@ def _torch_step(m: int, size: int):
     rank = dist.get_rank()
     torch.manual_seed(0)
     module = rank_part(PRESET.build(), 2, rank)
-    sched = Schedule1F1B(PipelineStage(module, rank, 2, torch.device("cpu")), n_microbatches=m,
-                         loss_fn=PRESET.mean_loss)
+    sched = Schedule1F1B(
+        PipelineStage(module, rank, 2, torch.device("cpu")), n_microbatches=m, loss_fn=PRESET.mean_loss
+    )
     opt = torch.optim.SGD(module.parameters(), lr=1e-3)
     x, y = PRESET.make_batch(m * size, 0)
 
@@ -72,7 +85,7 @@ def sweep(rank: int, ms: List[int], size: int) -> List[Dict]:
             if name == "torch-1f1b":
                 step = _torch_step(m, size)
             else:
-                schedule = name[len("pipedp-"):].removesuffix("-keep")
+                schedule = name[len("pipedp-") :].removesuffix("-keep")
                 step = _pipedp_step(schedule, m, size, "keep" if name.endswith("-keep") else "ghost")
             step()  # warm-up at this m
             dist.barrier()
@@ -93,8 +106,10 @@ def main(argv=None) -> Dict:
     args = p.parse_args(argv)
     ms = [int(v) for v in args.microbatches.split(",")]
     rows = launch(sweep, 2, (ms, args.microbatch_size), timeout_s=3600)[0]
-    print(f"**{PRESET.note}**, 2 stages, micro-batches of {args.microbatch_size}; per-process peak MiB above the "
-          f"state after a warm-up step (`python -m bench.memory_sweep`)\n")
+    print(
+        f"**{PRESET.note}**, 2 stages, micro-batches of {args.microbatch_size}; per-process peak MiB above the "
+        f"state after a warm-up step (`python -m bench.memory_sweep`)\n"
+    )
     print("| contender | " + " | ".join(f"m={m}" for m in ms) + f" | m={ms[-1]} / m={ms[0]} |")
     print("|---|" + "---|" * (len(ms) + 1))
     for name in dict.fromkeys(r["name"] for r in rows):

@@ -4,6 +4,7 @@ GradSampleModule hooks on each part, the whole logical batch as one micro-batch 
 stage works at a time), per-parameter norms gathered across the parts, then Opacus-style
 clip-and-accumulate over the materialised per-sample gradients, noise, step. No pipedp code.
 """
+
 from __future__ import annotations
 
 import warnings
@@ -30,8 +31,9 @@ def _recv(src: int, dtype: torch.dtype) -> torch.Tensor:
     return out
 
 
-def naive_split_step_fn(part: torch.nn.Module, preset, batch: int, stages: int, noise_multiplier=1.0,
-                        max_grad_norm=1.0):
+def naive_split_step_fn(
+    part: torch.nn.Module, preset, batch: int, stages: int, noise_multiplier=1.0, max_grad_norm=1.0
+):
     """A function doing one DP-SGD step of this rank's ``part`` on the whole batch (the caller cuts
     the model: the harness cuts it where pipedp does, so both train the same parts)."""
     from opacus import GradSampleModule

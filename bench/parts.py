@@ -1,5 +1,6 @@
 """Cut a preset's model into one part per rank, where pipedp cuts it (parameter-balanced), so
 that torch's pipelining, the naive split and pipedp train the same parts."""
+
 from __future__ import annotations
 
 import torch

@@ -6,6 +6,7 @@
 
 Prints a markdown table, writes JSON and a PNG plot (QPS vs micro-batches; peak memory per stage).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -53,29 +54,45 @@ def main(argv=None) -> dict:
     start = time.perf_counter()
     torch.set_num_threads(args.stages)  # one process gets the cores the pipeline's processes get
     settle_process()  # every contender, in every process, runs under the settings `pipedp train` uses
-    singles = [single_process(n, preset, args.batch, args.warmup, args.reps)
-               for n in ("plain", "opacus-hooks", "opacus-ghost")]
+    singles = [
+        single_process(n, preset, args.batch, args.warmup, args.reps) for n in ("plain", "opacus-hooks", "opacus-ghost")
+    ]
     plan = [{"kind": "naive", "name": "naive-split", "microbatches": 1}]
     # torch has GPipe and 1F1B; pipedp's dp-zb schedules are compared with torch's 1F1B
     torch_schedules = sorted({s if s in ("gpipe", "1f1b") else "1f1b" for s in schedules})
     for s in torch_schedules:
         # torch's Schedule1F1B refuses fewer micro-batches than stages
-        plan += [{"kind": "torch", "name": f"torch-{s}", "schedule": s, "microbatches": m} for m in mbs
-                 if not (s == "1f1b" and m < args.stages)]
+        plan += [
+            {"kind": "torch", "name": f"torch-{s}", "schedule": s, "microbatches": m}
+            for m in mbs
+            if not (s == "1f1b" and m < args.stages)
+        ]
     for s in schedules:
         for mode in modes:
-            plan += [{"kind": "pipedp", "name": f"pipedp-{s}-{mode}", "schedule": s, "mode": mode, "microbatches": m}
-                     for m in mbs]
-    multi = launch(run_multiprocess, args.stages, (plan, args.preset, args.batch, args.stages, args.warmup, args.reps),
-                   timeout_s=3600, threads=1)[0]
+            plan += [
+                {"kind": "pipedp", "name": f"pipedp-{s}-{mode}", "schedule": s, "mode": mode, "microbatches": m}
+                for m in mbs
+            ]
+    multi = launch(
+        run_multiprocess,
+        args.stages,
+        (plan, args.preset, args.batch, args.stages, args.warmup, args.reps),
+        timeout_s=3600,
+        threads=1,
+    )[0]
     rows = singles + multi
     for r in rows:
         r["qps"] = args.batch / r["seconds"]
     result = {
         "command": "python -m bench.qps " + " ".join(os.sys.argv[1:]),
         "machine": f"{platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}",
-        "preset": preset.note, "stages": args.stages, "batch": args.batch, "reps": args.reps,
-        "rows": rows, "ratios": ratios(rows, args.stages), "seconds": time.perf_counter() - start,
+        "preset": preset.note,
+        "stages": args.stages,
+        "batch": args.batch,
+        "reps": args.reps,
+        "rows": rows,
+        "ratios": ratios(rows, args.stages),
+        "seconds": time.perf_counter() - start,
     }
     os.makedirs(args.out, exist_ok=True)
     base = os.path.join(args.out, f"qps-{args.preset}-p{args.stages}")

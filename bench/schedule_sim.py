@@ -10,6 +10,7 @@ per-micro-batch norm all-reduce. Each stage is taken to hold one such block. Pri
 simulated makespan of GPipe, 1F1B, dp-zb and dp-zb-2x, their bubble, and the predicted DP
 cost: non-private 1F1B's makespan (plain F + full backward) over the DP schedule's.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -98,8 +99,9 @@ def simulate_grid(costs: Dict[str, float], ps: List[int], ms: List[int]) -> List
             ref = schedules.simulate(schedules.build("1f1b", p, m), plain, comm_latency=costs["send"]).makespan
             row = {"p": p, "m": m, "non-private 1f1b": ref}
             for name in ("gpipe", "1f1b", "dp-zb", "dp-zb-2x"):
-                r = schedules.simulate(schedules.build(name, p, m, dp), dp, comm_latency=costs["send"],
-                                       reduce_latency=costs["reduce"])
+                r = schedules.simulate(
+                    schedules.build(name, p, m, dp), dp, comm_latency=costs["send"], reduce_latency=costs["reduce"]
+                )
                 row[name] = r.makespan
                 row[name + " bubble"] = r.bubble_fraction
             rows.append(row)
@@ -114,7 +116,9 @@ def main(argv=None) -> List[Dict]:
     costs = measure_block_costs()
     costs.update(launch(_latencies, 2, (4,), timeout_s=300)[0])
     print("measured (ms): " + ", ".join(f"{k} {v:.2f}" for k, v in costs.items()))
-    rows = simulate_grid(costs, [int(v) for v in args.stages.split(",")], [int(v) for v in args.microbatches.split(",")])
+    rows = simulate_grid(
+        costs, [int(v) for v in args.stages.split(",")], [int(v) for v in args.microbatches.split(",")]
+    )
     names = ("gpipe", "1f1b", "dp-zb", "dp-zb-2x")
     print("\n| p | m | " + " | ".join(f"{n} ms (bubble)" for n in names) + " | DP cost of best (x non-private 1F1B) |")
     print("|---|---|" + "---|" * (len(names) + 1))

@@ -6,6 +6,7 @@ Ghost vs materialised per-sample norms of one Linear across sequence length and 
 (ghost needs [n, T, T] Gram matrices, materialising [n, out, in] gradients: the crossover
 is near T^2 = in * out), and the clip + noise pass of a stage.
 """
+
 import pytest
 import torch
 import torch.nn as nn
@@ -37,6 +38,7 @@ def test_linear_norms(benchmark, mode, seq, width):
         def run():  # Opacus's einsum ghost norm
             return NORM_SAMPLERS[nn.Linear](layer, [a], g)
     else:
+
         def run():
             return {p: x.reshape(BATCH, -1).pow(2).sum(1) for p, x in per_sample_grads(layer, [a], g).items()}
 

@@ -9,6 +9,7 @@ Without --weights, rank 0 first writes a randomly initialised model to a tempora
 stand-in for a checkpoint too large for one process): every rank then builds the model on the
 meta device (no memory) and materialises only its stage from the file.
 """
+
 import argparse
 import gc
 import os
@@ -64,7 +65,9 @@ def main():
     rank, stages = dist.get_rank(), dist.get_world_size()
     weights = args.weights
     if weights is None:  # rank 0 writes a stand-in checkpoint; the others wait for it
-        weights = os.path.join(tempfile.gettempdir(), f"pipedp-auto-split-{os.environ.get('MASTER_PORT', '0')}.safetensors")
+        weights = os.path.join(
+            tempfile.gettempdir(), f"pipedp-auto-split-{os.environ.get('MASTER_PORT', '0')}.safetensors"
+        )
         if rank == 0:
             from safetensors.torch import save_file
 
@@ -79,9 +82,17 @@ def main():
     ids = torch.randint(0, 64, (256, 16), generator=g)
     lengths = torch.randint(4, 17, (256,), generator=g)
     mask = (torch.arange(16)[None, :] < lengths[:, None]).long()
-    trainer = PipelineDPTrainer(model, per_sample_loss, lambda p: torch.optim.Adam(p, lr=1e-2), stages=stages,
-                                microbatches=4, noise_multiplier=1.0, max_grad_norm=1.0, expected_batch_size=32,
-                                sample_rate=32 / 256)
+    trainer = PipelineDPTrainer(
+        model,
+        per_sample_loss,
+        lambda p: torch.optim.Adam(p, lr=1e-2),
+        stages=stages,
+        microbatches=4,
+        noise_multiplier=1.0,
+        max_grad_norm=1.0,
+        expected_batch_size=32,
+        sample_rate=32 / 256,
+    )
     if rank == 0:
         print(f"partition: {trainer.partition_report}", flush=True)
     gc.collect()

@@ -12,6 +12,7 @@ adds LoRA adapters (PEFT) to q_proj and v_proj; the base weights stay frozen. Se
 right-padded to --seq-len and passed as {"input_ids", "attention_mask"} with labels -100 on
 the padding. A real checkpoint folder needs its tokenizer files beside the weights.
 """
+
 import argparse
 import os
 import tempfile
@@ -31,8 +32,15 @@ def tiny_llama_checkpoint(folder: str) -> None:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=6,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128)
+    cfg = LlamaConfig(
+        vocab_size=256,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=6,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=128,
+    )
     LlamaForCausalLM(cfg).save_pretrained(folder, max_shard_size="200KB")
 
 
@@ -84,13 +92,24 @@ def main():
     from peft import LoraConfig, get_peft_model
 
     torch.manual_seed(0)  # the same adapter initialisation on every rank
-    model = get_peft_model(model, LoraConfig(r=args.lora_r, lora_alpha=2 * args.lora_r, lora_dropout=0.0,
-                                             target_modules=["q_proj", "v_proj"]))
+    model = get_peft_model(
+        model,
+        LoraConfig(r=args.lora_r, lora_alpha=2 * args.lora_r, lora_dropout=0.0, target_modules=["q_proj", "v_proj"]),
+    )
     n = len(labels)
     trainer = PipelineDPTrainer(
-        model, token_loss, lambda params: torch.optim.AdamW(params, lr=1e-3),
-        stages=world, microbatches=4, schedule="1f1b", noise_multiplier=1.0, max_grad_norm=1.0,
-        expected_batch_size=args.batch_size, sample_rate=args.batch_size / n, untie_weights=True, balance=costs,
+        model,
+        token_loss,
+        lambda params: torch.optim.AdamW(params, lr=1e-3),
+        stages=world,
+        microbatches=4,
+        schedule="1f1b",
+        noise_multiplier=1.0,
+        max_grad_norm=1.0,
+        expected_batch_size=args.batch_size,
+        sample_rate=args.batch_size / n,
+        untie_weights=True,
+        balance=costs,
     )
 
     def report(step, loss, tr):

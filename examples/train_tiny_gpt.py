@@ -5,6 +5,7 @@
 Each of the 2 processes builds the same model (same seed) and keeps only its stage.
 Rank 0 prints the loss and the privacy spent.
 """
+
 import argparse
 
 import torch
@@ -33,9 +34,16 @@ def main():
     torch.manual_seed(0)  # the same weights on every rank
     model = tiny_gpt(GPTConfig(vocab_size=tokenizer.vocab_size, seq_len=32, d_model=64, n_heads=4, n_layers=4))
     trainer = PipelineDPTrainer(
-        model, token_loss, lambda params: torch.optim.Adam(params, lr=3e-3),
-        stages=args.stages, replicas=args.replicas, microbatches=4, schedule="1f1b",
-        noise_multiplier=1.0, max_grad_norm=1.0, expected_batch_size=args.batch_size,
+        model,
+        token_loss,
+        lambda params: torch.optim.Adam(params, lr=3e-3),
+        stages=args.stages,
+        replicas=args.replicas,
+        microbatches=4,
+        schedule="1f1b",
+        noise_multiplier=1.0,
+        max_grad_norm=1.0,
+        expected_batch_size=args.batch_size,
         sample_rate=args.batch_size / len(x),
     )
 

@@ -16,6 +16,7 @@ checks this):
 
 Heavy names (the trainer, torch) load on first use, so `pipedp schedule show` stays light.
 """
+
 from typing import Any
 
 from .config import PipelineConfig, PrivacyConfig
@@ -45,10 +46,27 @@ _LAZY = {
 }
 
 __all__ = [
-    "PipelineDPTrainer", "PipelineConfig", "PrivacyConfig", "FitResult", "SplitModel", "measured_costs",
-    "load_stage", "launch", "init_from_env", "settle_process",
-    "PipeDPError", "ConfigError", "UnsupportedModelError", "PartitionError", "BatchError", "ConfigMismatchError",
-    "RankFailedError", "TransportError", "PrivacyBudgetExceeded", "CheckpointError", "NonFiniteError",
+    "PipelineDPTrainer",
+    "PipelineConfig",
+    "PrivacyConfig",
+    "FitResult",
+    "SplitModel",
+    "measured_costs",
+    "load_stage",
+    "launch",
+    "init_from_env",
+    "settle_process",
+    "PipeDPError",
+    "ConfigError",
+    "UnsupportedModelError",
+    "PartitionError",
+    "BatchError",
+    "ConfigMismatchError",
+    "RankFailedError",
+    "TransportError",
+    "PrivacyBudgetExceeded",
+    "CheckpointError",
+    "NonFiniteError",
 ]
 __version__ = "0.2.0"
 

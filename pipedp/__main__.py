@@ -1,4 +1,5 @@
 """`python -m pipedp ...` is the `pipedp` command."""
+
 import sys
 
 from .cli.main import main

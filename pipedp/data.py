@@ -5,6 +5,7 @@ is regular enough that a tiny model's loss visibly falls within a few hundred DP
 Text is tokenised per character (built-in / tiny models) or with a local Hugging Face
 tokenizer (when the model folder has one), then cut into fixed-length windows.
 """
+
 from __future__ import annotations
 
 import json

@@ -4,6 +4,7 @@ The transformer is GPT-style: token + position embeddings, pre-LayerNorm blocks 
 multi-head causal self-attention built from nn.Linear (so Opacus's samplers cover it),
 residuals, a final LayerNorm and a Linear head.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass

@@ -3,6 +3,7 @@
 Layer 0: imports nothing of pipedp, torch or torch.distributed. It stays a top-level
 package (the design card fixes the folder), so it can be used and tested on its own.
 """
+
 from .actions import COMPUTE_KINDS, Action, Kind, Schedule
 from .builders import gpipe, one_f_one_b
 from .registry import BUILDERS, build, canonical_name
@@ -11,8 +12,19 @@ from .simulator import DeadlockError, SimResult, simulate
 from .validator import ScheduleError, validate
 
 __all__ = [
-    "Action", "Kind", "Schedule", "COMPUTE_KINDS",
-    "BUILDERS", "build", "canonical_name", "gpipe", "one_f_one_b", "dp_zero_bubble",
-    "simulate", "SimResult", "DeadlockError",
-    "validate", "ScheduleError",
+    "Action",
+    "Kind",
+    "Schedule",
+    "COMPUTE_KINDS",
+    "BUILDERS",
+    "build",
+    "canonical_name",
+    "gpipe",
+    "one_f_one_b",
+    "dp_zero_bubble",
+    "simulate",
+    "SimResult",
+    "DeadlockError",
+    "validate",
+    "ScheduleError",
 ]

@@ -6,6 +6,7 @@ The text form follows torch.distributed.pipelining's: F forward, I backward to t
 only, W weight gradient (here: the clipped one), SEND_F / RECV_F / SEND_B / RECV_B;
 NORM_REDUCE is pipedp's own. Everything here is plain data: no torch, no processes.
 """
+
 from __future__ import annotations
 
 import enum
@@ -43,9 +44,7 @@ class Action:
     def parse(text: str) -> "Action":
         match = _TEXT.match(text.strip())
         if not match:
-            raise ValueError(
-                f"cannot parse action {text!r}: expected STAGE KIND MICROBATCH, e.g. '1F3' or '0SEND_B2'"
-            )
+            raise ValueError(f"cannot parse action {text!r}: expected STAGE KIND MICROBATCH, e.g. '1F3' or '0SEND_B2'")
         return Action(int(match.group(1)), Kind(match.group(2)), int(match.group(3)))
 
 
@@ -62,9 +61,7 @@ class Schedule:
         return self.actions[stage]
 
     def to_text(self) -> str:
-        return "\n".join(
-            f"stage {s}: " + " ".join(str(a) for a in self.actions[s]) for s in range(self.stages)
-        )
+        return "\n".join(f"stage {s}: " + " ".join(str(a) for a in self.actions[s]) for s in range(self.stages))
 
     @staticmethod
     def from_text(name: str, text: str, microbatches: Optional[int] = None) -> "Schedule":

@@ -12,6 +12,7 @@ the captures stage k holds stay bounded by its in-flight micro-batches plus k, a
 rarely waits for the collective in the steady state. Any placement after NORM_REDUCE(j)
 is correct; this one is fast.
 """
+
 from __future__ import annotations
 
 from typing import Dict, List

@@ -6,6 +6,7 @@ W(s, j) needs every stage to have issued NORM_REDUCE(j) (the collective complete
 its last member joins). The event graph is walked with a work list (p=64, m=512: about
 2 s on this project's 2-core machine).
 """
+
 from __future__ import annotations
 
 from collections import defaultdict, deque
@@ -56,8 +57,9 @@ def _dependency(action: Action, stages: int) -> Optional[Tuple]:
     return None
 
 
-def simulate(schedule: Schedule, costs: Optional[Costs] = None, comm_latency: float = 0.0,
-             reduce_latency: float = 0.0) -> SimResult:
+def simulate(
+    schedule: Schedule, costs: Optional[Costs] = None, comm_latency: float = 0.0, reduce_latency: float = 0.0
+) -> SimResult:
     """``comm_latency``: from a send's end to its receive's earliest start; ``reduce_latency``: from
     the last stage joining a norm reduction to its result being there."""
     cost = _cost_fn(costs)

@@ -6,6 +6,7 @@ norms of every stage are summed). Across stages: every send has its receive, poi
 messages arrive in the order they were sent, every stage joins the norm collectives in
 the same order, and the whole schedule runs to the end (checked by simulation).
 """
+
 from __future__ import annotations
 
 from collections import Counter
@@ -63,7 +64,9 @@ def validate(schedule: Schedule) -> None:
             for j in range(m):
                 want = 1 if kind in expected else 0
                 if counts[(kind, j)] != want:
-                    problems.append(f"stage {s}: {kind.value} of micro-batch {j} appears {counts[(kind, j)]} times, expected {want}")
+                    problems.append(
+                        f"stage {s}: {kind.value} of micro-batch {j} appears {counts[(kind, j)]} times, expected {want}"
+                    )
         index = {(a.kind, a.microbatch): i for i, a in enumerate(acts)}
         for before, after in _ORDER:
             for j in range(m):

@@ -14,6 +14,7 @@ s (1F1B's), and at most ``capture_limit`` between F and W (the DP captures a sta
 bubbles). The order found is fixed data like any other schedule; with other real costs it
 stays correct (every receive follows its send), only the timing differs.
 """
+
 from __future__ import annotations
 
 from typing import Dict, List, Mapping, Optional
@@ -25,8 +26,13 @@ from .simulator import simulate
 DEFAULT_COSTS: Dict[Kind, float] = {Kind.F: 1.0, Kind.I: 1.0, Kind.W: 1.0}
 
 
-def dp_zero_bubble(stages: int, microbatches: int, costs: Optional[Mapping[Kind, float]] = None,
-                   capture_factor: int = 1, name: str = "dp-zb") -> Schedule:
+def dp_zero_bubble(
+    stages: int,
+    microbatches: int,
+    costs: Optional[Mapping[Kind, float]] = None,
+    capture_factor: int = 1,
+    name: str = "dp-zb",
+) -> Schedule:
     """The greedy bubble-filling order, or 1F1B's lagged W placement where that simulates faster
     (greedy filling is myopic: a W started in a short gap can delay the critical path)."""
     cost = {**DEFAULT_COSTS, **dict(costs or {})}
@@ -37,8 +43,9 @@ def dp_zero_bubble(stages: int, microbatches: int, costs: Optional[Mapping[Kind,
     return greedy
 
 
-def _greedy_fill(stages: int, microbatches: int, cost: Mapping[Kind, float], capture_factor: int,
-                 name: str) -> Schedule:
+def _greedy_fill(
+    stages: int, microbatches: int, cost: Mapping[Kind, float], capture_factor: int, name: str
+) -> Schedule:
     p, m = stages, microbatches
     capture_limit = capture_factor * p
     plans = {s: _one_f_one_b_order(s, p, m, warmup=min(m, p - s + (capture_factor - 1) * (p - s))) for s in range(p)}

@@ -1,5 +1,6 @@
 """Small models written the common way (a ModuleList and a loop in forward, no marks), shared by the
 in-process and the multi-process tests of the automatic split."""
+
 import torch
 
 

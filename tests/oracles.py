@@ -3,6 +3,7 @@
 Neither uses any pipedp code: they take the unsplit model and compute the DP-SGD update
 the way a user of Opacus (or a textbook) would.
 """
+
 from __future__ import annotations
 
 import copy
@@ -29,8 +30,14 @@ def opacus_step(
         warnings.simplefilter("ignore")
         if mode == "ghost":
             m, opt, dp_criterion, _ = engine.make_private(
-                module=m, optimizer=opt, data_loader=loader, criterion=criterion, noise_multiplier=0.0,
-                max_grad_norm=max_grad_norm, poisson_sampling=False, grad_sample_mode="ghost",
+                module=m,
+                optimizer=opt,
+                data_loader=loader,
+                criterion=criterion,
+                noise_multiplier=0.0,
+                max_grad_norm=max_grad_norm,
+                poisson_sampling=False,
+                grad_sample_mode="ghost",
             )
             out = m(x)
             if token_model:
@@ -39,8 +46,13 @@ def opacus_step(
                 loss = dp_criterion(out, y)
         else:
             m, opt, _ = engine.make_private(
-                module=m, optimizer=opt, data_loader=loader, noise_multiplier=0.0,
-                max_grad_norm=max_grad_norm, poisson_sampling=False, grad_sample_mode="hooks",
+                module=m,
+                optimizer=opt,
+                data_loader=loader,
+                noise_multiplier=0.0,
+                max_grad_norm=max_grad_norm,
+                poisson_sampling=False,
+                grad_sample_mode="hooks",
             )
             out = m(x)
             loss = criterion(out.reshape(-1, out.shape[-1]), y.reshape(-1)) if token_model else criterion(out, y)

@@ -9,6 +9,7 @@ for r of them (abstaining on the rest) and is right v times. If training is (eps
 so every eps whose p-value falls below beta is rejected: the largest such eps is a lower
 bound on the true epsilon with confidence 1 - beta. Pure Python (log-space binomials).
 """
+
 from __future__ import annotations
 
 import math
@@ -76,7 +77,7 @@ def best_guesses(scores: dict, included: Sequence[bool], ks: Sequence[int], beta
                 if k_plus + k_minus > m:
                     continue
                 correct = sum(1 for i in order[:k_plus] if included[i])
-                correct += sum(1 for i in order[m - k_minus:] if not included[i])
+                correct += sum(1 for i in order[m - k_minus :] if not included[i])
                 eps = epsilon_lower_bound(m, k_plus + k_minus, correct, beta / tries, delta)
                 if best is None or eps > best.epsilon:
                     best = Guesses(name, k_plus, k_minus, correct, eps)

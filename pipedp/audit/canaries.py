@@ -10,6 +10,7 @@ features and one-hot e_i, and the per-sample loss -s * output: its gradient is e
 everywhere else. Canaries are spread over the blocks, so every stage hosts some: a noise
 bug on any stage shows.
 """
+
 from __future__ import annotations
 
 from typing import List, Tuple
@@ -79,7 +80,7 @@ def audit_data(features: int, canaries: int, examples: int, included: torch.Tens
     """(inputs, targets) of the training set: ``examples`` real rows, then the included canaries."""
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(examples, features, generator=g, dtype=torch.float64)
-    y = torch.tanh(x.sum(1, keepdim=True) / features ** 0.5)
+    y = torch.tanh(x.sum(1, keepdim=True) / features**0.5)
     real_in = torch.cat([x, torch.zeros(examples, 1 + canaries, dtype=torch.float64)], 1)
     real_target = torch.cat([y, torch.zeros(examples, 1, dtype=torch.float64)], 1)
     ids = torch.nonzero(included).flatten()

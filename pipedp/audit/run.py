@@ -13,6 +13,7 @@ correlation from one step to the next (noise must be fresh every step).
 Black-box (``kind="blackbox"``): the default GPT job with random canary sequences, scored by
 their loss after training; such audits are loose by nature, and reported as such.
 """
+
 from __future__ import annotations
 
 import math
@@ -98,15 +99,25 @@ class AuditResult:
             f"(lower bound / claimed = {self.tightness:.2f})",
         ]
         if g is not None:
-            lines.append(f"guesses: {g.k_plus} 'in' + {g.k_minus} 'out' by the {g.score} score, {g.correct} correct "
-                         f"of {g.k_plus + g.k_minus}")
+            lines.append(
+                f"guesses: {g.k_plus} 'in' + {g.k_minus} 'out' by the {g.score} score, {g.correct} correct "
+                f"of {g.k_plus + g.k_minus}"
+            )
         for n in self.noise_checks:
-            lines.append(f"stage {n.stage} noise: sigma {n.measured_sigma:.3f} measured vs {n.claimed_sigma:.3f} claimed, "
-                         f"step-to-step correlation {n.step_correlation:+.3f} over {n.samples} values: "
-                         + ("ok" if n.ok else f"FAILED ({n.problem})"))
+            lines.append(
+                f"stage {n.stage} noise: sigma {n.measured_sigma:.3f} measured vs {n.claimed_sigma:.3f} claimed, "
+                f"step-to-step correlation {n.step_correlation:+.3f} over {n.samples} values: "
+                + ("ok" if n.ok else f"FAILED ({n.problem})")
+            )
         lines += self.notes
-        lines.append("verdict: " + ("PASSED: nothing shows more privacy loss than the accountant claims" if self.passed
-                                    else "FAILED: the implementation leaks more than the accountant claims"))
+        lines.append(
+            "verdict: "
+            + (
+                "PASSED: nothing shows more privacy loss than the accountant claims"
+                if self.passed
+                else "FAILED: the implementation leaks more than the accountant claims"
+            )
+        )
         return "\n".join(lines)
 
     def plot(self, path: str) -> None:
@@ -159,10 +170,18 @@ def run_audit(config: AuditConfig, rank: int = 0) -> Optional[AuditResult]:
 
 def _trainer(model, loss, config: AuditConfig, expected_batch: int) -> PipelineDPTrainer:
     return PipelineDPTrainer(
-        model, loss, lambda p: torch.optim.SGD(p, lr=config.lr), stages=config.stages,
-        microbatches=config.microbatches, noise_multiplier=config.noise_multiplier,
-        max_grad_norm=config.max_grad_norm, expected_batch_size=expected_batch, sample_rate=config.sample_rate,
-        seed=config.seed + 1, delta=config.delta, transport=config.transport,
+        model,
+        loss,
+        lambda p: torch.optim.SGD(p, lr=config.lr),
+        stages=config.stages,
+        microbatches=config.microbatches,
+        noise_multiplier=config.noise_multiplier,
+        max_grad_norm=config.max_grad_norm,
+        expected_batch_size=expected_batch,
+        sample_rate=config.sample_rate,
+        seed=config.seed + 1,
+        delta=config.delta,
+        transport=config.transport,
     )
 
 
@@ -192,11 +211,19 @@ def _whitebox(config: AuditConfig, rank: int) -> Optional[AuditResult]:
     stages = np.array([stage_of_block[b] for b in hosts])
     scores = whitebox_scores(z, config.sample_rate, stages)
     beta = 1 - config.confidence
-    guesses = best_guesses({k: v.tolist() for k, v in scores.items()}, included.tolist(), guess_sizes(m),
-                           beta / 2, config.delta)  # half of beta for the bound, half for the noise checks
+    guesses = best_guesses(
+        {k: v.tolist() for k, v in scores.items()}, included.tolist(), guess_sizes(m), beta / 2, config.delta
+    )  # half of beta for the bound, half for the noise checks
     checks = noise_checks(z, included.numpy(), stages, config.stages, config.noise_multiplier, beta / 2)
-    return AuditResult(asdict(config), claimed, guesses.epsilon, guesses, checks, included.tolist(),
-                       {k: v.tolist() for k, v in scores.items()})
+    return AuditResult(
+        asdict(config),
+        claimed,
+        guesses.epsilon,
+        guesses,
+        checks,
+        included.tolist(),
+        {k: v.tolist() for k, v in scores.items()},
+    )
 
 
 def whitebox_scores(z: np.ndarray, q: float, stage_of: np.ndarray) -> Dict[str, np.ndarray]:
@@ -214,8 +241,9 @@ def whitebox_scores(z: np.ndarray, q: float, stage_of: np.ndarray) -> Dict[str, 
     return {"likelihood": likelihood, "variance": z.var(axis=0)}
 
 
-def noise_checks(z: np.ndarray, included: np.ndarray, stage_of: np.ndarray, stages: int, sigma: float,
-                 beta: float) -> List[NoiseCheck]:
+def noise_checks(
+    z: np.ndarray, included: np.ndarray, stage_of: np.ndarray, stages: int, sigma: float, beta: float
+) -> List[NoiseCheck]:
     """Per stage, from excluded canaries (pure noise): is it as large as claimed, and fresh every step?
     Two one-sided z-tests per stage, Bonferroni-corrected to ``beta`` overall, each with an effect
     floor (noise at least 10% below the claim, a step-to-step correlation above 0.2) so that sampling
@@ -228,14 +256,14 @@ def noise_checks(z: np.ndarray, included: np.ndarray, stage_of: np.ndarray, stag
         n = noise.size
         if n < 2 or z.shape[0] < 2:
             continue
-        measured = float(np.sqrt((noise ** 2).mean()))
+        measured = float(np.sqrt((noise**2).mean()))
         problems = []
         if sigma > 0:
-            significant = measured == 0 or math.log(measured ** 2 / sigma ** 2) * math.sqrt(n / 2) < -threshold
+            significant = measured == 0 or math.log(measured**2 / sigma**2) * math.sqrt(n / 2) < -threshold
             if significant and measured < 0.9 * sigma:
                 problems.append(f"less noise than claimed: {measured:.3f} < {sigma:.3f}")
         pairs = noise[:-1] * noise[1:]
-        corr = float(pairs.mean() / measured ** 2) if measured > 0 else 0.0
+        corr = float(pairs.mean() / measured**2) if measured > 0 else 0.0
         if measured > 0 and corr * math.sqrt(pairs.size) > threshold and corr > 0.2:
             problems.append(f"noise repeats across steps (correlation {corr:+.3f})")
         checks.append(NoiseCheck(s, n, measured, sigma, corr, not problems, "; ".join(problems)))
@@ -284,7 +312,16 @@ def _blackbox(config: AuditConfig, rank: int) -> Optional[AuditResult]:
         scores = -token_loss(fresh(canary_x), canary_y).double().numpy()  # low loss: probably trained on
     beta = 1 - config.confidence
     guesses = best_guesses({"loss": scores.tolist()}, included.tolist(), guess_sizes(m), beta, config.delta)
-    return AuditResult(asdict(config), claimed, guesses.epsilon, guesses, [], included.tolist(),
-                       {"loss": scores.tolist()},
-                       notes=["black-box: canaries scored by their loss after training; such audits are loose "
-                              "(a bound near 0 says little), the white-box audit is the strong one"])
+    return AuditResult(
+        asdict(config),
+        claimed,
+        guesses.epsilon,
+        guesses,
+        [],
+        included.tolist(),
+        {"loss": scores.tolist()},
+        notes=[
+            "black-box: canaries scored by their loss after training; such audits are loose "
+            "(a bound near 0 says little), the white-box audit is the strong one"
+        ],
+    )

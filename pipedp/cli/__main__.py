@@ -1,4 +1,5 @@
 """`python -m pipedp.cli ...` is the `pipedp` command."""
+
 import sys
 
 from .main import main

@@ -1,5 +1,6 @@
 """``pipedp audit``: run the one-run privacy audit (own processes, torchrun, or in-process) and
 print its report; exit 0 when it passes, 4 when it shows a leak."""
+
 from __future__ import annotations
 
 import json
@@ -18,9 +19,18 @@ def run(args) -> int:
     if not 0 < sample_rate <= 1:
         raise ValueError(f"--sample-rate must be in (0, 1], got {sample_rate}")
     config = AuditConfig(
-        kind=args.kind, canaries=args.canaries, steps=steps, sample_rate=sample_rate,
-        noise_multiplier=args.noise_multiplier, max_grad_norm=args.max_grad_norm, lr=args.lr, delta=args.delta,
-        confidence=args.confidence, stages=args.stages, microbatches=args.microbatches, seed=args.seed,
+        kind=args.kind,
+        canaries=args.canaries,
+        steps=steps,
+        sample_rate=sample_rate,
+        noise_multiplier=args.noise_multiplier,
+        max_grad_norm=args.max_grad_norm,
+        lr=args.lr,
+        delta=args.delta,
+        confidence=args.confidence,
+        stages=args.stages,
+        microbatches=args.microbatches,
+        seed=args.seed,
     )
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ and not args.inprocess:
         init_from_env()

@@ -6,6 +6,7 @@ exclusive. ``configs_from_args`` turns the parsed flags back into the two config
 
 Imports no torch: ``pipedp schedule show`` stays light.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -55,12 +56,19 @@ def add_config_flags(parser: argparse.ArgumentParser) -> None:
         if kind is bool:
             target.add_argument(flag_name(f.name), dest=f.name, action="store_true", help=help_text)
         else:
-            target.add_argument(flag_name(f.name), dest=f.name, type=kind, default=default,
-                                choices=f.metadata["choices"], help=help_text)
+            target.add_argument(
+                flag_name(f.name),
+                dest=f.name,
+                type=kind,
+                default=default,
+                choices=f.metadata["choices"],
+                help=help_text,
+            )
 
 
 def configs_from_args(args: argparse.Namespace, **extra: Any) -> Tuple[PipelineConfig, PrivacyConfig]:
     """The configs the flags describe; ``extra`` sets fields that are not flags (e.g. sample_rate)."""
+
     def values(cls: Type) -> Dict[str, Any]:
         names = {f.name for f in fields(cls)}
         out = {f.name: getattr(args, f.name) for f in cli_fields(cls)}

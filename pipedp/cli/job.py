@@ -1,4 +1,5 @@
 """``pipedp train``: resolve the job once, then run it on every rank (own processes or torchrun)."""
+
 from __future__ import annotations
 
 import math
@@ -76,7 +77,9 @@ def with_lora(model, job: Job):
     from peft import LoraConfig, get_peft_model
 
     torch.manual_seed(job.privacy.seed)
-    config = LoraConfig(r=job.lora_r, lora_alpha=2 * job.lora_r, lora_dropout=0.0, target_modules=list(job.lora_targets))
+    config = LoraConfig(
+        r=job.lora_r, lora_alpha=2 * job.lora_r, lora_dropout=0.0, target_modules=list(job.lora_targets)
+    )
     return get_peft_model(model, config)
 
 
@@ -90,19 +93,37 @@ def resolve(args) -> Job:
     if args.lora_r is not None and args.model == "tiny-gpt":
         raise ValueError("--lora-r adds PEFT LoRA adapters to a Hugging Face model: give --model a model folder")
     if args.export is not None and args.model == "tiny-gpt":
-        raise ValueError("--export writes a Hugging Face folder: it needs --model pointing at a Hugging Face model "
-                         "folder (the built-in tiny-gpt is saved in the checkpoints)")
+        raise ValueError(
+            "--export writes a Hugging Face folder: it needs --model pointing at a Hugging Face model "
+            "folder (the built-in tiny-gpt is saved in the checkpoints)"
+        )
     if args.data is not None and not os.path.exists(args.data):
         raise FileNotFoundError(f"dataset {args.data!r} does not exist: pass a local .txt or .jsonl file")
     pipeline, privacy = configs_from_args(
-        args, transport="inprocess" if args.inprocess else "auto", expected_batch_size=1,  # set below
+        args,
+        transport="inprocess" if args.inprocess else "auto",
+        expected_batch_size=1,  # set below
     )
     pipeline.validate()
     job = Job(
-        pipeline=pipeline, privacy=privacy, model=args.model, data=args.data, steps=0, lr=args.lr,
-        seq_len=args.seq_len, checkpoint_dir=args.checkpoint_dir, checkpoint_every=args.checkpoint_every,
-        checkpoint_key=args.checkpoint_key, export=args.export, keep_last=args.keep_last, resume=args.resume,
-        lora_r=args.lora_r, lora_targets=tuple(t for t in args.lora_targets.split(",") if t), threads=args.threads, progress=not args.no_progress, inprocess=args.inprocess,
+        pipeline=pipeline,
+        privacy=privacy,
+        model=args.model,
+        data=args.data,
+        steps=0,
+        lr=args.lr,
+        seq_len=args.seq_len,
+        checkpoint_dir=args.checkpoint_dir,
+        checkpoint_every=args.checkpoint_every,
+        checkpoint_key=args.checkpoint_key,
+        export=args.export,
+        keep_last=args.keep_last,
+        resume=args.resume,
+        lora_r=args.lora_r,
+        lora_targets=tuple(t for t in args.lora_targets.split(",") if t),
+        threads=args.threads,
+        progress=not args.no_progress,
+        inprocess=args.inprocess,
     )
     x, _, _ = load_dataset(job)
     n = len(x)
@@ -113,8 +134,12 @@ def resolve(args) -> Job:
             raise ValueError(f"--batch-size {args.batch_size} is larger than the dataset ({n} sequences)")
         sample_rate = args.batch_size / n
     steps = args.steps or (steps_for_epochs(args.epochs, sample_rate) if args.epochs else DEFAULT_STEPS)
-    privacy = replace(privacy, sample_rate=sample_rate, expected_batch_size=max(1, round(sample_rate * n)),
-                      total_steps=steps if privacy.target_epsilon is not None else None).validate()
+    privacy = replace(
+        privacy,
+        sample_rate=sample_rate,
+        expected_batch_size=max(1, round(sample_rate * n)),
+        total_steps=steps if privacy.target_epsilon is not None else None,
+    ).validate()
     if privacy.target_epsilon is not None:  # calibrate once here, so every rank gets the same sigma
         sigma = calibrate_noise(privacy.target_epsilon, privacy.delta, sample_rate, steps, privacy.accountant)
         privacy = replace(privacy, noise_multiplier=sigma, target_epsilon=None, total_steps=None)
@@ -135,8 +160,9 @@ def train_rank(rank: int, job: Job) -> dict:
         # split where the stage loader split the base model, whatever parameters LoRA adds
         pipeline = replace(pipeline, balance=block_costs(model_blocks(model, pipeline.untie_weights), "params"))
         model = with_lora(model, job)
-    trainer = PipelineDPTrainer(model, token_loss, lambda params: torch.optim.Adam(params, lr=job.lr),
-                                pipeline=pipeline, privacy=job.privacy)
+    trainer = PipelineDPTrainer(
+        model, token_loss, lambda params: torch.optim.Adam(params, lr=job.lr), pipeline=pipeline, privacy=job.privacy
+    )
     privacy = job.privacy
     if lead:
         print(f"partition: {trainer.partition_report}", flush=True)
@@ -153,10 +179,19 @@ def train_rank(rank: int, job: Job) -> dict:
     elif job.resume and lead:
         print(f"--resume: no checkpoint in {job.checkpoint_dir}: starting from step 0", flush=True)
     elif has_checkpoint and lead:
-        print(f"{job.checkpoint_dir} already holds a checkpoint: starting afresh and overwriting it "
-              "(pass --resume to continue it instead)", flush=True)
-    bar = tqdm(total=job.steps, initial=start_step, disable=not (lead and job.progress), desc="DP training",
-               unit="step", dynamic_ncols=True)
+        print(
+            f"{job.checkpoint_dir} already holds a checkpoint: starting afresh and overwriting it "
+            "(pass --resume to continue it instead)",
+            flush=True,
+        )
+    bar = tqdm(
+        total=job.steps,
+        initial=start_step,
+        disable=not (lead and job.progress),
+        desc="DP training",
+        unit="step",
+        dynamic_ncols=True,
+    )
     state = {"samples": 0, "first_loss": None, "first_nonfinite": None, "eps": 0.0}
     eps_every = max(1, job.steps // 15)
     settle_process()  # the built objects out of full collections; freed memory kept for reuse (see README)
@@ -174,9 +209,15 @@ def train_rank(rank: int, job: Job) -> dict:
         bar.set_postfix(loss=f"{loss:.3f}", eps=f"{state['eps']:.2f}", qps=f"{rate:.0f}")
         bar.update(1)
 
-    result = trainer.fit((x, y), steps=job.steps, checkpoint_dir=job.checkpoint_dir,
-                         checkpoint_every=job.checkpoint_every, checkpoint_key=job.checkpoint_key,
-                         keep_last=job.keep_last, callback=on_step)
+    result = trainer.fit(
+        (x, y),
+        steps=job.steps,
+        checkpoint_dir=job.checkpoint_dir,
+        checkpoint_every=job.checkpoint_every,
+        checkpoint_key=job.checkpoint_key,
+        keep_last=job.keep_last,
+        callback=on_step,
+    )
     bar.close()
     elapsed = time.perf_counter() - t0
     if job.export:
@@ -187,9 +228,15 @@ def train_rank(rank: int, job: Job) -> dict:
             AutoTokenizer.from_pretrained(job.model, local_files_only=True).save_pretrained(job.export)
             print(f"exported: {job.export} (transformers' from_pretrained loads it)", flush=True)
     summary = {
-        "steps": result.steps, "epsilon": result.epsilon, "delta": privacy.delta, "loss": result.loss,
-        "first_loss": state["first_loss"], "seconds": elapsed, "samples_per_s": state["samples"] / max(elapsed, 1e-9),
-        "noise_multiplier": privacy.noise_multiplier, "stopped_by_budget": result.stopped_by_budget,
+        "steps": result.steps,
+        "epsilon": result.epsilon,
+        "delta": privacy.delta,
+        "loss": result.loss,
+        "first_loss": state["first_loss"],
+        "seconds": elapsed,
+        "samples_per_s": state["samples"] / max(elapsed, 1e-9),
+        "noise_multiplier": privacy.noise_multiplier,
+        "stopped_by_budget": result.stopped_by_budget,
         "first_nonfinite_step": state["first_nonfinite"],
     }
     if lead:
@@ -200,8 +247,11 @@ def train_rank(rank: int, job: Job) -> dict:
             f"{privacy.noise_multiplier:.3f}, sample rate {privacy.sample_rate:.4f}, {privacy.accountant})"
             + (f"\ncheckpoint: {job.checkpoint_dir}" if job.checkpoint_dir else "")
             + (f"\nstopped: {result.stopped_by_budget}" if result.stopped_by_budget else "")
-            + (f"\nnon-finite losses from step {state['first_nonfinite']} on (NaN/inf in the data or the model)"
-               if state["first_nonfinite"] is not None else ""),
+            + (
+                f"\nnon-finite losses from step {state['first_nonfinite']} on (NaN/inf in the data or the model)"
+                if state["first_nonfinite"] is not None
+                else ""
+            ),
             flush=True,
         )
     return summary
@@ -233,11 +283,17 @@ def run(args) -> int:
     if job.inprocess or world == 1:
         if replicas > 1:
             raise PipeDPError("--replicas > 1 needs one process per (stage, replica): drop --inprocess")
-        return _exit_code(train_rank(0, replace(job, inprocess=True, pipeline=replace(job.pipeline, transport="inprocess"))))
-    print(f"pipedp: launching {world} processes ({stages} stages x {replicas} replica"
-          f"{'s' if replicas > 1 else ''}, gloo)", flush=True)
-    summary = launch(train_rank, world, (job,), timeout_s=24 * 3600, threads=job.threads,
-                     op_timeout_s=job.pipeline.timeout)[0]
+        return _exit_code(
+            train_rank(0, replace(job, inprocess=True, pipeline=replace(job.pipeline, transport="inprocess")))
+        )
+    print(
+        f"pipedp: launching {world} processes ({stages} stages x {replicas} replica"
+        f"{'s' if replicas > 1 else ''}, gloo)",
+        flush=True,
+    )
+    summary = launch(
+        train_rank, world, (job,), timeout_s=24 * 3600, threads=job.threads, op_timeout_s=job.pipeline.timeout
+    )[0]
     return _exit_code(summary)
 
 

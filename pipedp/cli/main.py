@@ -2,6 +2,7 @@
 
 Parsing imports no torch; ``train`` loads the training stack only when it runs.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -54,24 +55,39 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--seq-len", type=_positive_int, default=32)
     t.add_argument("--checkpoint-dir", default=DEFAULT_CHECKPOINTS)
     t.add_argument("--checkpoint-every", type=_positive_int, default=50)
-    t.add_argument("--export", default=None, help="after training, write the Hugging Face model (config + "
-                   "safetensors + tokenizer) to this folder")
-    t.add_argument("--lora-r", type=_positive_int, default=None,
-                   help="train PEFT LoRA adapters of this rank (base weights frozen); needs a Hugging Face --model")
-    t.add_argument("--lora-targets", default="q_proj,v_proj",
-                   help="comma-separated module names LoRA adapts (GPT-2: c_attn)")
+    t.add_argument(
+        "--export",
+        default=None,
+        help="after training, write the Hugging Face model (config + safetensors + tokenizer) to this folder",
+    )
+    t.add_argument(
+        "--lora-r",
+        type=_positive_int,
+        default=None,
+        help="train PEFT LoRA adapters of this rank (base weights frozen); needs a Hugging Face --model",
+    )
+    t.add_argument(
+        "--lora-targets", default="q_proj,v_proj", help="comma-separated module names LoRA adapts (GPT-2: c_attn)"
+    )
     t.add_argument("--keep-last", type=_positive_int, default=3, help="keep only the newest N checkpoints")
-    t.add_argument("--checkpoint-key", default=None,
-                   help="HMAC key that signs checkpoints and refuses unsigned or altered ones on --resume "
-                        "(visible to other users in the process list: prefer the PIPEDP_CHECKPOINT_KEY variable)")
+    t.add_argument(
+        "--checkpoint-key",
+        default=None,
+        help="HMAC key that signs checkpoints and refuses unsigned or altered ones on --resume "
+        "(visible to other users in the process list: prefer the PIPEDP_CHECKPOINT_KEY variable)",
+    )
     t.add_argument("--resume", action="store_true", help="continue from the newest checkpoint in --checkpoint-dir")
     t.add_argument("--inprocess", action="store_true", help="run every stage in this one process (debugging)")
     t.add_argument("--threads", type=_positive_int, default=1, help="torch threads per process")
     t.add_argument("--no-progress", action="store_true")
 
     a = sub.add_parser("audit", help="one-run privacy audit: empirical epsilon lower bound vs the accountant")
-    a.add_argument("--kind", default="whitebox", choices=["whitebox", "blackbox"],
-                   help="whitebox: gradient canaries on their own coordinates; blackbox: canary sequences on the GPT job")
+    a.add_argument(
+        "--kind",
+        default="whitebox",
+        choices=["whitebox", "blackbox"],
+        help="whitebox: gradient canaries on their own coordinates; blackbox: canary sequences on the GPT job",
+    )
     a.add_argument("--canaries", type=_positive_int, default=1000)
     a.add_argument("--steps", type=_positive_int, default=None, help="DP steps (default: whitebox 10, blackbox 100)")
     a.add_argument("--sample-rate", type=_positive_float, default=None, help="default: whitebox 0.5, blackbox 0.01")
@@ -125,7 +141,7 @@ def _message(exc: Exception) -> str:
     """The whole message (every line), with a config field named as its flag."""
     text = str(exc).strip() or type(exc).__name__
     if isinstance(exc, ConfigError) and exc.field and text.startswith(exc.field + ":"):
-        text = flag_name(exc.field) + text[len(exc.field):]
+        text = flag_name(exc.field) + text[len(exc.field) :]
     return text
 
 

@@ -1,4 +1,5 @@
 """Text (and PNG) timelines of a schedule, from the simulator."""
+
 from __future__ import annotations
 
 from typing import Dict, Optional
@@ -59,7 +60,15 @@ def _draw(result, schedule, path: str) -> None:
     for s, items in result.timeline.items():
         for start, end, a in items:
             ax.barh(s, end - start, left=start, color=colours[a.kind], edgecolor="white")
-            ax.text((start + end) / 2, s, f"{a.kind.value}{a.microbatch}", ha="center", va="center", fontsize=7, color="white")
+            ax.text(
+                (start + end) / 2,
+                s,
+                f"{a.kind.value}{a.microbatch}",
+                ha="center",
+                va="center",
+                fontsize=7,
+                color="white",
+            )
     ax.set_yticks(range(schedule.stages), [f"stage {s}" for s in range(schedule.stages)])
     ax.invert_yaxis()
     ax.set_xlabel("time (action cost units)")

@@ -1,4 +1,5 @@
 """Privacy accounting helpers on top of Opacus's accountants (prv, rdp, gdp)."""
+
 from __future__ import annotations
 
 import math
@@ -43,10 +44,15 @@ def calibrate_noise(target_epsilon: float, delta: float, sample_rate: float, ste
     try:
         with warnings.catch_warnings():  # the RDP search warns about its alpha grid at the extremes
             warnings.simplefilter("ignore")
-            return float(get_noise_multiplier(
-                target_epsilon=target_epsilon, target_delta=delta, sample_rate=sample_rate, steps=steps,
-                accountant=accountant,
-            ))
+            return float(
+                get_noise_multiplier(
+                    target_epsilon=target_epsilon,
+                    target_delta=delta,
+                    sample_rate=sample_rate,
+                    steps=steps,
+                    accountant=accountant,
+                )
+            )
     except ValueError as exc:
         raise PipeDPError(
             f"target epsilon {target_epsilon} at delta {delta} cannot be met with sample rate {sample_rate} over "

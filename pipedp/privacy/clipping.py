@@ -1,4 +1,5 @@
 """How per-sample gradients are clipped: the clipping mode and its norms, and clip factors."""
+
 from __future__ import annotations
 
 import math
@@ -27,8 +28,12 @@ class Clipping:
     layer_norms: Tuple[Tuple[str, float], ...] = ()  # (layer name, C_g) of every layer (per_layer)
 
     @staticmethod
-    def make(mode: str, max_grad_norm: Union[float, Sequence[float], Mapping[str, float]], stages: int,
-             layers: Sequence[str] = ()) -> "Clipping":
+    def make(
+        mode: str,
+        max_grad_norm: Union[float, Sequence[float], Mapping[str, float]],
+        stages: int,
+        layers: Sequence[str] = (),
+    ) -> "Clipping":
         """``layers``: the model's layer names (needed for per_layer)."""
         if mode not in CLIPPING_MODES:
             raise ValueError(f"unknown clipping {mode!r}: choose one of {CLIPPING_MODES}")
@@ -36,7 +41,11 @@ class Clipping:
             return Clipping(mode, (), _layer_norms(max_grad_norm, layers))
         if isinstance(max_grad_norm, Mapping):
             raise ValueError("a {layer: C} max_grad_norm needs clipping='per_layer'")
-        norms = [float(max_grad_norm)] * stages if isinstance(max_grad_norm, (int, float)) else [float(c) for c in max_grad_norm]
+        norms = (
+            [float(max_grad_norm)] * stages
+            if isinstance(max_grad_norm, (int, float))
+            else [float(c) for c in max_grad_norm]
+        )
         if mode == "flat" and len(set(norms)) != 1:
             raise ValueError("flat clipping takes one max_grad_norm; per-stage norms need clipping='per_stage'")
         if mode == "per_stage" and isinstance(max_grad_norm, (int, float)):
@@ -73,8 +82,10 @@ def _layer_norms(max_grad_norm, layers: Sequence[str]) -> Tuple[Tuple[str, float
         missing = [n for n in layers if n not in max_grad_norm]
         unknown = [n for n in max_grad_norm if n not in layers]
         if missing or unknown:
-            raise ValueError(f"per_layer max_grad_norm must name every layer exactly: missing {missing}, "
-                             f"unknown {unknown} (the layers: {list(layers)})")
+            raise ValueError(
+                f"per_layer max_grad_norm must name every layer exactly: missing {missing}, "
+                f"unknown {unknown} (the layers: {list(layers)})"
+            )
         norms = [(n, float(max_grad_norm[n])) for n in layers]
     elif isinstance(max_grad_norm, (int, float)):
         norms = [(n, float(max_grad_norm) / math.sqrt(len(layers))) for n in layers]  # total stays C
@@ -85,8 +96,9 @@ def _layer_norms(max_grad_norm, layers: Sequence[str]) -> Tuple[Tuple[str, float
     return tuple(norms)
 
 
-def clip_factors(squared_norms: torch.Tensor, max_grad_norm: Union[float, torch.Tensor],
-                 mask: torch.Tensor) -> torch.Tensor:
+def clip_factors(
+    squared_norms: torch.Tensor, max_grad_norm: Union[float, torch.Tensor], mask: torch.Tensor
+) -> torch.Tensor:
     """min(1, C / (||g_i|| + 1e-6)) as Opacus computes it; 0 for padded rows, and 0 for a sample
     whose norm is not finite (NaN or inf): that sample is left out of the step, a per-sample
     decision that keeps the sensitivity at C. ``squared_norms`` [n], or [groups, n] with C of

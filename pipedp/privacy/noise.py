@@ -5,6 +5,7 @@ the (step, stage) noise stream (see streams.py): every stage's noise is independ
 every run with the same seed is reproducible, and a resumed run draws the same noise as
 one that never stopped. In secure mode it comes from the OS CSPRNG instead (secure.py).
 """
+
 from __future__ import annotations
 
 from typing import List
@@ -17,7 +18,12 @@ from .streams import Stream, stream_seed
 
 
 def add_noise(
-    grads: List[torch.Tensor], std: float, seed: int, step: int, stage: int, secure_mode: bool = False,
+    grads: List[torch.Tensor],
+    std: float,
+    seed: int,
+    step: int,
+    stage: int,
+    secure_mode: bool = False,
 ) -> List[torch.Tensor]:
     """grads + N(0, std^2) elementwise, the stage's parameters in order."""
     if std == 0 or not grads:

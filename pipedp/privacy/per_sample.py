@@ -8,6 +8,7 @@ batched matmuls (faster); other layers use Opacus's NORM_SAMPLERS where it has o
 
 All functions are pure: (unit, inputs, output-grads) -> tensors.
 """
+
 from __future__ import annotations
 
 from typing import Dict, List, Optional, Sequence, Tuple
@@ -106,8 +107,9 @@ def _functorch_grads(unit, inputs, backprops) -> Dict[nn.Parameter, torch.Tensor
 KEEP_MEMORY_RATIO = 1.0  # kept per-sample gradients take at most the memory of the captures they free
 
 
-def keeps_per_sample_grads(unit: nn.Module, inputs: Sequence[torch.Tensor], backprops: torch.Tensor,
-                           memory_ratio: float = KEEP_MEMORY_RATIO) -> bool:
+def keeps_per_sample_grads(
+    unit: nn.Module, inputs: Sequence[torch.Tensor], backprops: torch.Tensor, memory_ratio: float = KEEP_MEMORY_RATIO
+) -> bool:
     """Compute this unit's per-sample gradients once in I and keep them for W (the clipped sum is
     then their weighted sum, and the captured inputs and output-grads are freed at I), rather than
     ghost norms in I and the clipped weight product in W?
@@ -253,8 +255,9 @@ def _in_unit_dtype(unit: nn.Module, inputs: Sequence[torch.Tensor], backprops: t
     return inputs, backprops.to(dtype), torch.promote_types(backprops.dtype, torch.float32)
 
 
-def _layer_norm_grads(unit: nn.LayerNorm, x: torch.Tensor, g: torch.Tensor, per_sample: bool = False
-                      ) -> Dict[nn.Parameter, torch.Tensor]:
+def _layer_norm_grads(
+    unit: nn.LayerNorm, x: torch.Tensor, g: torch.Tensor, per_sample: bool = False
+) -> Dict[nn.Parameter, torch.Tensor]:
     """LayerNorm's weight/bias gradients in closed form: sum g * x_hat, sum g (per sample: over
     every dimension but the first and the normalised ones)."""
     x_hat = torch.nn.functional.layer_norm(x.to(g.dtype), unit.normalized_shape, None, None, unit.eps)

@@ -6,6 +6,7 @@ resumed run draws exactly the batches of a run that never stopped (the sampler h
 state beyond the step counter). Opacus's UniformWithReplacementSampler draws the same
 distribution from one running generator; this one is keyed by step instead.
 """
+
 from __future__ import annotations
 
 import math

@@ -6,6 +6,7 @@ secure source), turns them into Gaussians with Box-Muller in float64, and applie
 same floating-point-attack fix as Opacus (Holohan & Braghin 2021): the sum of 2n = 4
 Gaussians of std sigma, divided by 2. Secure runs are, by design, not reproducible.
 """
+
 from __future__ import annotations
 
 import math

@@ -8,6 +8,7 @@ stream can coincide with a sampling stream (an earlier scheme put the purpose co
 at another position of the key, and the noise of step 0x5A11 met the sampling of step
 ``stage``).
 """
+
 from __future__ import annotations
 
 import enum

@@ -1,4 +1,5 @@
 """Refuse models DP-SGD cannot train correctly, naming the layer and the fix."""
+
 from __future__ import annotations
 
 from typing import List
@@ -22,8 +23,9 @@ def validate_model(model: nn.Module) -> None:
                 "or run opacus.validators.ModuleValidator.fix(model)"
             )
         checkpointing = getattr(module, "_gradient_checkpointing_func", None)  # Hugging Face layers
-        if getattr(module, "gradient_checkpointing", False) is True and \
-                getattr(checkpointing, "keywords", {}).get("use_reentrant", True):
+        if getattr(module, "gradient_checkpointing", False) is True and getattr(checkpointing, "keywords", {}).get(
+            "use_reentrant", True
+        ):
             problems.append(
                 f"layer {name!r} uses reentrant activation checkpointing, which torch cannot combine with "
                 "the per-layer gradients pipedp asks autograd for: enable it with "

@@ -7,6 +7,7 @@ micro-batch j, a forward hook on every unit stores its inputs (detached) and its
 of the loss w.r.t. those outputs directly, so nothing depends on the order in which
 hooks fire — which is what breaks Opacus under interleaved micro-batches.
 """
+
 from __future__ import annotations
 
 from contextlib import contextmanager

@@ -1,4 +1,5 @@
 """Choose and build the runtime: every stage in this process, or one stage per rank."""
+
 from __future__ import annotations
 
 from typing import Any, Callable, Dict, List, Optional, Sequence
@@ -25,21 +26,37 @@ def is_distributed(transport: str) -> bool:
 
 
 def create_runtime(
-    pipeline: PipelineConfig, schedule: Schedule, clipping: Clipping, stage_blocks: List[List[Block]],
-    loss_fn: Callable, description: Dict[str, Any], state_keys: Sequence[str], tie: Optional[Tie] = None,
+    pipeline: PipelineConfig,
+    schedule: Schedule,
+    clipping: Clipping,
+    stage_blocks: List[List[Block]],
+    loss_fn: Callable,
+    description: Dict[str, Any],
+    state_keys: Sequence[str],
+    tie: Optional[Tie] = None,
 ) -> Runtime:
     """``description`` is what every rank must agree on; ``state_keys`` the model's state-dict order;
     ``tie``: an embedding on the first stage tied to the head on the last."""
     if is_distributed(pipeline.transport):
         from .distributed import DistributedRuntime  # torch.distributed's process groups only when used
 
-        return DistributedRuntime.create(pipeline, schedule, clipping, stage_blocks, loss_fn, description, state_keys,
-                                         tie)
+        return DistributedRuntime.create(
+            pipeline, schedule, clipping, stage_blocks, loss_fn, description, state_keys, tie
+        )
     if pipeline.replicas != 1:
         raise ConfigError("replicas > 1 needs one process per (stage, replica): launch with torchrun", "replicas")
     p = len(stage_blocks)
     stages = [
-        Stage(i, p, blocks, loss_fn, pipeline.grad_mode, clipping.per_layer, pipeline.precision,
-              TieRole.for_stage(i, p, tie, keep=False)) for i, blocks in enumerate(stage_blocks)
+        Stage(
+            i,
+            p,
+            blocks,
+            loss_fn,
+            pipeline.grad_mode,
+            clipping.per_layer,
+            pipeline.precision,
+            TieRole.for_stage(i, p, tie, keep=False),
+        )
+        for i, blocks in enumerate(stage_blocks)
     ]
     return InProcessRuntime(stages, schedule, clipping, state_keys, tied=tie is not None)

@@ -16,6 +16,7 @@ in 1F1B neighbours send to each other at the same time, and on NCCL, where the o
 of one communicator run in order on one stream, one shared channel could block a send
 behind a receive that waits for it.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -33,8 +34,18 @@ _HEADER = 11  # mb, channel, parts, dtype code, ndim, up to 6 dims
 _HEADER_BYTES = 8 * _HEADER  # a multiple of every element size: the payload after it views as any dtype
 _BARE = -1  # "parts" of a bare tensor; a tuple of k tensors says k
 _RESHAPED = -2  # "parts" of a notice in a joined buffer: this message has a new shape, its header follows
-_DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32,
-           torch.int16, torch.int8, torch.uint8, torch.bool]
+_DTYPES = [
+    torch.float32,
+    torch.float64,
+    torch.float16,
+    torch.bfloat16,
+    torch.int64,
+    torch.int32,
+    torch.int16,
+    torch.int8,
+    torch.uint8,
+    torch.bool,
+]
 _CHANNEL = {Kind.SEND_F: 0, Kind.RECV_F: 0, Kind.SEND_B: 1, Kind.RECV_B: 1}
 _NAMES = {0: "activation", 1: "gradient"}
 Spec = Tuple[int, Tuple[Tuple[int, Tuple[int, ...]], ...]]  # parts, then (dtype code, shape) of each tensor
@@ -101,8 +112,9 @@ class DistTransport:
         known = self._known.get(slot)
         if known == spec:  # header and payload in one buffer of the size the receiver expects
             for tensor in tensors:
-                joined = torch.cat([self._header(mb, kind, parts, tensor).view(torch.uint8),
-                                    tensor.reshape(-1).view(torch.uint8)])
+                joined = torch.cat(
+                    [self._header(mb, kind, parts, tensor).view(torch.uint8), tensor.reshape(-1).view(torch.uint8)]
+                )
                 sent.append((dist.isend(joined, dst, group=group), joined))
             return
         if known is not None:  # another shape than this pass's earlier micro-batches: say so in the
@@ -117,7 +129,9 @@ class DistTransport:
             sent.append((dist.isend(header, dst, group=group), header))
         for tensor in tensors:  # the header on its own, then the payload allocated from it
             header = self._header(mb, kind, parts, tensor)
-            sent.extend([(dist.isend(header, dst, group=group), header), (dist.isend(tensor, dst, group=group), tensor)])
+            sent.extend(
+                [(dist.isend(header, dst, group=group), header), (dist.isend(tensor, dst, group=group), tensor)]
+            )
 
     def _header(self, mb: int, kind: Kind, parts: int, tensor) -> torch.Tensor:
         header = torch.zeros(_HEADER, dtype=torch.int64)
@@ -159,8 +173,9 @@ class DistTransport:
         self._wait_for(lambda: dist.recv(payload, src, group=group), src, kind, mb)
         return parts, payload
 
-    def _recv_joined(self, kind: Kind, mb: int, parts: int, code: int, shape: Tuple[int, ...]
-                     ) -> Optional[torch.Tensor]:
+    def _recv_joined(
+        self, kind: Kind, mb: int, parts: int, code: int, shape: Tuple[int, ...]
+    ) -> Optional[torch.Tensor]:
         """The payload of a joined buffer, or None for a notice that a new shape follows."""
         src, group = self.peer[kind], self.channel_group[_CHANNEL[kind]]
         joined = torch.empty(_joined_bytes(code, shape), dtype=torch.uint8, device=self.device)

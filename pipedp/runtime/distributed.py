@@ -9,6 +9,7 @@ created with the run's timeout (the default group only serves the first agreemen
 What it changes on the user's model: on each rank, the blocks of the other stages are
 moved to the meta device (their memory is freed); only this rank's stage stays real.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -71,8 +72,17 @@ def _fingerprint(t: torch.Tensor) -> float:
 
 
 class DistributedRuntime:
-    def __init__(self, mesh: Mesh, stage: Stage, executor: Executor, dp_group, world_group, tie_group,
-                 device: torch.device, state_keys: Sequence[str]):
+    def __init__(
+        self,
+        mesh: Mesh,
+        stage: Stage,
+        executor: Executor,
+        dp_group,
+        world_group,
+        tie_group,
+        device: torch.device,
+        state_keys: Sequence[str],
+    ):
         self.mesh, self.device = mesh, device
         self.rank = mesh.rank
         self.replicas, self.replica = mesh.replicas, mesh.replica
@@ -88,8 +98,15 @@ class DistributedRuntime:
 
     @classmethod
     def create(
-        cls, pipeline: PipelineConfig, schedule: Schedule, clipping: Clipping, stage_blocks: List[List[Block]],
-        loss_fn: Callable, description: Dict[str, Any], state_keys: Sequence[str], tie: Optional[Tie] = None,
+        cls,
+        pipeline: PipelineConfig,
+        schedule: Schedule,
+        clipping: Clipping,
+        stage_blocks: List[List[Block]],
+        loss_fn: Callable,
+        description: Dict[str, Any],
+        state_keys: Sequence[str],
+        tie: Optional[Tie] = None,
     ) -> "DistributedRuntime":
         """``description``: what every rank must agree on (the run's configuration and model signature)."""
         world, rank = dist.get_world_size(), dist.get_rank()
@@ -98,7 +115,9 @@ class DistributedRuntime:
         dist.all_gather_object(configs, config)  # before any check that could make one rank leave early
         mismatches = [
             f"rank {r} has {key}={cfg[key]!r} but rank 0 has {configs[0][key]!r}"
-            for r, cfg in enumerate(configs) for key in config if cfg[key] != configs[0][key]
+            for r, cfg in enumerate(configs)
+            for key in config
+            if cfg[key] != configs[0][key]
         ]
         if mismatches:
             raise ConfigMismatchError("ranks disagree on the configuration:\n  " + "\n  ".join(mismatches))
@@ -117,14 +136,28 @@ class DistributedRuntime:
         ]
         dp_groups = [dist.new_group(mesh.data_parallel_ranks(s), timeout=wait) for s in range(mesh.stages)]
         world_group = dist.new_group(list(range(world)), timeout=wait)  # the step's checks and totals
-        tie_groups = [dist.new_group([r * mesh.stages, r * mesh.stages + mesh.stages - 1], timeout=wait)
-                      for r in range(mesh.replicas)] if tie is not None else []
+        tie_groups = (
+            [
+                dist.new_group([r * mesh.stages, r * mesh.stages + mesh.stages - 1], timeout=wait)
+                for r in range(mesh.replicas)
+            ]
+            if tie is not None
+            else []
+        )
         device = _device_for_backend()
         for s, blocks in enumerate(stage_blocks):
             for b in blocks:  # keep only this rank's stage; free the rest
                 b.module.to(device if s == mesh.stage else "meta")
-        stage = Stage(mesh.stage, mesh.stages, stage_blocks[mesh.stage], loss_fn, pipeline.grad_mode, clipping.per_layer,
-                      pipeline.precision, TieRole.for_stage(mesh.stage, mesh.stages, tie, keep=True))
+        stage = Stage(
+            mesh.stage,
+            mesh.stages,
+            stage_blocks[mesh.stage],
+            loss_fn,
+            pipeline.grad_mode,
+            clipping.per_layer,
+            pipeline.precision,
+            TieRole.for_stage(mesh.stage, mesh.stages, tie, keep=True),
+        )
         mine = _checksum(stage)
         checksums: List[Optional[tuple]] = [None] * world
         dist.all_gather_object(checksums, (mesh.stage, mine))
@@ -150,8 +183,10 @@ class DistributedRuntime:
 
     def check_same_batch(self, inputs: Inputs, targets: torch.Tensor) -> None:
         """Every rank must step on the same logical batch: compare its size and a fingerprint."""
-        mine = torch.tensor([float(rows(inputs)), sum(_fingerprint(t) for t in tensors_of(inputs)),
-                             _fingerprint(targets)], dtype=torch.float64)
+        mine = torch.tensor(
+            [float(rows(inputs)), sum(_fingerprint(t) for t in tensors_of(inputs)), _fingerprint(targets)],
+            dtype=torch.float64,
+        )
         extremes = torch.cat([mine, -mine]).to(self.device)  # one MAX all-reduce gives both max and -min
         self._collective("batch check", lambda: dist.all_reduce(extremes, op=dist.ReduceOp.MAX, group=self.world_group))
         high, low = extremes.cpu().split(3)
@@ -171,8 +206,7 @@ class DistributedRuntime:
         if self.replicas == 1 or not grads:
             return grads
         flat = torch.cat([g.reshape(-1) for g in grads])
-        self._collective("sum over replicas",
-                         lambda: dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=self.dp_group))
+        self._collective("sum over replicas", lambda: dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=self.dp_group))
         return [chunk.view_as(g) for chunk, g in zip(flat.split([g.numel() for g in grads]), grads)]
 
     def combine_tied(self, stage: Stage, grads: List[torch.Tensor]) -> List[torch.Tensor]:
@@ -219,8 +253,9 @@ class DistributedRuntime:
                     merged[name] = buffer.cpu()
             return {k: merged[k] for k in self.state_keys if k in merged}
         if self.replica == 0:
-            dist.send_object_list([[(k, v.dtype, tuple(v.shape)) for k, v in own.items()]], dst=0,
-                                  group=self.world_group)
+            dist.send_object_list(
+                [[(k, v.dtype, tuple(v.shape)) for k, v in own.items()]], dst=0, group=self.world_group
+            )
             for v in own.values():
                 dist.send(v.detach().contiguous().to(self.device), dst=0, group=self.world_group)
         return None

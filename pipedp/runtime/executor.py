@@ -6,6 +6,7 @@ owns the model state. With the in-process transport, a handler whose input is no
 raises WouldBlock before changing anything, and ``run`` returns so the driver can let
 another stage progress.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -50,8 +51,9 @@ class LocalReduction:
 
 
 class Executor:
-    def __init__(self, stage: Stage, transport: Transport, actions: List[Action], clipping: Clipping,
-                 tied: bool = False):
+    def __init__(
+        self, stage: Stage, transport: Transport, actions: List[Action], clipping: Clipping, tied: bool = False
+    ):
         """``tied``: the pipeline's first-stage embedding is tied to its last-stage head; the head's
         message for the cross term of the norms travels back with every gradient."""
         self.stage = stage
@@ -116,8 +118,9 @@ class Executor:
         inputs = state.batch.inputs[mb]
         x = inputs if stage.is_first else state.received.pop(mb)
         side = inputs if isinstance(inputs, dict) else None  # every stage sees its micro-batch's masks
-        out = stage.forward(mb, x, state.batch.targets[mb] if stage.is_last else None, side,
-                            size=int(state.batch.masks[mb].shape[0]))
+        out = stage.forward(
+            mb, x, state.batch.targets[mb] if stage.is_last else None, side, size=int(state.batch.masks[mb].shape[0])
+        )
         if stage.is_last:
             real = state.batch.masks[mb] > 0
             state.loss_sum += torch.where(real, out.detach().to(torch.float64), 0.0).sum()
@@ -144,7 +147,9 @@ class Executor:
     def _norm_reduce(self, mb: int) -> None:
         state = self._pass
         norms = state.norms.pop(mb)
-        state.reductions[mb] = self.transport.norm_reduce_start(mb, norms) if self.reduce_norms else LocalReduction(norms)
+        state.reductions[mb] = (
+            self.transport.norm_reduce_start(mb, norms) if self.reduce_norms else LocalReduction(norms)
+        )
 
     def _weight(self, mb: int) -> None:
         state = self._pass

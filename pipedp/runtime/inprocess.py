@@ -1,4 +1,5 @@
 """The in-process runtime: all stages in this process, wired by the in-process transport."""
+
 from __future__ import annotations
 
 from typing import Any, Dict, List, Optional, Sequence
@@ -19,8 +20,14 @@ class InProcessRuntime:
     replica = 0
     replicas = 1
 
-    def __init__(self, stages: Sequence[Stage], schedule: Schedule, clipping: Clipping, state_keys: Sequence[str],
-                 tied: bool = False):
+    def __init__(
+        self,
+        stages: Sequence[Stage],
+        schedule: Schedule,
+        clipping: Clipping,
+        state_keys: Sequence[str],
+        tied: bool = False,
+    ):
         self._stages: List[Stage] = list(stages)
         self.state_keys = list(state_keys)
         self.hub = InProcessHub(len(stages))

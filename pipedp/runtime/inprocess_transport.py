@@ -4,6 +4,7 @@ Used for debugging and exact tests. It runs the same executor code as the multi-
 transport; an operation whose data is not there yet raises WouldBlock, and the driver
 moves on to another stage and retries later.
 """
+
 from __future__ import annotations
 
 from collections import defaultdict, deque

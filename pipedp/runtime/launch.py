@@ -7,6 +7,7 @@ connection or the timeout it caused. Every rank dies with the launcher (Linux pa
 signal), so killing the launcher never leaves ranks training unattended.
 Used by the tests, the CLI (when not started by torchrun) and the benchmarks.
 """
+
 from __future__ import annotations
 
 import ctypes
@@ -44,8 +45,13 @@ def init_from_env(backend: Optional[str] = None, timeout_s: float = 300.0, store
     if store is None:
         dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s))
     else:
-        dist.init_process_group(backend, store=store, rank=int(os.environ["RANK"]),
-                                world_size=int(os.environ["WORLD_SIZE"]), timeout=timedelta(seconds=timeout_s))
+        dist.init_process_group(
+            backend,
+            store=store,
+            rank=int(os.environ["RANK"]),
+            world_size=int(os.environ["WORLD_SIZE"]),
+            timeout=timedelta(seconds=timeout_s),
+        )
 
 
 def _loopback_store(world: int, timeout_s: float) -> dist.TCPStore:
@@ -55,8 +61,15 @@ def _loopback_store(world: int, timeout_s: float) -> dist.TCPStore:
     listener.bind(("127.0.0.1", 0))
     listener.listen(128)
     port = listener.getsockname()[1]
-    return dist.TCPStore("127.0.0.1", port, world + 1, True, timeout=timedelta(seconds=timeout_s),
-                         wait_for_workers=False, master_listen_fd=listener.detach())
+    return dist.TCPStore(
+        "127.0.0.1",
+        port,
+        world + 1,
+        True,
+        timeout=timedelta(seconds=timeout_s),
+        wait_for_workers=False,
+        master_listen_fd=listener.detach(),
+    )
 
 
 def _encode(value: Any) -> bytes:
@@ -79,8 +92,9 @@ def _die_with_parent(parent: int) -> None:
 def _worker(rank, world, port, fn, args, results, threads, op_timeout_s, backend, parent):
     _die_with_parent(parent)
     torch.set_num_threads(threads)
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
-                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    os.environ.update(
+        RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)
+    )
     try:
         store = dist.TCPStore("127.0.0.1", port, world + 1, False, timeout=timedelta(seconds=op_timeout_s))
         init_from_env(backend, op_timeout_s, store)
@@ -97,8 +111,14 @@ def _worker(rank, world, port, fn, args, results, threads, op_timeout_s, backend
 
 
 def launch(
-    fn: Callable, nprocs: int, args: tuple = (), timeout_s: float = 600.0, threads: int = 1,
-    grace_s: float = 3.0, backend: str = "gloo", op_timeout_s: float = 600.0,
+    fn: Callable,
+    nprocs: int,
+    args: tuple = (),
+    timeout_s: float = 600.0,
+    threads: int = 1,
+    grace_s: float = 3.0,
+    backend: str = "gloo",
+    op_timeout_s: float = 600.0,
 ) -> List[Any]:
     """Run fn(rank, *args) on nprocs processes; return the per-rank results in rank order.
 
@@ -109,8 +129,11 @@ def launch(
     store = _loopback_store(nprocs, min(timeout_s, op_timeout_s))
     port = store.port
     procs = [
-        ctx.Process(target=_worker, daemon=True,
-                    args=(r, nprocs, port, fn, args, results, threads, min(timeout_s, op_timeout_s), backend, os.getpid()))
+        ctx.Process(
+            target=_worker,
+            daemon=True,
+            args=(r, nprocs, port, fn, args, results, threads, min(timeout_s, op_timeout_s), backend, os.getpid()),
+        )
         for r in range(nprocs)
     ]
     for p in procs:
@@ -178,8 +201,11 @@ def _at_fault(procs, reporter: int, report: str, finished: dict, settle_s: float
     (the reporter often only saw the connection it broke), else the reporter."""
     deadline = time.monotonic() + settle_s
     while True:
-        silent = [(r, _state(p)) for r, p in enumerate(procs)
-                  if r != reporter and r not in finished and _state(p) != "running"]
+        silent = [
+            (r, _state(p))
+            for r, p in enumerate(procs)
+            if r != reporter and r not in finished and _state(p) != "running"
+        ]
         silent = [(r, how) for r, how in silent if not how.startswith("exited with code 1")]  # those report
         if silent or time.monotonic() > deadline:
             break

@@ -5,6 +5,7 @@ per-sample norms) + the clipped weight pass of each block on a sample micro-batc
 is passed as ``balance=`` to the trainer (or to ``partition``), which then minimises the
 slowest stage.
 """
+
 from __future__ import annotations
 
 import statistics
@@ -46,8 +47,11 @@ class MeasuredCosts:
     unit: str = "seconds"
 
     def describe(self) -> str:
-        shapes = {k: tuple(v.shape) for k, v in self.sample_input.items()} if isinstance(self.sample_input, dict) \
+        shapes = (
+            {k: tuple(v.shape) for k, v in self.sample_input.items()}
+            if isinstance(self.sample_input, dict)
             else tuple(self.sample_input.shape)
+        )
         return f"measured_costs({shapes}, {self.grad_mode})"
 
     def __call__(self, blocks: Sequence[Block]) -> List[float]:

@@ -8,6 +8,7 @@ Inputs are a tensor, or a dict of batch-first tensors (e.g. ``{"input_ids": ..,
 dict row-wise, and every stage sees its micro-batch's dict (the side inputs, such as masks,
 never travel through the activation pipe).
 """
+
 from __future__ import annotations
 
 import math
@@ -60,8 +61,11 @@ class PassBatch:
     masks: List[torch.Tensor]  # float, 1 for a real row, 0 for padding
 
     def to(self, device) -> "PassBatch":
-        return PassBatch([to_device(x, device) for x in self.inputs], [t.to(device) for t in self.targets],
-                         [m.to(device) for m in self.masks])
+        return PassBatch(
+            [to_device(x, device) for x in self.inputs],
+            [t.to(device) for t in self.targets],
+            [m.to(device) for m in self.masks],
+        )
 
 
 def check_batch(inputs, targets) -> int:

@@ -10,6 +10,7 @@
   after). The resident set then stays near the largest step's peak: freed memory is reused rather than
   returned (``malloc_trim(0)`` still returns it on demand).
 """
+
 from __future__ import annotations
 
 import ctypes

@@ -2,6 +2,7 @@
 runtime must offer. The executor and the trainer only talk to these; mypy checks in CI
 that both implementations of each (in-process and torch.distributed) conform.
 """
+
 from __future__ import annotations
 
 from typing import Any, Dict, List, Optional, Protocol

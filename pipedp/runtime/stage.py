@@ -9,6 +9,7 @@
                 (inputs, c * output-grads), for the kept ones a weighted sum — added to the
                 stage's running clipped sum.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -22,7 +23,12 @@ import torch.nn as nn
 from ..config import GRAD_MODES
 from ..errors import BatchError, TransportError, UnsupportedModelError
 from ..privacy.per_sample import (
-    KEEP_MEMORY_RATIO, GramCache, clipped_grad_sum, ghost_squared_norms, keeps_per_sample_grads, per_sample_grads,
+    KEEP_MEMORY_RATIO,
+    GramCache,
+    clipped_grad_sum,
+    ghost_squared_norms,
+    keeps_per_sample_grads,
+    per_sample_grads,
     squared_norms,
 )
 from ..split.blocks import Block
@@ -92,7 +98,9 @@ class Stage:
         self.parameters: List[nn.Parameter] = _unique(
             p for b in self.blocks for p in b.module.parameters() if p.requires_grad
         )
-        containers = [name for name, unit in self.units.items() if isinstance(unit, (nn.ParameterDict, nn.ParameterList))]
+        containers = [
+            name for name, unit in self.units.items() if isinstance(unit, (nn.ParameterDict, nn.ParameterList))
+        ]
         if containers:  # never called: the parent reads these tensors functionally, outside any capture
             raise UnsupportedModelError(
                 f"stage {index}: trainable parameters held in {containers} (ParameterDict / ParameterList, e.g. PEFT's "
@@ -123,7 +131,9 @@ class Stage:
             )
         self.per_layer = per_layer
         self.precision = precision
-        self._side_blocks = {id(b) for b in self.blocks if "side_inputs" in inspect.signature(b.module.forward).parameters}
+        self._side_blocks = {
+            id(b) for b in self.blocks if "side_inputs" in inspect.signature(b.module.forward).parameters
+        }
         if grad_mode == "keep" and not keep_per_sample:
             raise ValueError("grad_mode='keep' keeps per-sample gradients: keep_per_sample=False contradicts it")
         # per-sample gradients computed in I and kept for W where cheaper (see keeps_per_sample_grads);
@@ -169,8 +179,14 @@ class Stage:
             b.module.load_state_dict({k: state[q] for k, q in own.items()})
 
     # ---- F -------------------------------------------------------------------------------
-    def forward(self, mb: int, x, targets=None, side_inputs: Optional[Dict[str, torch.Tensor]] = None,
-                size: Optional[int] = None):
+    def forward(
+        self,
+        mb: int,
+        x,
+        targets=None,
+        side_inputs: Optional[Dict[str, torch.Tensor]] = None,
+        size: Optional[int] = None,
+    ):
         """``x``: the micro-batch's inputs (first stage: a tensor or a dict of tensors) or the previous
         stage's output (a tensor or a tuple of tensors); ``side_inputs``: the micro-batch's input dict,
         handed to every block whose forward takes ``side_inputs`` (e.g. Hugging Face layers reading the
@@ -261,8 +277,8 @@ class Stage:
         if (targets or extra) and outputs:
             grads = list(torch.autograd.grad(outputs, targets + extra, output_grads, allow_unused=True))
         grads = grads + [None] * (len(targets) + len(extra) - len(grads))
-        param_grads = grads[len(targets):]
-        input_grads = grads[len(targets) - len(state.inputs): len(targets)]
+        param_grads = grads[len(targets) :]
+        input_grads = grads[len(targets) - len(state.inputs) : len(targets)]
         grads = grads[: len(targets) - len(state.inputs)]
         message = None
         if not self.is_first:  # one gradient per floating-point input, zeros for an unused one
@@ -353,10 +369,12 @@ class Stage:
             del state.calls[name], state.backprops[name]
         if self.per_layer:
             zero = torch.zeros(state.size, dtype=torch.float64)
-            return torch.stack([
-                torch.stack([v.to(torch.float64) for v in per_unit[name]]).sum(0) if name in per_unit else zero
-                for name in self.units
-            ])
+            return torch.stack(
+                [
+                    torch.stack([v.to(torch.float64) for v in per_unit[name]]).sum(0) if name in per_unit else zero
+                    for name in self.units
+                ]
+            )
         parts = [v for values in per_unit.values() for v in values]
         if not parts:
             return torch.zeros(state.size, dtype=torch.float64)
@@ -435,7 +453,9 @@ class Stage:
         state = self.pending[mb]
         calls = state.calls.get(self.tie_unit, [])
         if len(calls) != 1:
-            raise UnsupportedModelError(f"the tied head {self.tie_unit!r} must run once per micro-batch, ran {len(calls)}")
+            raise UnsupportedModelError(
+                f"the tied head {self.tie_unit!r} must run once per micro-batch, ran {len(calls)}"
+            )
         n = state.size
         head_in = calls[0].inputs[0].reshape(n, -1, calls[0].inputs[0].shape[-1])
         grads = state.backprops[self.tie_unit][0]

@@ -6,6 +6,7 @@ tensor), when it is an ``nn.Sequential`` (its children), a known Hugging Face ca
 (hf.py), a PEFT ``PeftModel`` around any of these, a ``SplitModel`` marked for graph
 capture (graph.py), and otherwise any module whose forward torch.fx can trace (traced.py).
 """
+
 from __future__ import annotations
 
 from dataclasses import replace

@@ -3,6 +3,7 @@
 (Costs measured by running the blocks live in ``pipedp.runtime.measure``: measuring needs
 a stage, which is the runtime's.)
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -25,11 +26,15 @@ class PartitionReport:
 
     def __str__(self) -> str:
         parts = ", ".join(f"{c:.3g}" for c in self.stage_costs)
-        return (f"blocks per stage {self.blocks_per_stage}, stage costs [{parts}] ({self.unit}), "
-                f"imbalance {self.imbalance:.2f}x")
+        return (
+            f"blocks per stage {self.blocks_per_stage}, stage costs [{parts}] ({self.unit}), "
+            f"imbalance {self.imbalance:.2f}x"
+        )
 
 
-def report(stage_blocks: Sequence[Sequence[Block]], block_costs: Sequence[float], unit: str = "cost") -> PartitionReport:
+def report(
+    stage_blocks: Sequence[Sequence[Block]], block_costs: Sequence[float], unit: str = "cost"
+) -> PartitionReport:
     costs, i = [], 0
     for blocks in stage_blocks:
         costs.append(sum(block_costs[i : i + len(blocks)]))

@@ -2,6 +2,7 @@
 
 Layer 2 (split): may import errors, config, schedules and privacy.
 """
+
 from __future__ import annotations
 
 import hashlib

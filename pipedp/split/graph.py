@@ -7,6 +7,7 @@ parameters are the model's own tensors, under the model's own names. A stage bou
 must carry exactly one tensor: anything else is refused with the construct named (the
 automatic split of traced.py, with no wrapper, lets several tensors cross).
 """
+
 from __future__ import annotations
 
 from typing import Dict, List, Optional

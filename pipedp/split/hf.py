@@ -13,6 +13,7 @@ small rotary module, so no module is shared across stages).
 Every block wraps the model's own submodules under their original attribute paths, so a
 block's state dict keys, prefixed with its name, are the model's own keys.
 """
+
 from __future__ import annotations
 
 import copy
@@ -39,8 +40,10 @@ def _attention_mask(hidden: torch.Tensor, side_inputs: Optional[Dict[str, torch.
     if padding is None:
         return mask
     if padding.shape != hidden.shape[:2]:
-        raise BatchError(f"attention_mask of shape {tuple(padding.shape)} does not match the sequences "
-                         f"{tuple(hidden.shape[:2])}: give one [batch, seq_len] mask of 1 (token) and 0 (padding)")
+        raise BatchError(
+            f"attention_mask of shape {tuple(padding.shape)} does not match the sequences "
+            f"{tuple(hidden.shape[:2])}: give one [batch, seq_len] mask of 1 (token) and 0 (padding)"
+        )
     keys = (padding[:, None, None, :] == 0).to(hidden.device)
     return mask.masked_fill(keys, low)
 
@@ -158,8 +161,14 @@ class LlamaLayer(nn.Module):
             )
         positions = _positions(hidden)  # 0..T-1, as the whole model's own forward uses (padding or not)
         cos_sin = self.rotary(hidden, positions)
-        return _first(getattr(self, self.index)(hidden, attention_mask=_attention_mask(hidden, side_inputs),
-                                                position_ids=positions, position_embeddings=cos_sin))
+        return _first(
+            getattr(self, self.index)(
+                hidden,
+                attention_mask=_attention_mask(hidden, side_inputs),
+                position_ids=positions,
+                position_embeddings=cos_sin,
+            )
+        )
 
 
 class DecoderHead(nn.Module):
@@ -223,8 +232,10 @@ def decoder_blocks(model, spec: DecoderSpec = LLAMA_SPEC, untie_weights: bool = 
         _untie(model, getattr(model, spec.head), getattr(body, spec.embed))
     blocks = [Block("", DecoderEmbeddings(model, spec))]
     with torch.device("cpu"):
-        blocks += [Block(f"{spec.body}.layers", LlamaLayer(i, layer, body.rotary_emb, _sliding_window(model.config, i)))
-                   for i, layer in enumerate(body.layers)]
+        blocks += [
+            Block(f"{spec.body}.layers", LlamaLayer(i, layer, body.rotary_emb, _sliding_window(model.config, i)))
+            for i, layer in enumerate(body.layers)
+        ]
     blocks.append(Block("", DecoderHead(model, spec)))
     return blocks
 

@@ -3,6 +3,7 @@
 Nothing is downloaded: every function reads a local folder (config.json, safetensors
 shards, tokenizer files).
 """
+
 from __future__ import annotations
 
 import os
@@ -28,7 +29,9 @@ def load_local_model(path: str, attn_implementation: str = "sdpa", device: str =
 
     if not os.path.isdir(path):
         raise FileNotFoundError(f"model folder {path!r} does not exist")
-    return AutoModelForCausalLM.from_pretrained(path, local_files_only=True, attn_implementation=attn_implementation).to(device)
+    return AutoModelForCausalLM.from_pretrained(
+        path, local_files_only=True, attn_implementation=attn_implementation
+    ).to(device)
 
 
 def build_on_meta(path_or_config, attn_implementation: str = "sdpa") -> nn.Module:
@@ -56,8 +59,13 @@ def tokenize_for_model(path: str, text: str) -> List[int]:
 
 
 def load_pipeline_stage(
-    folder: str, stages: int, stage: int, balance="params", untie_weights: bool = False,
-    attn_implementation: str = "sdpa", device="cpu",
+    folder: str,
+    stages: int,
+    stage: int,
+    balance="params",
+    untie_weights: bool = False,
+    attn_implementation: str = "sdpa",
+    device="cpu",
 ) -> nn.Module:
     """The model built on the meta device with only ``stage``'s parameters materialised and loaded.
 

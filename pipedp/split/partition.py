@@ -1,4 +1,5 @@
 """Group an ordered list of blocks into contiguous pipeline stages (uniform or balanced)."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -79,8 +80,10 @@ def block_costs(blocks: Sequence[Block], balance: Balance) -> List[float]:
     if callable(balance):
         costs = list(balance(blocks))
     elif isinstance(balance, str):
-        raise PartitionError(f"unknown balance {balance!r}: use 'uniform', 'params', a list of block costs, "
-                             "or pipedp.measured_costs(sample_input)")
+        raise PartitionError(
+            f"unknown balance {balance!r}: use 'uniform', 'params', a list of block costs, "
+            "or pipedp.measured_costs(sample_input)"
+        )
     else:
         costs = list(balance)
     if len(costs) != len(blocks):
@@ -137,9 +140,13 @@ def find_ties(stage_blocks: Sequence[Sequence[Block]]) -> List[Tie]:
         first = [(n, m) for s, n, m in found if s == 0]
         head = [(n, m) for s, n, m in found if s == last]
         embedding_and_head = (
-            stages == [0, last] and len(first) == 1 and len(head) == 1
-            and _plain_or_scaled_embedding(first[0][1]) and first[0][0].endswith("weight")
-            and type(head[0][1]) is nn.Linear and head[0][0].endswith("weight")
+            stages == [0, last]
+            and len(first) == 1
+            and len(head) == 1
+            and _plain_or_scaled_embedding(first[0][1])
+            and first[0][0].endswith("weight")
+            and type(head[0][1]) is nn.Linear
+            and head[0][0].endswith("weight")
         )
         if embedding_and_head:
             ties.append(Tie(first[0][0], head[0][0]))

@@ -6,6 +6,7 @@ or ``model.safetensors.index.json``: the weight map), or a mapping name -> tenso
 dict from ``torch.load(path, mmap=True)``, which reads lazily). Hugging Face models use the same
 machinery through ``hf_loading.load_pipeline_stage``.
 """
+
 from __future__ import annotations
 
 import json
@@ -49,8 +50,9 @@ def _safetensors_keys(path: str) -> List[str]:
         return list(f.keys())
 
 
-def read_tensors(source: WeightSource, names: List[str], twins: Optional[Dict[str, List[str]]] = None
-                 ) -> Dict[str, torch.Tensor]:
+def read_tensors(
+    source: WeightSource, names: List[str], twins: Optional[Dict[str, List[str]]] = None
+) -> Dict[str, torch.Tensor]:
     """Read only ``names`` from ``source`` (``twins``: the other names of a tied tensor, one of which a
     checkpoint may store instead)."""
     twins = twins or {}
@@ -83,8 +85,9 @@ def _describe(source: WeightSource) -> str:
     return "the given mapping" if isinstance(source, Mapping) else repr(os.fspath(source))
 
 
-def materialize_stage(source: WeightSource, stage_blocks: List[Block], twins: Optional[Dict[str, List[str]]] = None,
-                      device="cpu") -> None:
+def materialize_stage(
+    source: WeightSource, stage_blocks: List[Block], twins: Optional[Dict[str, List[str]]] = None, device="cpu"
+) -> None:
     """Give this stage's blocks real memory and load their tensors from ``source`` (this breaks
     every parameter sharing: ``load_stage`` restores it)."""
     for block in stage_blocks:
@@ -116,8 +119,15 @@ def _non_persistent_buffers(module: nn.Module) -> List[str]:
     return out
 
 
-def load_stage(model: nn.Module, weights: WeightSource, stages: int, stage: int, balance: Balance = "params",
-               device="cpu", untie_weights: bool = False) -> nn.Module:
+def load_stage(
+    model: nn.Module,
+    weights: WeightSource,
+    stages: int,
+    stage: int,
+    balance: Balance = "params",
+    device="cpu",
+    untie_weights: bool = False,
+) -> nn.Module:
     """``model`` built on the meta device (``with torch.device("meta"): model = Net()``), with only
     ``stage``'s parameters given memory and loaded from ``weights``. Hand the result to
     PipelineDPTrainer with the same ``stages``, ``balance`` and ``untie_weights`` on the rank that

@@ -19,6 +19,7 @@ Forward arguments without a default are the model's inputs (several: the micro-b
 keyed by their names); arguments with a default keep it. ``pipe_split()`` marks in the forward
 override the choice: the graph is cut at the marks and nowhere else.
 """
+
 from __future__ import annotations
 
 import inspect
@@ -34,8 +35,19 @@ from .blocks import Block
 
 _META_ATTRIBUTES = {"shape", "dtype", "device", "ndim", "is_cuda", "requires_grad", "layout"}
 _META_METHODS = {"size", "dim", "numel", "__len__", "tolist", "item", "type", "is_contiguous", "get_device"}
-_INPLACE_FUNCTIONS = {operator.iadd, operator.isub, operator.imul, operator.itruediv, operator.ifloordiv,
-                      operator.ipow, operator.imod, operator.iand, operator.ior, operator.ixor, operator.setitem}
+_INPLACE_FUNCTIONS = {
+    operator.iadd,
+    operator.isub,
+    operator.imul,
+    operator.itruediv,
+    operator.ifloordiv,
+    operator.ipow,
+    operator.imod,
+    operator.iand,
+    operator.ior,
+    operator.ixor,
+    operator.setitem,
+}
 
 
 def _split_mark() -> None:
@@ -85,9 +97,13 @@ def traced_blocks(model: nn.Module) -> Optional[List[Block]]:
             _check_mark(model, k, cut, placeholders + body, len(placeholders), kept_together, meta)
         cuts = sorted({c for c in marks if 0 < c < len(body)})
     else:  # after any top-level call where only tensors cross and no layer is used on both sides
-        cuts = [i + 1 for i, node in enumerate(body[:-1])
-                if node.op == "call_module" and not any(a <= i < b for a, b in kept_together)
-                and _only_tensors_cross(placeholders + body, len(placeholders) + i + 1, meta)]
+        cuts = [
+            i + 1
+            for i, node in enumerate(body[:-1])
+            if node.op == "call_module"
+            and not any(a <= i < b for a, b in kept_together)
+            and _only_tensors_cross(placeholders + body, len(placeholders) + i + 1, meta)
+        ]
     bounds = [0] + cuts + [len(body)]
     pieces = [body[a:b] for a, b in zip(bounds, bounds[1:]) if b > a]
     if len(pieces) < 2:
@@ -131,8 +147,11 @@ def _check_mark(model: nn.Module, k: int, cut: int, nodes: List[fx.Node], offset
 
 
 def _trace(model: nn.Module) -> fx.Graph:
-    defaults = {name: p.default for name, p in inspect.signature(model.forward).parameters.items()
-                if p.default is not inspect.Parameter.empty}
+    defaults = {
+        name: p.default
+        for name, p in inspect.signature(model.forward).parameters.items()
+        if p.default is not inspect.Parameter.empty
+    }
     try:
         return _TopLevelTracer().trace(model, concrete_args=defaults or None)
     except Exception as exc:
@@ -148,8 +167,9 @@ def _crossing(nodes: List[fx.Node], cut: int) -> List[fx.Node]:
     """The values made before ``cut`` (the inputs included) and used at or after it (the output
     included); attribute reads are not values that cross: each piece reads its own."""
     later = set(nodes[cut:])
-    return [n for n in nodes[:cut]
-            if n.op != "get_attr" and any(user in later or user.op == "output" for user in n.users)]
+    return [
+        n for n in nodes[:cut] if n.op != "get_attr" and any(user in later or user.op == "output" for user in n.users)
+    ]
 
 
 def _non_tensor_values(nodes: List[fx.Node]) -> Set[fx.Node]:
@@ -194,8 +214,11 @@ def _refuse_what_per_sample_clipping_cannot_see(model: nn.Module, nodes: List[fx
 
 def _in_place(model: nn.Module, n: fx.Node) -> bool:
     if n.op == "call_function":
-        return (n.target in _INPLACE_FUNCTIONS or getattr(n.target, "__name__", "").endswith("_")
-                or n.kwargs.get("inplace") is True)
+        return (
+            n.target in _INPLACE_FUNCTIONS
+            or getattr(n.target, "__name__", "").endswith("_")
+            or n.kwargs.get("inplace") is True
+        )
     if n.op == "call_method":
         return n.target.endswith("_") and not n.target.startswith("__") or n.kwargs.get("inplace") is True
     if n.op == "call_module":
@@ -256,4 +279,3 @@ def _piece_module(root: nn.Module, piece: List[fx.Node], incoming: List[fx.Node]
         env[node] = graph.node_copy(node, value)
     graph.output(fx.map_arg(result, value))
     return fx.GraphModule(root, graph)  # copies the referenced submodules under their qualified names
-

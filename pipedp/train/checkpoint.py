@@ -18,6 +18,7 @@ folder can rewrite the manifest). With a key (``checkpoint_key`` or the environm
 PIPEDP_CHECKPOINT_KEY) the manifest — hence every file's hash, the step and the accountant
 history — is authenticated, and a checkpoint without a valid signature is refused.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -98,8 +99,9 @@ def write_stage(root: str, step: int, stage: int, state: dict) -> str:
     return sha256(data)
 
 
-def write_manifest(root: str, step: int, manifest: dict, key: Optional[bytes] = None,
-                   keep_last: Optional[int] = None) -> None:
+def write_manifest(
+    root: str, step: int, manifest: dict, key: Optional[bytes] = None, keep_last: Optional[int] = None
+) -> None:
     folder = _make_step_dir(root, step)
     data = json.dumps(manifest, indent=1).encode()
     if key is not None:
@@ -250,8 +252,15 @@ def _alive(pid: int) -> bool:
 
 
 # ---- the training state, on every rank ------------------------------------------------------------
-def save(directory: str, state: TrainingState, runtime: Runtime, identity: Dict[str, Any], stages: int,
-         key: Optional[bytes] = None, keep_last: Optional[int] = None) -> None:
+def save(
+    directory: str,
+    state: TrainingState,
+    runtime: Runtime,
+    identity: Dict[str, Any],
+    stages: int,
+    key: Optional[bytes] = None,
+    keep_last: Optional[int] = None,
+) -> None:
     """Every rank calls this: replica 0 writes its stages' files, rank 0 the manifest and 'latest'."""
     hashes = {}
     if runtime.replica == 0:
@@ -263,17 +272,27 @@ def save(directory: str, state: TrainingState, runtime: Runtime, identity: Dict[
         merged.update(part)
     if runtime.rank == 0:
         accountant = state.accountant.state_dict()
-        write_manifest(directory, state.step, {
-            "step": state.step,
-            "config": identity,
-            "accountant": {"mechanism": accountant["mechanism"], "history": [list(h) for h in accountant["history"]]},
-            "stage_sha256": [merged[s] for s in range(stages)],
-        }, key, keep_last)
+        write_manifest(
+            directory,
+            state.step,
+            {
+                "step": state.step,
+                "config": identity,
+                "accountant": {
+                    "mechanism": accountant["mechanism"],
+                    "history": [list(h) for h in accountant["history"]],
+                },
+                "stage_sha256": [merged[s] for s in range(stages)],
+            },
+            key,
+            keep_last,
+        )
     runtime.all_gather(None)  # nobody reads 'latest' before it is written
 
 
-def load(directory: str, state: TrainingState, runtime: Runtime, identity: Dict[str, Any],
-         key: Optional[bytes] = None) -> None:
+def load(
+    directory: str, state: TrainingState, runtime: Runtime, identity: Dict[str, Any], key: Optional[bytes] = None
+) -> None:
     """Restore parameters, optimizers (as saved), accountant and step from the newest checkpoint."""
     manifest = latest_manifest(directory, key)
     check_compatible(manifest, identity)

@@ -1,5 +1,6 @@
 """Export the trained model as a Hugging Face folder (config.json + safetensors; for a PeftModel, the
 adapter folder), written by rank 0 from the gathered state: no rank holds another stage's weights."""
+
 from __future__ import annotations
 
 from typing import Dict, Optional

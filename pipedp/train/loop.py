@@ -3,6 +3,7 @@
 It uses the trainer's public surface only (``step``, ``state``, ``privacy``, ``runtime``,
 ``save_checkpoint``, ``load_checkpoint``, ``epsilon``).
 """
+
 from __future__ import annotations
 
 import math
@@ -96,8 +97,19 @@ def fit(
         raise PipeDPError("resume=True needs checkpoint_dir")
     lock = _lock(trainer, checkpoint_dir) if checkpoint_dir else None
     try:
-        trunc, last_loss, stopped = _train(trainer, inputs, targets, total, checkpoint_dir, checkpoint_every, resume,
-                                           max_logical_batch, checkpoint_key, keep_last, callback)
+        trunc, last_loss, stopped = _train(
+            trainer,
+            inputs,
+            targets,
+            total,
+            checkpoint_dir,
+            checkpoint_every,
+            resume,
+            max_logical_batch,
+            checkpoint_key,
+            keep_last,
+            callback,
+        )
     finally:
         if lock is not None:
             lock.release()
@@ -121,22 +133,33 @@ def _lock(trainer: "PipelineDPTrainer", directory: str) -> FolderLock:
     return lock
 
 
-def _train(trainer, inputs, targets, total, checkpoint_dir, checkpoint_every, resume, max_logical_batch,
-           checkpoint_key, keep_last, callback):
+def _train(
+    trainer,
+    inputs,
+    targets,
+    total,
+    checkpoint_dir,
+    checkpoint_every,
+    resume,
+    max_logical_batch,
+    checkpoint_key,
+    keep_last,
+    callback,
+):
     privacy, q, n = trainer.privacy, trainer.privacy.sample_rate, rows(inputs)
     if resume:
         if os.path.exists(os.path.join(checkpoint_dir, "latest")):
             trainer.load_checkpoint(checkpoint_dir, checkpoint_key)
         else:
-            warnings.warn(f"resume=True but {checkpoint_dir!r} holds no checkpoint: starting from step 0",
-                          stacklevel=4)
+            warnings.warn(f"resume=True but {checkpoint_dir!r} holds no checkpoint: starting from step 0", stacklevel=4)
     trunc = 0.0
     if max_logical_batch is not None:
         trunc = truncation_probability(n, q, max_logical_batch)
         if trunc > 0:
             warnings.warn(
                 f"max_logical_batch={max_logical_batch} truncates Poisson batches with probability {trunc:.2e} "
-                f"per step: the guarantee is (epsilon, delta + (1 + e^epsilon) * {total} * {trunc:.2e})", stacklevel=4
+                f"per step: the guarantee is (epsilon, delta + (1 + e^epsilon) * {total} * {trunc:.2e})",
+                stacklevel=4,
             )
     last_loss, stopped = math.nan, None
     while trainer.state.step < total:

@@ -3,6 +3,7 @@
 Saved and restored as a whole by checkpoint.py: the step counter, the privacy accountant
 (through Opacus's own ``state_dict``) and the stages' optimizers.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass

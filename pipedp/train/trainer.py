@@ -7,6 +7,7 @@ takes each local stage's clipped sum, adds the noise (privacy.noise), sums over 
 divides by the expected batch size and steps the stage's optimizer; the accountant
 records the step.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -31,7 +32,14 @@ from ..privacy.validation import validate_model
 from ..runtime.capture import block_units
 from ..runtime.create import create_runtime
 from ..runtime.microbatch import (
-    Inputs, check_batch, make_pass, microbatch_size_for, plan_passes, replica_rows, rows as batch_rows, take,
+    Inputs,
+    check_batch,
+    make_pass,
+    microbatch_size_for,
+    plan_passes,
+    replica_rows,
+    rows as batch_rows,
+    take,
 )
 from ..runtime.protocols import Runtime
 from ..split.adapters import model_blocks
@@ -139,8 +147,9 @@ class PipelineDPTrainer:
             sigma = calibrate_noise(privacy.target_epsilon, privacy.delta, sample_rate, steps, privacy.accountant)
             privacy = dataclasses.replace(privacy, noise_multiplier=sigma)
         self.pipeline, self.privacy = pipeline, privacy
-        action_costs = None if pipeline.schedule_costs is None else dict(
-            zip((Kind.F, Kind.I, Kind.W), pipeline.schedule_costs))
+        action_costs = (
+            None if pipeline.schedule_costs is None else dict(zip((Kind.F, Kind.I, Kind.W), pipeline.schedule_costs))
+        )
         self.schedule = schedules.build(pipeline.schedule, pipeline.stages, pipeline.microbatches, action_costs)
         schedules.validate(self.schedule)
         validate_model(model)
@@ -159,15 +168,23 @@ class PipelineDPTrainer:
         tie = _the_tie(find_ties(stage_blocks), self.clipping)
         self.partition_report = report(stage_blocks, costs, cost_unit(pipeline.balance))
         self.runtime: Runtime = create_runtime(
-            pipeline, self.schedule, self.clipping, stage_blocks, loss_fn, self.run_config(),
-            list(model.state_dict().keys()), tie,
+            pipeline,
+            self.schedule,
+            self.clipping,
+            stage_blocks,
+            loss_fn,
+            self.run_config(),
+            list(model.state_dict().keys()),
+            tie,
         )
         self._finalizer = weakref.finalize(self, self.runtime.close)  # hooks off when the trainer goes
         self.state = TrainingState(
             step=0,
             accountant=create_accountant(mechanism=privacy.accountant),
             # a stage with nothing to train (e.g. a frozen embedding) gets no optimizer
-            optimizers=[optimizer(stage.parameters) if stage.parameters else None for stage in self.runtime.local_stages],
+            optimizers=[
+                optimizer(stage.parameters) if stage.parameters else None for stage in self.runtime.local_stages
+            ],
         )
         _check_optimizer_options(self.state.optimizers)
 
@@ -190,14 +207,18 @@ class PipelineDPTrainer:
             totals = totals + self.runtime.run_pass(batch)
         self._apply_update()
         if self.privacy.sample_rate is not None:
-            self.state.accountant.step(noise_multiplier=self.privacy.noise_multiplier,
-                                       sample_rate=self.privacy.sample_rate)
+            self.state.accountant.step(
+                noise_multiplier=self.privacy.noise_multiplier, sample_rate=self.privacy.sample_rate
+            )
         self.state.step += 1
         loss_sum, dropped = (float(v) for v in self.runtime.total(totals))
         self.last_dropped_samples = int(dropped)
         if dropped:
-            warnings.warn(f"step {self.state.step}: {int(dropped)} sample(s) had a non-finite gradient norm "
-                          "(NaN/inf input or loss) and were left out of the update (clip factor 0)", stacklevel=2)
+            warnings.warn(
+                f"step {self.state.step}: {int(dropped)} sample(s) had a non-finite gradient norm "
+                "(NaN/inf input or loss) and were left out of the update (clip factor 0)",
+                stacklevel=2,
+            )
         return loss_sum / n if n else math.nan
 
     def _apply_update(self) -> None:
@@ -222,8 +243,9 @@ class PipelineDPTrainer:
     def _noised(self, stage: Any, grads: List[torch.Tensor], std: float) -> List[torch.Tensor]:
         """grads + the stage's noise, except where another stage adds it (a tied head's copy)."""
         keep = [k for k in range(len(grads)) if k not in stage.noise_free]
-        noised = add_noise([grads[k] for k in keep], std, self.privacy.seed, self.state.step, stage.index,
-                           self.privacy.secure_mode)
+        noised = add_noise(
+            [grads[k] for k in keep], std, self.privacy.seed, self.state.step, stage.index, self.privacy.secure_mode
+        )
         out = list(grads)
         for k, g in zip(keep, noised):
             out[k] = g
@@ -233,13 +255,20 @@ class PipelineDPTrainer:
     def run_config(self) -> Dict[str, Any]:
         """What every rank of a run must agree on: every option, the model's signature and its split
         (measured costs differ between ranks; a different split on one rank would run blocks twice)."""
-        return {**describe(self.pipeline), **describe(self.privacy), "model": model_signature(self.model),
-                "blocks per stage": self.partition_report.blocks_per_stage}
+        return {
+            **describe(self.pipeline),
+            **describe(self.privacy),
+            "model": model_signature(self.model),
+            "blocks per stage": self.partition_report.blocks_per_stage,
+        }
 
     def resume_config(self) -> Dict[str, Any]:
         """What a checkpoint and its resumption must agree on: the options that shape the update."""
-        return {**describe(self.pipeline, only_resume=True), **describe(self.privacy, only_resume=True),
-                "model": model_signature(self.model)}
+        return {
+            **describe(self.pipeline, only_resume=True),
+            **describe(self.privacy, only_resume=True),
+            "model": model_signature(self.model),
+        }
 
     # ---- state and privacy --------------------------------------------------------------------
     @property
@@ -291,12 +320,20 @@ class PipelineDPTrainer:
         """Poisson-sampled DP training over ``dataset``; see pipedp.train.loop.fit for the arguments."""
         return fit(self, dataset, **kwargs)
 
-    def save_checkpoint(self, directory: str, key: Union[str, bytes, None] = None,
-                        keep_last: Optional[int] = None) -> None:
+    def save_checkpoint(
+        self, directory: str, key: Union[str, bytes, None] = None, keep_last: Optional[int] = None
+    ) -> None:
         """Every rank calls this. ``key`` (or PIPEDP_CHECKPOINT_KEY) signs the manifest;
         ``keep_last`` keeps only the newest step folders."""
-        checkpoint.save(directory, self.state, self.runtime, self.resume_config(), self.pipeline.stages,
-                        checkpoint.resolve_key(key), keep_last)
+        checkpoint.save(
+            directory,
+            self.state,
+            self.runtime,
+            self.resume_config(),
+            self.pipeline.stages,
+            checkpoint.resolve_key(key),
+            keep_last,
+        )
 
     def load_checkpoint(self, directory: str, key: Union[str, bytes, None] = None) -> None:
         """The newest checkpoint in ``directory``; with a key, only a manifest signed with it."""

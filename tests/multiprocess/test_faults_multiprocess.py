@@ -1,4 +1,5 @@
 """Every fault ends the run cleanly, in bounded time, naming the rank at fault."""
+
 import os
 import signal
 import subprocess
@@ -41,8 +42,10 @@ def alive(pid):
 
 
 def test_killing_the_launcher_leaves_no_rank_alive(tmp_path):
-    code = ("from pipedp.runtime.launch import launch; from workers import sleep_and_report_pid; "
-            f"launch(sleep_and_report_pid, 2, ({str(tmp_path)!r},), timeout_s=600)")
+    code = (
+        "from pipedp.runtime.launch import launch; from workers import sleep_and_report_pid; "
+        f"launch(sleep_and_report_pid, 2, ({str(tmp_path)!r},), timeout_s=600)"
+    )
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([ROOT, os.path.join(ROOT, "tests", "multiprocess")]))
     launcher = subprocess.Popen([sys.executable, "-c", code], env=env)
     deadline = time.monotonic() + 60

@@ -1,4 +1,5 @@
 """A Llama checkpoint loaded stage by stage in real processes: each rank holds only its share."""
+
 import pytest
 import torch
 
@@ -18,8 +19,17 @@ def test_llama_stage_loading_in_processes_equals_whole_model(tmp_path):
     from workers import hf_stage_step
 
     torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=40, hidden_size=16, intermediate_size=32, num_hidden_layers=4, num_attention_heads=2,
-                      num_key_value_heads=1, max_position_embeddings=32, bos_token_id=0, eos_token_id=0)
+    cfg = LlamaConfig(
+        vocab_size=40,
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=4,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        max_position_embeddings=32,
+        bos_token_id=0,
+        eos_token_id=0,
+    )
     LlamaForCausalLM(cfg).save_pretrained(tmp_path, max_shard_size="20KB")
     results = launch(hf_stage_step, 2, (str(tmp_path), 2), timeout_s=300)
     whole = LlamaForCausalLM.from_pretrained(tmp_path)
@@ -27,9 +37,18 @@ def test_llama_stage_loading_in_processes_equals_whole_model(tmp_path):
     residents = [r for r, _ in results]
     assert sum(residents) == total and max(residents) < 0.75 * total, (residents, total)
     # the same step on the whole model in one process
-    trainer = PipelineDPTrainer(whole, token_loss, lambda p: torch.optim.SGD(p, lr=0.5), stages=2, microbatches=2,
-                                noise_multiplier=0.0, max_grad_norm=0.05, expected_batch_size=6, untie_weights=True,
-                                transport="inprocess")
+    trainer = PipelineDPTrainer(
+        whole,
+        token_loss,
+        lambda p: torch.optim.SGD(p, lr=0.5),
+        stages=2,
+        microbatches=2,
+        noise_multiplier=0.0,
+        max_grad_norm=0.05,
+        expected_batch_size=6,
+        untie_weights=True,
+        transport="inprocess",
+    )
     g = torch.Generator().manual_seed(3)
     x = torch.randint(0, 40, (6, 8), generator=g)
     trainer.step(x, torch.randint(0, 40, (6, 8), generator=g))
@@ -66,10 +85,28 @@ def test_the_llama_lora_example_runs_under_torchrun_and_exports(tmp_path):
 
     pytest.importorskip("peft")
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
-                          "--master_port", str(free_port()), os.path.join(root, "examples", "finetune_llama.py"),
-                          "--steps", "3", "--batch-size", "8", "--export", str(tmp_path / "adapter")],
-                         capture_output=True, text=True, timeout=300, cwd=root)
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nproc_per_node",
+            "2",
+            "--master_port",
+            str(free_port()),
+            os.path.join(root, "examples", "finetune_llama.py"),
+            "--steps",
+            "3",
+            "--batch-size",
+            "8",
+            "--export",
+            str(tmp_path / "adapter"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=root,
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     assert "adapter written to" in out.stdout
     assert (tmp_path / "adapter" / "adapter_config.json").exists()
@@ -97,8 +134,15 @@ def test_a_tied_checkpoint_loaded_stage_by_stage_trains_tied(tmp_path):
 
     from workers import tied_llama_from_folder
 
-    cfg = transformers.LlamaConfig(vocab_size=40, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
-                                   num_attention_heads=2, num_key_value_heads=1, tie_word_embeddings=True)
+    cfg = transformers.LlamaConfig(
+        vocab_size=40,
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        tie_word_embeddings=True,
+    )
     torch.manual_seed(0)
     transformers.LlamaForCausalLM(cfg).save_pretrained(tmp_path / "tied")
     got = launch(tied_llama_from_folder, 2, (str(tmp_path / "tied"),), timeout_s=300)[0]

@@ -1,4 +1,5 @@
 """Real processes over gloo on loopback: parity with Opacus, noisy reproducibility, failures."""
+
 import time
 
 import pytest
@@ -12,12 +13,24 @@ from workers import CLIP, LR, make_batch, make_model
 pytestmark = pytest.mark.dist
 N = 13  # does not divide into micro-batches: padded rows travel too
 
-GRID2 = [dict(stages=2, microbatches=m, schedule=s, grad_mode=g)
-         for s in ("gpipe", "1f1b", "dp-zb", "dp-zb-2x") for g in ("ghost", "materialize") for m in (4,)] + [
-    dict(stages=2, microbatches=4, schedule=s, grad_mode="keep") for s in ("1f1b", "dp-zb")]
-GRID4 = [dict(stages=4, microbatches=m, schedule=s, grad_mode=g)
-         for s, g, m in (("gpipe", "ghost", 4), ("1f1b", "materialize", 4), ("1f1b", "ghost", 8), ("gpipe", "materialize", 2),
-                         ("dp-zb", "ghost", 8), ("dp-zb-2x", "materialize", 6), ("1f1b", "keep", 8))]
+GRID2 = [
+    dict(stages=2, microbatches=m, schedule=s, grad_mode=g)
+    for s in ("gpipe", "1f1b", "dp-zb", "dp-zb-2x")
+    for g in ("ghost", "materialize")
+    for m in (4,)
+] + [dict(stages=2, microbatches=4, schedule=s, grad_mode="keep") for s in ("1f1b", "dp-zb")]
+GRID4 = [
+    dict(stages=4, microbatches=m, schedule=s, grad_mode=g)
+    for s, g, m in (
+        ("gpipe", "ghost", 4),
+        ("1f1b", "materialize", 4),
+        ("1f1b", "ghost", 8),
+        ("gpipe", "materialize", 2),
+        ("dp-zb", "ghost", 8),
+        ("dp-zb-2x", "materialize", 6),
+        ("1f1b", "keep", 8),
+    )
+]
 MESH = [dict(stages=2, replicas=2, microbatches=2, schedule="1f1b", grad_mode="ghost")]
 
 
@@ -105,10 +118,24 @@ def test_torchrun_example_runs():
     import sys
 
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
-                          "--master_port", str(free_port()),
-                          os.path.join(root, "examples", "train_tiny_gpt.py"), "--steps", "3"],
-                         capture_output=True, text=True, timeout=240, cwd=root)
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nproc_per_node",
+            "2",
+            "--master_port",
+            str(free_port()),
+            os.path.join(root, "examples", "train_tiny_gpt.py"),
+            "--steps",
+            "3",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=240,
+        cwd=root,
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     assert "gathered" in out.stdout
 
@@ -116,8 +143,9 @@ def test_torchrun_example_runs():
 def test_per_stage_clipping_in_processes_equals_in_process():
     from workers import parity
 
-    cfg = dict(stages=2, microbatches=3, schedule="1f1b", grad_mode="ghost", clipping="per_stage",
-               max_grad_norm=[0.02, 0.04])
+    cfg = dict(
+        stages=2, microbatches=3, schedule="1f1b", grad_mode="ghost", clipping="per_stage", max_grad_norm=[0.02, 0.04]
+    )
     got = launch(parity, 2, ([cfg], N), timeout_s=300)[0][0]
     want = parity(0, [dict(cfg, transport="inprocess")], N)[0]
     assert max_relative_error(got, want) < 1e-12
@@ -145,11 +173,20 @@ def test_micro_batches_of_one_pass_may_send_other_shapes():
 
     model = variable_width_model()
     x, y = variable_width_data()
-    want = loop_clipped_sum(copy.deepcopy(model), lambda o, t: torch.nn.functional.cross_entropy(o, t, reduction="none"),
-                            x, y, 0.1)
-    trainer = PipelineDPTrainer(model, lambda o, t: torch.nn.functional.cross_entropy(o, t, reduction="none"),
-                                lambda p: torch.optim.SGD(p, lr=1.0), stages=2, microbatches=4, noise_multiplier=0.0,
-                                max_grad_norm=0.1, expected_batch_size=1, transport="inprocess")
+    want = loop_clipped_sum(
+        copy.deepcopy(model), lambda o, t: torch.nn.functional.cross_entropy(o, t, reduction="none"), x, y, 0.1
+    )
+    trainer = PipelineDPTrainer(
+        model,
+        lambda o, t: torch.nn.functional.cross_entropy(o, t, reduction="none"),
+        lambda p: torch.optim.SGD(p, lr=1.0),
+        stages=2,
+        microbatches=4,
+        noise_multiplier=0.0,
+        max_grad_norm=0.1,
+        expected_batch_size=1,
+        transport="inprocess",
+    )
     before = {k: v.detach().clone() for k, v in model.named_parameters()}
     trainer.step(x, y)
     got = {k: before[k] - p.detach() for k, p in model.named_parameters()}

@@ -1,4 +1,5 @@
 """The automatic split over real processes: several tensors crossing, stage-local weight loading."""
+
 import pytest
 import torch
 
@@ -45,8 +46,16 @@ def test_each_process_loads_only_its_stage_of_a_traced_model(tmp_path):
     g = torch.Generator().manual_seed(8)
     ids = torch.randint(0, 11, (6, 5), generator=g)
     trainer = PipelineDPTrainer(
-        whole, token_loss, lambda p: torch.optim.SGD(p, lr=0.5), stages=2, microbatches=2, noise_multiplier=0.0, max_grad_norm=0.1,
-        expected_batch_size=6, transport="inprocess")
+        whole,
+        token_loss,
+        lambda p: torch.optim.SGD(p, lr=0.5),
+        stages=2,
+        microbatches=2,
+        noise_multiplier=0.0,
+        max_grad_norm=0.1,
+        expected_batch_size=6,
+        transport="inprocess",
+    )
     trainer.step({"ids": ids, "mask": torch.ones_like(ids)}, torch.randint(0, 11, (6, 5), generator=g))
     assert max_relative_error(results[0][1], trainer.state_dict()) < 1e-12
 
@@ -59,9 +68,24 @@ def test_the_torchrun_example_of_the_automatic_split_runs():
     from pipedp.runtime.launch import free_port
 
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
-                          "--master_port", str(free_port()), os.path.join(root, "examples", "auto_split.py"),
-                          "--steps", "3"], capture_output=True, text=True, timeout=240, cwd=root)
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nproc_per_node",
+            "2",
+            "--master_port",
+            str(free_port()),
+            os.path.join(root, "examples", "auto_split.py"),
+            "--steps",
+            "3",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=240,
+        cwd=root,
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     assert "partition: blocks per stage" in out.stdout and "step   3" in out.stdout
 

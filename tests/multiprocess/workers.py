@@ -1,4 +1,5 @@
 """Functions run on each rank by the multi-process tests (importable by spawned children)."""
+
 import os
 import signal
 import time
@@ -58,8 +59,9 @@ def failing(rank, fail_rank, at_call):
             raise ValueError("boom: a bad batch on purpose")
         return token_loss(out, y)
 
-    trainer = PipelineDPTrainer(make_model(), loss, stages=2, microbatches=2, noise_multiplier=0.0,
-                                expected_batch_size=8)
+    trainer = PipelineDPTrainer(
+        make_model(), loss, stages=2, microbatches=2, noise_multiplier=0.0, expected_batch_size=8
+    )
     for step in range(3):
         trainer.step(*make_batch(8, seed=step))
     return "finished"
@@ -73,15 +75,23 @@ def mismatched(rank):
 def fit_run(rank, steps, checkpoint_dir, resume, die_at_step=None):
     """Poisson-sampled noisy training; optionally rank 1 dies right after step ``die_at_step``."""
     x, y = make_batch(120, seed=42)
-    trainer = make_trainer(make_model(), stages=2, microbatches=2, noise_multiplier=1.0, sample_rate=0.08,
-                           expected_batch_size=10, accountant="rdp")
+    trainer = make_trainer(
+        make_model(),
+        stages=2,
+        microbatches=2,
+        noise_multiplier=1.0,
+        sample_rate=0.08,
+        expected_batch_size=10,
+        accountant="rdp",
+    )
 
     def maybe_die(step, loss, _):
         if rank == 1 and step == die_at_step:
             raise RuntimeError(f"killed after step {step}")
 
-    trainer.fit((x, y), steps=steps, checkpoint_dir=checkpoint_dir, checkpoint_every=2, resume=resume,
-                callback=maybe_die)
+    trainer.fit(
+        (x, y), steps=steps, checkpoint_dir=checkpoint_dir, checkpoint_every=2, resume=resume, callback=maybe_die
+    )
     return trainer.state_dict(), trainer.epsilon(1e-5)
 
 
@@ -91,9 +101,17 @@ def hf_stage_step(rank, folder, stages):
 
     model = load_pipeline_stage(folder, stages, rank % stages, untie_weights=True)
     resident = resident_parameter_bytes(model)
-    trainer = PipelineDPTrainer(model, token_loss, lambda p: torch.optim.SGD(p, lr=0.5), stages=stages,
-                                microbatches=2, noise_multiplier=0.0, max_grad_norm=0.05, expected_batch_size=6,
-                                untie_weights=True)
+    trainer = PipelineDPTrainer(
+        model,
+        token_loss,
+        lambda p: torch.optim.SGD(p, lr=0.5),
+        stages=stages,
+        microbatches=2,
+        noise_multiplier=0.0,
+        max_grad_norm=0.05,
+        expected_batch_size=6,
+        untie_weights=True,
+    )
     g = torch.Generator().manual_seed(3)
     x = torch.randint(0, 40, (6, 8), generator=g)
     trainer.step(x, torch.randint(0, 40, (6, 8), generator=g))
@@ -111,8 +129,9 @@ def mismatched_batch(rank, what):
 
 def secure_fit(rank):
     """Secure-mode sampling uses OS randomness; the batch check would refuse disagreeing ranks."""
-    trainer = make_trainer(make_model(), stages=2, microbatches=2, noise_multiplier=1.0, sample_rate=0.2,
-                           secure_mode=True)
+    trainer = make_trainer(
+        make_model(), stages=2, microbatches=2, noise_multiplier=1.0, sample_rate=0.2, secure_mode=True
+    )
     trainer.fit(make_batch(40, seed=5), steps=3)
     return trainer.steps_taken
 
@@ -166,14 +185,28 @@ def llama_export(rank, path):
     """One noisy DP step of a tiny Llama on 2 stages, then a Hugging Face folder written by rank 0."""
     import transformers
 
-
-    cfg = transformers.LlamaConfig(vocab_size=40, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
-                                   num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=32)
+    cfg = transformers.LlamaConfig(
+        vocab_size=40,
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        max_position_embeddings=32,
+    )
     torch.manual_seed(0)
     model = transformers.LlamaForCausalLM(cfg).double()
     kw = {} if path else {"transport": "inprocess"}
-    trainer = PipelineDPTrainer(model, token_loss, lambda p: torch.optim.SGD(p, lr=0.5), stages=2, microbatches=2,
-                                noise_multiplier=1.0, expected_batch_size=6, **kw)
+    trainer = PipelineDPTrainer(
+        model,
+        token_loss,
+        lambda p: torch.optim.SGD(p, lr=0.5),
+        stages=2,
+        microbatches=2,
+        noise_multiplier=1.0,
+        expected_batch_size=6,
+        **kw,
+    )
     g = torch.Generator().manual_seed(1)
     x, y = torch.randint(0, 40, (6, 8), generator=g), torch.randint(0, 40, (6, 8), generator=g)
     trainer.step(x, y)
@@ -187,9 +220,15 @@ def llama_padded_step(rank, inprocess=False):
     """One noisy step of a tiny Llama on a left-padded dict batch (input_ids + attention_mask)."""
     import transformers
 
-
-    cfg = transformers.LlamaConfig(vocab_size=40, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
-                                   num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=32)
+    cfg = transformers.LlamaConfig(
+        vocab_size=40,
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        max_position_embeddings=32,
+    )
     torch.manual_seed(0)
     model = transformers.LlamaForCausalLM(cfg).double()
     g = torch.Generator().manual_seed(2)
@@ -199,8 +238,17 @@ def llama_padded_step(rank, inprocess=False):
         mask[i, :pad] = 0
     ids, labels = ids.masked_fill(mask == 0, 0), labels.masked_fill(mask == 0, -100)
     kw = {"transport": "inprocess"} if inprocess else {}
-    trainer = PipelineDPTrainer(model, token_loss, lambda p: torch.optim.SGD(p, lr=0.5), stages=2, microbatches=2,
-                                noise_multiplier=1.0, max_grad_norm=0.3, expected_batch_size=5, **kw)
+    trainer = PipelineDPTrainer(
+        model,
+        token_loss,
+        lambda p: torch.optim.SGD(p, lr=0.5),
+        stages=2,
+        microbatches=2,
+        noise_multiplier=1.0,
+        max_grad_norm=0.3,
+        expected_batch_size=5,
+        **kw,
+    )
     trainer.step({"input_ids": ids, "attention_mask": mask}, labels)
     return trainer.state_dict()
 
@@ -209,16 +257,31 @@ def tied_llama_step(rank, noise, inprocess=False):
     """One DP step of a tiny Llama whose embedding is tied to its head, on 2 stages."""
     import transformers
 
-
-    cfg = transformers.LlamaConfig(vocab_size=40, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
-                                   num_attention_heads=2, num_key_value_heads=1, tie_word_embeddings=True)
+    cfg = transformers.LlamaConfig(
+        vocab_size=40,
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        tie_word_embeddings=True,
+    )
     torch.manual_seed(0)
     model = transformers.LlamaForCausalLM(cfg).double()
     g = torch.Generator().manual_seed(2)
     x, y = torch.randint(0, 40, (7, 8), generator=g), torch.randint(0, 40, (7, 8), generator=g)
     kw = {"transport": "inprocess"} if inprocess else {}
-    trainer = PipelineDPTrainer(model, token_loss, lambda p: torch.optim.SGD(p, lr=1.0), stages=2, microbatches=3,
-                                noise_multiplier=noise, max_grad_norm=0.3, expected_batch_size=1, **kw)
+    trainer = PipelineDPTrainer(
+        model,
+        token_loss,
+        lambda p: torch.optim.SGD(p, lr=1.0),
+        stages=2,
+        microbatches=3,
+        noise_multiplier=noise,
+        max_grad_norm=0.3,
+        expected_batch_size=1,
+        **kw,
+    )
     trainer.step(x, y)
     trainer.step(x, y)  # a second step: the two copies must still be equal
     return trainer.state_dict()
@@ -235,8 +298,17 @@ def tied_llama_from_folder(rank, folder, inprocess=False):
     g = torch.Generator().manual_seed(3)
     x, y = torch.randint(0, 40, (6, 8), generator=g), torch.randint(0, 40, (6, 8), generator=g)
     kw = {"transport": "inprocess"} if inprocess else {}
-    trainer = PipelineDPTrainer(model, token_loss, lambda p: torch.optim.SGD(p, lr=1.0), stages=2, microbatches=2,
-                                noise_multiplier=0.0, max_grad_norm=0.3, expected_batch_size=1, **kw)
+    trainer = PipelineDPTrainer(
+        model,
+        token_loss,
+        lambda p: torch.optim.SGD(p, lr=1.0),
+        stages=2,
+        microbatches=2,
+        noise_multiplier=0.0,
+        max_grad_norm=0.3,
+        expected_batch_size=1,
+        **kw,
+    )
     trainer.step(x, y)
     return trainer.state_dict()
 
@@ -249,9 +321,17 @@ def traced_step(rank, inprocess=False):
     g = torch.Generator().manual_seed(4)
     x, y = torch.randn(7, 5, generator=g, dtype=torch.float64), torch.randint(0, 3, (7,), generator=g)
     kw = {"transport": "inprocess"} if inprocess else {}
-    trainer = PipelineDPTrainer(model, lambda o, t: torch.nn.functional.cross_entropy(o, t, reduction="none"),
-                                lambda p: torch.optim.SGD(p, lr=0.5), stages=2, microbatches=2, noise_multiplier=1.0,
-                                max_grad_norm=0.1, expected_batch_size=7, **kw)
+    trainer = PipelineDPTrainer(
+        model,
+        lambda o, t: torch.nn.functional.cross_entropy(o, t, reduction="none"),
+        lambda p: torch.optim.SGD(p, lr=0.5),
+        stages=2,
+        microbatches=2,
+        noise_multiplier=1.0,
+        max_grad_norm=0.1,
+        expected_batch_size=7,
+        **kw,
+    )
     trainer.step(x, y)
     return trainer.state_dict()
 
@@ -268,8 +348,16 @@ def traced_masked_step(rank, inprocess=False):
     y = torch.randint(0, 11, (7, 5), generator=g)
     kw = {"transport": "inprocess"} if inprocess else {}
     trainer = PipelineDPTrainer(
-        model, token_loss, lambda p: torch.optim.SGD(p, lr=0.5), stages=2, microbatches=3, noise_multiplier=1.0, max_grad_norm=0.1,
-        expected_batch_size=7, **kw)
+        model,
+        token_loss,
+        lambda p: torch.optim.SGD(p, lr=0.5),
+        stages=2,
+        microbatches=3,
+        noise_multiplier=1.0,
+        max_grad_norm=0.1,
+        expected_batch_size=7,
+        **kw,
+    )
     trainer.step({"ids": ids, "mask": mask}, y)
     return trainer.state_dict()
 
@@ -285,8 +373,15 @@ def traced_stage_step(rank, weights):
     load_stage(model, weights, 2, rank)
     resident = resident_parameter_bytes(model)
     trainer = PipelineDPTrainer(
-        model, token_loss, lambda p: torch.optim.SGD(p, lr=0.5), stages=2, microbatches=2, noise_multiplier=0.0, max_grad_norm=0.1,
-        expected_batch_size=6)
+        model,
+        token_loss,
+        lambda p: torch.optim.SGD(p, lr=0.5),
+        stages=2,
+        microbatches=2,
+        noise_multiplier=0.0,
+        max_grad_norm=0.1,
+        expected_batch_size=6,
+    )
     g = torch.Generator().manual_seed(8)
     ids = torch.randint(0, 11, (6, 5), generator=g)
     trainer.step({"ids": ids, "mask": torch.ones_like(ids)}, torch.randint(0, 11, (6, 5), generator=g))
@@ -328,9 +423,17 @@ def variable_width_step(rank, inprocess=False):
     model = variable_width_model()
     x, y = variable_width_data()
     kw = {"transport": "inprocess"} if inprocess else {}
-    trainer = PipelineDPTrainer(model, lambda o, t: torch.nn.functional.cross_entropy(o, t, reduction="none"),
-                                lambda p: torch.optim.SGD(p, lr=1.0), stages=2, microbatches=4, noise_multiplier=0.0,
-                                max_grad_norm=0.1, expected_batch_size=1, **kw)
+    trainer = PipelineDPTrainer(
+        model,
+        lambda o, t: torch.nn.functional.cross_entropy(o, t, reduction="none"),
+        lambda p: torch.optim.SGD(p, lr=1.0),
+        stages=2,
+        microbatches=4,
+        noise_multiplier=0.0,
+        max_grad_norm=0.1,
+        expected_batch_size=1,
+        **kw,
+    )
     for _ in range(2):  # the second pass starts from what the first one learnt
         trainer.step(x, y)
     return trainer.state_dict()
@@ -351,7 +454,15 @@ def tied_step(model, **kw):
     g = torch.Generator().manual_seed(8)
     ids = torch.randint(0, 11, (6, 5), generator=g)
     trainer = PipelineDPTrainer(
-        model, token_loss, lambda p: torch.optim.SGD(p, lr=0.5), stages=2, microbatches=2, noise_multiplier=0.0, max_grad_norm=0.1,
-        expected_batch_size=6, **kw)
+        model,
+        token_loss,
+        lambda p: torch.optim.SGD(p, lr=0.5),
+        stages=2,
+        microbatches=2,
+        noise_multiplier=0.0,
+        max_grad_norm=0.1,
+        expected_batch_size=6,
+        **kw,
+    )
     trainer.step({"input_ids": ids, "mask": torch.ones_like(ids)}, torch.randint(0, 11, (6, 5), generator=g))
     return trainer.state_dict()

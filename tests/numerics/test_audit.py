@@ -1,5 +1,6 @@
 """The one-run privacy audit: its statistics against closed forms, a correct implementation that
 passes, and implementations broken on purpose that it fails."""
+
 import math
 
 import pytest
@@ -19,7 +20,7 @@ def test_the_bound_matches_its_closed_forms():
     # the p-value is a binomial tail (delta = 0), computed here from math.comb
     r, v, eps = 30, 21, 0.7
     q = math.exp(eps) / (1 + math.exp(eps))
-    tail = sum(math.comb(r, k) * q ** k * (1 - q) ** (r - k) for k in range(v, r + 1))
+    tail = sum(math.comb(r, k) * q**k * (1 - q) ** (r - k) for k in range(v, r + 1))
     assert p_value(100, r, v, eps, 0.0) == pytest.approx(tail, rel=1e-9)
     assert p_value(100, r, v, eps, 1e-3) > tail  # delta only ever weakens what guesses can show
     assert epsilon_lower_bound(1000, 100, 50, 0.05, 1e-5) == 0.0  # chance-level guesses show nothing
@@ -52,15 +53,23 @@ def broken_noise(which):
     return add_noise
 
 
-@pytest.mark.parametrize("which, bound_exceeds", [
-    ("off on stage 1", True), ("same every step", True), ("sigma halved", False),
-])
+@pytest.mark.parametrize(
+    "which, bound_exceeds",
+    [
+        ("off on stage 1", True),
+        ("same every step", True),
+        ("sigma halved", False),
+    ],
+)
 def test_a_broken_pipeline_fails(monkeypatch, which, bound_exceeds):
     monkeypatch.setattr(trainer_module, "add_noise", broken_noise(which))
     result = run_audit(AuditConfig())
     assert not result.passed, result.summary()
     assert (result.epsilon_lower_bound > result.claimed_epsilon) == bound_exceeds, result.summary()
     problems = " ".join(c.problem for c in result.noise_checks)
-    expected = {"off on stage 1": "less noise than claimed: 0.000", "same every step": "noise repeats across steps",
-                "sigma halved": "less noise than claimed"}[which]
+    expected = {
+        "off on stage 1": "less noise than claimed: 0.000",
+        "same every step": "noise repeats across steps",
+        "sigma halved": "less noise than claimed",
+    }[which]
     assert expected in problems, result.summary()

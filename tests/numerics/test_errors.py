@@ -1,4 +1,5 @@
 """Bad input gets a clear error naming the problem and the fix."""
+
 import pytest
 import torch
 import torch.nn as nn
@@ -101,9 +102,17 @@ def test_a_parameter_used_outside_its_module_is_refused_by_name():
     torch.manual_seed(0)
     embedding = torch.nn.Embedding(10, 4)
     model = torch.nn.Sequential(embedding, torch.nn.Linear(4, 4), TiedFunctionally(embedding))
-    trainer = PipelineDPTrainer(model, lambda out, y: torch.nn.functional.cross_entropy(
-        out.reshape(-1, 10), y.reshape(-1), reduction="none").reshape(y.shape).mean(1),
-        stages=1, microbatches=2, expected_batch_size=4)
+    trainer = PipelineDPTrainer(
+        model,
+        lambda out, y: (
+            torch.nn.functional.cross_entropy(out.reshape(-1, 10), y.reshape(-1), reduction="none")
+            .reshape(y.shape)
+            .mean(1)
+        ),
+        stages=1,
+        microbatches=2,
+        expected_batch_size=4,
+    )
     x, y = torch.randint(0, 10, (4, 3)), torch.randint(0, 10, (4, 3))
     with pytest.raises(UnsupportedModelError, match=r"gradient of 0\.weight is not all seen by per-sample clipping"):
         trainer.step(x, y)

@@ -1,6 +1,7 @@
 """Faults end cleanly and nothing runs that shouldn't: hostile checkpoint folders, NaN/inf data,
 non-finite updates, bad losses and arguments. The NaN update is checked against Opacus on the
 batch without the bad sample (the independent oracle)."""
+
 import hashlib
 import json
 import os
@@ -34,8 +35,15 @@ def model():
 
 
 def trainer(**kw):
-    args = dict(stages=2, microbatches=2, noise_multiplier=0.8, max_grad_norm=0.5, expected_batch_size=10,
-                sample_rate=0.1, seed=11)
+    args = dict(
+        stages=2,
+        microbatches=2,
+        noise_multiplier=0.8,
+        max_grad_norm=0.5,
+        expected_batch_size=10,
+        sample_rate=0.1,
+        seed=11,
+    )
     args.update(kw)
     return PipelineDPTrainer(model(), class_loss, lambda p: torch.optim.SGD(p, lr=0.2), **args)
 
@@ -181,8 +189,17 @@ def test_a_non_finite_sample_over_sequences_is_left_out_exactly(clipping):
     want = loop_clipped_sum(copy.deepcopy(net), seq_loss, x[keep], y[keep], 0.05, groups=groups)
     before = {k: v.detach().clone() for k, v in net.named_parameters()}
     norm = {u: 0.05 for u in units} if clipping == "per_layer" else 0.05
-    t = PipelineDPTrainer(net, seq_loss, lambda p: torch.optim.SGD(p, lr=1.0), stages=2, microbatches=2,
-                          noise_multiplier=0.0, max_grad_norm=norm, clipping=clipping, expected_batch_size=1)
+    t = PipelineDPTrainer(
+        net,
+        seq_loss,
+        lambda p: torch.optim.SGD(p, lr=1.0),
+        stages=2,
+        microbatches=2,
+        noise_multiplier=0.0,
+        max_grad_norm=norm,
+        clipping=clipping,
+        expected_batch_size=1,
+    )
     with pytest.warns(UserWarning, match="1 sample\\(s\\) had a non-finite gradient norm"):
         t.step(bad, y)
     got = {k: before[k] - p.detach() for k, p in net.named_parameters()}
@@ -192,22 +209,40 @@ def test_a_non_finite_sample_over_sequences_is_left_out_exactly(clipping):
 def test_a_non_finite_update_is_refused_before_it_lands():
     with pytest.raises(ConfigError, match="optimizer option lr=inf is not finite"):
         PipelineDPTrainer(model(), class_loss, lambda p: torch.optim.SGD(p, lr=float("inf")), expected_batch_size=8)
-    t = PipelineDPTrainer(model(), class_loss, lambda p: torch.optim.SGD(p, lr=1e308, weight_decay=1e308), stages=2,
-                          microbatches=2, noise_multiplier=0.0, expected_batch_size=8)
+    t = PipelineDPTrainer(
+        model(),
+        class_loss,
+        lambda p: torch.optim.SGD(p, lr=1e308, weight_decay=1e308),
+        stages=2,
+        microbatches=2,
+        noise_multiplier=0.0,
+        expected_batch_size=8,
+    )
     with pytest.raises(NonFiniteError, match=r"step 1, stage \d: the value after the optimizer step of .*weight"):
         t.step(*data(8))  # finite options that overflow: the last line of defence
-    huge = PipelineDPTrainer(model(), class_loss, lambda p: torch.optim.SGD(p, lr=0.1), stages=2, microbatches=2,
-                             noise_multiplier=1e308, max_grad_norm=1e10, expected_batch_size=8)
+    huge = PipelineDPTrainer(
+        model(),
+        class_loss,
+        lambda p: torch.optim.SGD(p, lr=0.1),
+        stages=2,
+        microbatches=2,
+        noise_multiplier=1e308,
+        max_grad_norm=1e10,
+        expected_batch_size=8,
+    )
     before = {k: v.clone() for k, v in huge.state_dict().items()}
     with pytest.raises(NonFiniteError, match=r"step 1, stage \d: the noisy clipped gradient of"):
         huge.step(*data(8))  # the noise overflows: refused before the optimizer step
     assert all(torch.equal(before[k], v) for k, v in huge.state_dict().items())
 
 
-@pytest.mark.parametrize("bad_loss, message", [
-    (lambda out, y: class_loss(out, y).detach(), "does not depend on the model"),
-    (lambda out, y: class_loss(out, y).long(), "is not floating point"),
-])
+@pytest.mark.parametrize(
+    "bad_loss, message",
+    [
+        (lambda out, y: class_loss(out, y).detach(), "does not depend on the model"),
+        (lambda out, y: class_loss(out, y).long(), "is not floating point"),
+    ],
+)
 def test_a_loss_that_cannot_train_is_refused(bad_loss, message):
     t = PipelineDPTrainer(model(), bad_loss, stages=2, microbatches=2, expected_batch_size=8)
     with pytest.raises(BatchError, match=message):
@@ -234,8 +269,15 @@ def test_huge_but_finite_parameters_whose_sum_overflows_are_not_refused():
     first = next(net.parameters())
     with torch.no_grad():
         first.fill_(torch.finfo(first.dtype).max / 2)  # finite; its sum overflows to inf
-    t = PipelineDPTrainer(net, class_loss, lambda p: torch.optim.SGD(p, lr=0.0), stages=2, microbatches=2,
-                          noise_multiplier=0.0, expected_batch_size=8)
+    t = PipelineDPTrainer(
+        net,
+        class_loss,
+        lambda p: torch.optim.SGD(p, lr=0.0),
+        stages=2,
+        microbatches=2,
+        noise_multiplier=0.0,
+        expected_batch_size=8,
+    )
     t.step(*data(8))  # lr 0: the parameters stay finite, and the step is not refused
     assert bool(torch.isfinite(first).all()) and float(first.detach().sum()) == float("inf")
     with torch.no_grad():

@@ -1,4 +1,5 @@
 """Any module split at pipe_split() points through graph capture; clear errors otherwise."""
+
 import copy
 import warnings
 
@@ -57,8 +58,16 @@ def test_captured_stages_match_the_loop_oracle(stages):
     want = loop_clipped_sum(copy.deepcopy(net), loss, x, y, 0.2)
     model = SplitModel(net, x[:2])
     before = {k: v.detach().clone() for k, v in net.named_parameters()}
-    trainer = PipelineDPTrainer(model, loss, lambda p: torch.optim.SGD(p, lr=1.0), stages=stages, microbatches=2,
-                                noise_multiplier=0.0, max_grad_norm=0.2, expected_batch_size=1)
+    trainer = PipelineDPTrainer(
+        model,
+        loss,
+        lambda p: torch.optim.SGD(p, lr=1.0),
+        stages=stages,
+        microbatches=2,
+        noise_multiplier=0.0,
+        max_grad_norm=0.2,
+        expected_batch_size=1,
+    )
     trainer.step(x, y)
     got = {k: before[k] - p.detach() for k, p in net.named_parameters()}
     assert max_relative_error(got, want) < 1e-8
@@ -66,7 +75,10 @@ def test_captured_stages_match_the_loop_oracle(stages):
 
 
 def test_two_tensors_across_a_split_point_is_refused():
-    with pytest.raises(UnsupportedModelError, match="takes 2 tensors.*only one tensor may cross a marked split point.*without SplitModel"):
+    with pytest.raises(
+        UnsupportedModelError,
+        match="takes 2 tensors.*only one tensor may cross a marked split point.*without SplitModel",
+    ):
         PipelineDPTrainer(SplitModel(Skip(), torch.randn(2, 4)), loss, stages=2, expected_batch_size=2)
 
 
@@ -103,8 +115,17 @@ def loop_net():
 @pytest.mark.parametrize("mode", ["ghost", "materialize"])
 def test_a_module_list_model_splits_automatically_and_matches_the_loop_oracle(stages, mode):
     model = loop_net()
-    trainer = PipelineDPTrainer(model, seq_loss, lambda p: torch.optim.SGD(p, lr=1.0), stages=stages, microbatches=3,
-                                noise_multiplier=0.0, max_grad_norm=0.05, expected_batch_size=1, grad_mode=mode)
+    trainer = PipelineDPTrainer(
+        model,
+        seq_loss,
+        lambda p: torch.optim.SGD(p, lr=1.0),
+        stages=stages,
+        microbatches=3,
+        noise_multiplier=0.0,
+        max_grad_norm=0.05,
+        expected_batch_size=1,
+        grad_mode=mode,
+    )
     assert list(trainer.state_dict()) == list(model.state_dict())  # the model's own names
     g = torch.Generator().manual_seed(1)
     for n, t in ((9, 6), (5, 11)):  # one trainer, other batch sizes and sequence lengths
@@ -118,13 +139,23 @@ def test_a_module_list_model_splits_automatically_and_matches_the_loop_oracle(st
 
 def test_the_automatic_split_equals_the_hand_made_one():
     auto, by_hand = loop_net(), loop_net()
-    by_hand.pipeline_blocks = lambda: [("inp", by_hand.inp)] + [(f"layers.{i}", m) for i, m in enumerate(by_hand.layers)] + [
-        ("out", by_hand.out)]
+    by_hand.pipeline_blocks = lambda: (
+        [("inp", by_hand.inp)] + [(f"layers.{i}", m) for i, m in enumerate(by_hand.layers)] + [("out", by_hand.out)]
+    )
     g = torch.Generator().manual_seed(2)
     x, y = torch.randn(8, 4, 5, generator=g, dtype=torch.float64), torch.randint(0, 3, (8, 4), generator=g)
     for model in (auto, by_hand):
-        PipelineDPTrainer(model, seq_loss, lambda p: torch.optim.SGD(p, lr=1.0), stages=2, microbatches=2,
-                          noise_multiplier=1.0, max_grad_norm=0.05, expected_batch_size=8, seed=3).step(x, y)
+        PipelineDPTrainer(
+            model,
+            seq_loss,
+            lambda p: torch.optim.SGD(p, lr=1.0),
+            stages=2,
+            microbatches=2,
+            noise_multiplier=1.0,
+            max_grad_norm=0.05,
+            expected_batch_size=8,
+            seed=3,
+        ).step(x, y)
     assert max_relative_error(auto.state_dict(), by_hand.state_dict()) < 1e-12
 
 
@@ -175,8 +206,16 @@ def test_a_small_cnn_with_keyword_blocks_splits_automatically(stages, mode):
     x, y = torch.randn(6, 3, 8, 8, generator=g, dtype=torch.float64), torch.randint(0, 5, (6,), generator=g)
     want = loop_clipped_sum(copy.deepcopy(model), lambda o, t: F.cross_entropy(o, t, reduction="none"), x, y, 0.05)
     before = {k: v.detach().clone() for k, v in model.named_parameters()}
-    PipelineDPTrainer(model, lambda o, t: F.cross_entropy(o, t, reduction="none"), lambda p: torch.optim.SGD(p, lr=1.0),
-                      stages=stages, microbatches=2, noise_multiplier=0.0, max_grad_norm=0.05, expected_batch_size=1,
-                      grad_mode=mode).step(x, y)
+    PipelineDPTrainer(
+        model,
+        lambda o, t: F.cross_entropy(o, t, reduction="none"),
+        lambda p: torch.optim.SGD(p, lr=1.0),
+        stages=stages,
+        microbatches=2,
+        noise_multiplier=0.0,
+        max_grad_norm=0.05,
+        expected_batch_size=1,
+        grad_mode=mode,
+    ).step(x, y)
     got = {k: before[k] - p.detach() for k, p in model.named_parameters()}
     assert max_relative_error(got, want) < 1e-10

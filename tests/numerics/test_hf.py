@@ -1,5 +1,6 @@
 """Hugging Face GPT-2 and Llama: split forward equals the whole model; DP step equals the
 batch-size-1 loop oracle; tied weights; checkpoints loaded stage by stage from the meta device."""
+
 import copy
 
 import pytest
@@ -20,16 +21,35 @@ VOCAB, SEQ = 40, 8
 
 def gpt2():
     torch.manual_seed(0)
-    cfg = GPT2Config(vocab_size=VOCAB, n_positions=16, n_embd=16, n_layer=4, n_head=2, resid_pdrop=0.0,
-                     embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0)
+    cfg = GPT2Config(
+        vocab_size=VOCAB,
+        n_positions=16,
+        n_embd=16,
+        n_layer=4,
+        n_head=2,
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
+        bos_token_id=0,
+        eos_token_id=0,
+    )
     return GPT2LMHeadModel(cfg).double()
 
 
 def llama():
     torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=VOCAB, hidden_size=16, intermediate_size=32, num_hidden_layers=4,
-                      num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=32,
-                      bos_token_id=0, eos_token_id=0, pad_token_id=0)
+    cfg = LlamaConfig(
+        vocab_size=VOCAB,
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=4,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        max_position_embeddings=32,
+        bos_token_id=0,
+        eos_token_id=0,
+        pad_token_id=0,
+    )
     return LlamaForCausalLM(cfg).double()
 
 
@@ -59,9 +79,18 @@ def test_split_forward_equals_whole_model(build, stages):
 def test_dp_step_matches_the_loop_oracle(build, stages, mode):
     model = build()
     x, y = batch()
-    trainer = PipelineDPTrainer(model, token_loss, lambda p: torch.optim.SGD(p, lr=1.0), stages=stages,
-                                microbatches=3, noise_multiplier=0.0, max_grad_norm=0.3, expected_batch_size=1,
-                                grad_mode=mode, untie_weights=True)
+    trainer = PipelineDPTrainer(
+        model,
+        token_loss,
+        lambda p: torch.optim.SGD(p, lr=1.0),
+        stages=stages,
+        microbatches=3,
+        noise_multiplier=0.0,
+        max_grad_norm=0.3,
+        expected_batch_size=1,
+        grad_mode=mode,
+        untie_weights=True,
+    )
     before = {k: v.detach().clone() for k, v in model.named_parameters()}
     oracle_model = copy.deepcopy(model)  # untied by the trainer: the oracle trains the same untied model
     want = loop_clipped_sum(oracle_model, lambda out, t: token_loss(out.logits, t), x, y, 0.3)
@@ -76,8 +105,16 @@ def test_gpt2_tied_weights_on_one_stage_match_the_loop_oracle():
     x, y = batch()
     want = loop_clipped_sum(copy.deepcopy(model), lambda out, t: token_loss(out.logits, t), x, y, 0.3)
     before = {k: v.detach().clone() for k, v in model.named_parameters()}
-    PipelineDPTrainer(model, token_loss, lambda p: torch.optim.SGD(p, lr=1.0), stages=1, microbatches=2,
-                      noise_multiplier=0.0, max_grad_norm=0.3, expected_batch_size=1).step(x, y)
+    PipelineDPTrainer(
+        model,
+        token_loss,
+        lambda p: torch.optim.SGD(p, lr=1.0),
+        stages=1,
+        microbatches=2,
+        noise_multiplier=0.0,
+        max_grad_norm=0.3,
+        expected_batch_size=1,
+    ).step(x, y)
     got = {k: before[k] - p.detach() for k, p in model.named_parameters()}
     assert max_relative_error(got, want) < 1e-8
 
@@ -92,8 +129,17 @@ def test_tied_embedding_across_stages_matches_the_tied_loop_oracle(build, stages
     x, y = batch()
     want = loop_clipped_sum(copy.deepcopy(model), lambda out, t: token_loss(out.logits, t), x, y, 0.3)
     before = {k: v.detach().clone() for k, v in model.named_parameters()}
-    PipelineDPTrainer(model, token_loss, lambda p: torch.optim.SGD(p, lr=1.0), stages=stages, microbatches=3,
-                      noise_multiplier=0.0, max_grad_norm=0.3, expected_batch_size=1, grad_mode=mode).step(x, y)
+    PipelineDPTrainer(
+        model,
+        token_loss,
+        lambda p: torch.optim.SGD(p, lr=1.0),
+        stages=stages,
+        microbatches=3,
+        noise_multiplier=0.0,
+        max_grad_norm=0.3,
+        expected_batch_size=1,
+        grad_mode=mode,
+    ).step(x, y)
     got = {k: before[k] - p.detach() for k, p in model.named_parameters()}
     assert max_relative_error(got, want) < 1e-8
     assert model.lm_head.weight is model.get_input_embeddings().weight  # still one tensor
@@ -132,8 +178,14 @@ def test_checkpoint_loads_stage_by_stage(build, tmp_path):
             assert torch.equal(v, want), k
     # every stage materialised, the pipelined model gives the whole model's logits
     x, _ = batch()
-    blocks = [partition(model_blocks(load_pipeline_stage(str(tmp_path), stages, s, untie_weights=True),
-                                     untie_weights=True), stages, "params")[s] for s in range(stages)]
+    blocks = [
+        partition(
+            model_blocks(load_pipeline_stage(str(tmp_path), stages, s, untie_weights=True), untie_weights=True),
+            stages,
+            "params",
+        )[s]
+        for s in range(stages)
+    ]
     out = x
     for stage in blocks:
         for b in stage:
@@ -148,9 +200,17 @@ def test_activation_checkpointing_non_reentrant_is_exact_reentrant_is_refused(re
     oracle_model = copy.deepcopy(model)
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": reentrant})
     x, y = batch()
-    make = lambda: PipelineDPTrainer(model, token_loss, lambda p: torch.optim.SGD(p, lr=1.0), stages=2,  # noqa: E731
-                                     microbatches=3, noise_multiplier=0.0, max_grad_norm=0.3, expected_batch_size=1,
-                                     untie_weights=True)
+    make = lambda: PipelineDPTrainer(
+        model,
+        token_loss,
+        lambda p: torch.optim.SGD(p, lr=1.0),
+        stages=2,  # noqa: E731
+        microbatches=3,
+        noise_multiplier=0.0,
+        max_grad_norm=0.3,
+        expected_batch_size=1,
+        untie_weights=True,
+    )
     if reentrant:
         with pytest.raises(UnsupportedModelError, match="reentrant activation checkpointing.*use_reentrant': False"):
             make()
@@ -192,35 +252,65 @@ def test_padded_batches_with_attention_masks_match_the_loop_oracle(build, side, 
         oracle_model.zero_grad(set_to_none=True)
         out = oracle_model(input_ids=inputs["input_ids"][i : i + 1], attention_mask=inputs["attention_mask"][i : i + 1])
         token_loss(out.logits, labels[i : i + 1]).sum().backward()
-        norm = torch.sqrt(sum((p.grad ** 2).sum() for p in params.values() if p.grad is not None))
+        norm = torch.sqrt(sum((p.grad**2).sum() for p in params.values() if p.grad is not None))
         for k, p in params.items():
             if p.grad is not None:
                 want[k] += min(1.0, 0.3 / (float(norm) + 1e-6)) * p.grad
-    trainer = PipelineDPTrainer(model, token_loss, lambda p: torch.optim.SGD(p, lr=1.0), stages=3, microbatches=3,
-                                noise_multiplier=0.0, max_grad_norm=0.3, expected_batch_size=1, grad_mode=mode,
-                                untie_weights=True)
+    trainer = PipelineDPTrainer(
+        model,
+        token_loss,
+        lambda p: torch.optim.SGD(p, lr=1.0),
+        stages=3,
+        microbatches=3,
+        noise_multiplier=0.0,
+        max_grad_norm=0.3,
+        expected_batch_size=1,
+        grad_mode=mode,
+        untie_weights=True,
+    )
     before = {k: v.detach().clone() for k, v in model.named_parameters()}
     trainer.step(inputs, labels)
     got = {k: before[k] - p.detach() for k, p in model.named_parameters()}
     assert max_relative_error(got, want) < 1e-8
     if side == "left":  # there the masks matter (right padding sits behind the causal mask anyway)
         unmasked = copy.deepcopy(oracle_model)
-        assert max_relative_error(got, loop_clipped_sum(unmasked, lambda o, t: token_loss(o.logits, t),
-                                                        inputs["input_ids"], labels, 0.3)) > 1e-4
+        assert (
+            max_relative_error(
+                got, loop_clipped_sum(unmasked, lambda o, t: token_loss(o.logits, t), inputs["input_ids"], labels, 0.3)
+            )
+            > 1e-4
+        )
 
 
 def family(model_type, attn="sdpa", **extra):
     torch.manual_seed(0)
-    common = dict(vocab_size=VOCAB, hidden_size=16, intermediate_size=32, num_hidden_layers=3, num_attention_heads=2,
-                  num_key_value_heads=1, max_position_embeddings=32, bos_token_id=0, eos_token_id=0, pad_token_id=0)
+    common = dict(
+        vocab_size=VOCAB,
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=3,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        max_position_embeddings=32,
+        bos_token_id=0,
+        eos_token_id=0,
+        pad_token_id=0,
+    )
     if model_type in ("gemma", "gemma2"):
         common["head_dim"] = 8
     cfg = transformers.AutoConfig.for_model(model_type, **{**common, **extra})
     return transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation=attn).double()
 
 
-FAMILIES = [("mistral", {"sliding_window": None}), ("mistral", {"sliding_window": 8}), ("qwen2", {}),
-            ("qwen3", {}), ("phi3", {}), ("gemma", {}), ("gpt_neox", {})]
+FAMILIES = [
+    ("mistral", {"sliding_window": None}),
+    ("mistral", {"sliding_window": 8}),
+    ("qwen2", {}),
+    ("qwen3", {}),
+    ("phi3", {}),
+    ("gemma", {}),
+    ("gpt_neox", {}),
+]
 
 
 @pytest.mark.parametrize("model_type, extra", FAMILIES)
@@ -232,9 +322,17 @@ def test_llama_like_families_match_the_loop_oracle(model_type, extra, stages, mo
     assert (model.get_output_embeddings().weight is model.get_input_embeddings().weight) == tied
     x, y = batch()
     want = loop_clipped_sum(copy.deepcopy(model), lambda out, t: token_loss(out.logits, t), x, y, 0.3)
-    trainer = PipelineDPTrainer(model, token_loss, lambda p: torch.optim.SGD(p, lr=1.0), stages=stages,
-                                microbatches=3, noise_multiplier=0.0, max_grad_norm=0.3, expected_batch_size=1,
-                                grad_mode=mode)
+    trainer = PipelineDPTrainer(
+        model,
+        token_loss,
+        lambda p: torch.optim.SGD(p, lr=1.0),
+        stages=stages,
+        microbatches=3,
+        noise_multiplier=0.0,
+        max_grad_norm=0.3,
+        expected_batch_size=1,
+        grad_mode=mode,
+    )
     before = {k: v.detach().clone() for k, v in model.named_parameters()}
     trainer.step(x, y)
     got = {k: before[k] - p.detach() for k, p in model.named_parameters()}

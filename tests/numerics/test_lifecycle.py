@@ -1,5 +1,6 @@
 """The trainer leaves the user's module as it found it: its hooks come off on close(), on
 leaving a with-block, and when the trainer is garbage-collected."""
+
 import copy
 import gc
 
@@ -14,8 +15,14 @@ def hook_count(model):
 
 
 def make(model):
-    return PipelineDPTrainer(model, lambda out, y: torch.nn.functional.cross_entropy(out, y, reduction="none"),
-                             stages=2, microbatches=2, expected_batch_size=4, noise_multiplier=0.0)
+    return PipelineDPTrainer(
+        model,
+        lambda out, y: torch.nn.functional.cross_entropy(out, y, reduction="none"),
+        stages=2,
+        microbatches=2,
+        expected_batch_size=4,
+        noise_multiplier=0.0,
+    )
 
 
 def test_hooks_come_off_on_close_with_and_collection():

@@ -1,5 +1,6 @@
 """Noise: std sigma*C/expected_batch_size per coordinate, independent across stages,
 reproducible from the seed, and an empty batch is a noise-only update."""
+
 import math
 
 import pytest
@@ -26,8 +27,15 @@ def params_after(noise, seed=0, x=None, y=None, stages=3, **kw):
     args = dict(max_grad_norm=CLIP)
     args.update(kw)
     t = PipelineDPTrainer(
-        m, class_loss, lambda p: torch.optim.SGD(p, lr=1.0), stages=stages, microbatches=2,
-        noise_multiplier=noise, expected_batch_size=EBS, seed=seed, **args,
+        m,
+        class_loss,
+        lambda p: torch.optim.SGD(p, lr=1.0),
+        stages=stages,
+        microbatches=2,
+        noise_multiplier=noise,
+        expected_batch_size=EBS,
+        seed=seed,
+        **args,
     )
     g = torch.Generator().manual_seed(5)
     if x is None:

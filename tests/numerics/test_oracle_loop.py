@@ -3,6 +3,7 @@
 SGD with lr=1 and expected_batch_size=1 turns the parameter change into minus the clipped
 sum, so the trainer is observed only through the model's parameters.
 """
+
 import copy
 
 import pytest
@@ -24,8 +25,13 @@ def class_loss(out, y):
 def pipedp_clipped_sum(model, loss_fn, x, y, clip, **kw):
     before = {k: v.detach().clone() for k, v in model.named_parameters()}
     trainer = PipelineDPTrainer(
-        model, loss_fn, lambda p: torch.optim.SGD(p, lr=1.0), noise_multiplier=0.0, max_grad_norm=clip,
-        expected_batch_size=1, **kw,
+        model,
+        loss_fn,
+        lambda p: torch.optim.SGD(p, lr=1.0),
+        noise_multiplier=0.0,
+        max_grad_norm=clip,
+        expected_batch_size=1,
+        **kw,
     )
     trainer.step(x, y)
     return {k: before[k] - p.detach() for k, p in model.named_parameters()}
@@ -120,8 +126,18 @@ def test_per_stage_clipping_matches_group_wise_loop(schedule):
     groups = [(("0.", "1.", "2."), norms[0]), (("3.", "4."), norms[1]), (("5.", "6."), norms[2])]
     want = loop_clipped_sum(copy.deepcopy(model), class_loss, x, y, None, groups=groups)
     flat = loop_clipped_sum(copy.deepcopy(model), class_loss, x, y, 0.1)
-    got = pipedp_clipped_sum(model, class_loss, x, y, norms, stages=3, microbatches=2, schedule=schedule,
-                             clipping="per_stage", balance="uniform")
+    got = pipedp_clipped_sum(
+        model,
+        class_loss,
+        x,
+        y,
+        norms,
+        stages=3,
+        microbatches=2,
+        schedule=schedule,
+        clipping="per_stage",
+        balance="uniform",
+    )
     assert max_relative_error(got, want) < 1e-10
     assert max_relative_error(got, flat) > 1e-3  # really a different rule from flat clipping
 
@@ -148,8 +164,18 @@ def test_per_layer_clipping_matches_the_layer_wise_loop(schedule, mode):
     clips = {layer: 0.01 * (1 + i % 3) for i, layer in enumerate(sorted(layers))}
     groups = [((layer + ".",), c) for layer, c in clips.items()]
     want = loop_clipped_sum(copy.deepcopy(model), token_loss, x, y, None, groups=groups)
-    got = pipedp_clipped_sum(model, token_loss, x, y, clips, stages=3, microbatches=3, schedule=schedule,
-                             clipping="per_layer", grad_mode=mode)
+    got = pipedp_clipped_sum(
+        model,
+        token_loss,
+        x,
+        y,
+        clips,
+        stages=3,
+        microbatches=3,
+        schedule=schedule,
+        clipping="per_layer",
+        grad_mode=mode,
+    )
     assert max_relative_error(got, want) < 1e-10
     flat = loop_clipped_sum(copy.deepcopy(model), token_loss, x, y, 0.03)
     assert max_relative_error(got, flat) > 1e-3
@@ -175,7 +201,6 @@ def test_a_fully_frozen_stage_trains_the_rest_exactly(mode, tmp_path):
         p.requires_grad_(False)
     x, y = torch.randn(9, 5, dtype=torch.float64), torch.randint(0, 3, (9,))
     want = loop_clipped_sum(copy.deepcopy(model), class_loss, x, y, 0.05)
-    got = pipedp_clipped_sum(model, class_loss, x, y, 0.05, stages=3, microbatches=2, grad_mode=mode,
-                             balance="uniform")
+    got = pipedp_clipped_sum(model, class_loss, x, y, 0.05, stages=3, microbatches=2, grad_mode=mode, balance="uniform")
     assert max_relative_error({k: v for k, v in got.items() if k in want}, want) < 1e-10
     assert all(float(got[k].abs().max()) == 0 for k in ("0.weight", "0.bias", "2.weight", "2.bias"))

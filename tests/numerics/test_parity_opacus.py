@@ -1,4 +1,5 @@
 """The pipelined DP-SGD step equals Opacus's on one device (noise 0), over the whole grid."""
+
 import functools
 
 import pytest
@@ -40,8 +41,16 @@ def reference(model_name, n, mode, dtype):
 def run_pipedp(model_name, n, mode, dtype, stages, microbatches, schedule):
     model, x, y, loss_fn, _ = make_case(model_name, n, dtype)
     trainer = PipelineDPTrainer(
-        model, loss_fn, lambda p: torch.optim.SGD(p, lr=LR), stages=stages, microbatches=microbatches,
-        schedule=schedule, noise_multiplier=0.0, max_grad_norm=CLIP, expected_batch_size=n, grad_mode=mode,
+        model,
+        loss_fn,
+        lambda p: torch.optim.SGD(p, lr=LR),
+        stages=stages,
+        microbatches=microbatches,
+        schedule=schedule,
+        noise_multiplier=0.0,
+        max_grad_norm=CLIP,
+        expected_batch_size=n,
+        grad_mode=mode,
     )
     trainer.step(x, y)
     return trainer.state_dict()

@@ -1,5 +1,6 @@
 """PEFT LoRA through the pipeline: LoRA on linear layers equals the batch-size-1 loop oracle; LoRA on
 an embedding (its weights used outside any module call) is refused by name, no longer silently wrong."""
+
 import copy
 
 import pytest
@@ -15,12 +16,20 @@ from pipedp.models import token_loss  # noqa: E402
 
 def lora_llama(targets, modules_to_save=None):
     torch.manual_seed(0)
-    cfg = transformers.LlamaConfig(vocab_size=40, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
-                                   num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=32,
-                                   tie_word_embeddings=False)
+    cfg = transformers.LlamaConfig(
+        vocab_size=40,
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        max_position_embeddings=32,
+        tie_word_embeddings=False,
+    )
     model = transformers.LlamaForCausalLM(cfg).double()
-    lora = peft.get_peft_model(model, peft.LoraConfig(r=4, target_modules=targets, init_lora_weights=False,
-                                                      modules_to_save=modules_to_save))
+    lora = peft.get_peft_model(
+        model, peft.LoraConfig(r=4, target_modules=targets, init_lora_weights=False, modules_to_save=modules_to_save)
+    )
     return lora.base_model.model  # the LlamaForCausalLM with LoRA layers inside
 
 
@@ -30,15 +39,26 @@ def batch():
 
 
 @pytest.mark.parametrize("mode", ["ghost", "materialize", "keep"])
-@pytest.mark.parametrize("targets, saved", [(["q_proj", "v_proj", "down_proj"], None), ("all-linear", None),
-                                            (["q_proj", "v_proj"], ["lm_head"])])
+@pytest.mark.parametrize(
+    "targets, saved",
+    [(["q_proj", "v_proj", "down_proj"], None), ("all-linear", None), (["q_proj", "v_proj"], ["lm_head"])],
+)
 def test_lora_on_linear_layers_matches_the_loop_oracle(mode, targets, saved):
     model = lora_llama(targets, saved)
     x, y = batch()
     want = loop_clipped_sum(copy.deepcopy(model), lambda out, t: token_loss(out.logits, t), x, y, 0.05)
     before = {k: v.detach().clone() for k, v in model.named_parameters()}
-    PipelineDPTrainer(model, token_loss, lambda p: torch.optim.SGD(p, lr=1.0), stages=2, microbatches=3,
-                      noise_multiplier=0.0, max_grad_norm=0.05, expected_batch_size=1, grad_mode=mode).step(x, y)
+    PipelineDPTrainer(
+        model,
+        token_loss,
+        lambda p: torch.optim.SGD(p, lr=1.0),
+        stages=2,
+        microbatches=3,
+        noise_multiplier=0.0,
+        max_grad_norm=0.05,
+        expected_batch_size=1,
+        grad_mode=mode,
+    ).step(x, y)
     got = {k: before[k] - p.detach() for k, p in model.named_parameters()}
     assert max_relative_error(got, want) < 1e-8
     assert any("lora_A" in k and float(v.abs().max()) > 0 for k, v in got.items())
@@ -64,8 +84,16 @@ def test_a_peft_model_is_accepted_directly_under_its_own_names():
     model.base_model.model.load_state_dict(inner.state_dict())  # the same weights as the inner-model run
     x, y = batch()
     want = loop_clipped_sum(copy.deepcopy(inner), lambda out, t: token_loss(out.logits, t), x, y, 0.05)
-    trainer = PipelineDPTrainer(model, token_loss, lambda p: torch.optim.SGD(p, lr=1.0), stages=2, microbatches=3,
-                                noise_multiplier=0.0, max_grad_norm=0.05, expected_batch_size=1)
+    trainer = PipelineDPTrainer(
+        model,
+        token_loss,
+        lambda p: torch.optim.SGD(p, lr=1.0),
+        stages=2,
+        microbatches=3,
+        noise_multiplier=0.0,
+        max_grad_norm=0.05,
+        expected_batch_size=1,
+    )
     before = {k: v.detach().clone() for k, v in model.named_parameters()}
     trainer.step(x, y)
     state = trainer.state_dict()
@@ -76,21 +104,43 @@ def test_a_peft_model_is_accepted_directly_under_its_own_names():
 
 def test_save_pretrained_round_trips_a_model_and_an_adapter(tmp_path):
     x, y = batch()
-    cfg = transformers.LlamaConfig(vocab_size=40, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
-                                   num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=32)
+    cfg = transformers.LlamaConfig(
+        vocab_size=40,
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        max_position_embeddings=32,
+    )
     torch.manual_seed(0)
     plain = transformers.LlamaForCausalLM(cfg).double()
-    trainer = PipelineDPTrainer(plain, token_loss, lambda p: torch.optim.SGD(p, lr=0.5), stages=2, microbatches=2,
-                                noise_multiplier=1.0, expected_batch_size=6)
+    trainer = PipelineDPTrainer(
+        plain,
+        token_loss,
+        lambda p: torch.optim.SGD(p, lr=0.5),
+        stages=2,
+        microbatches=2,
+        noise_multiplier=1.0,
+        expected_batch_size=6,
+    )
     trainer.step(x, y)
     trainer.save_pretrained(str(tmp_path / "model"))
     reloaded = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "model")).double()
     assert torch.equal(reloaded(x).logits, plain(x).logits)
 
-    lora = peft.get_peft_model(copy.deepcopy(reloaded), peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj"],
-                                                                       init_lora_weights=False))
-    trainer = PipelineDPTrainer(lora, token_loss, lambda p: torch.optim.SGD(p, lr=0.5), stages=2, microbatches=2,
-                                noise_multiplier=1.0, expected_batch_size=6)
+    lora = peft.get_peft_model(
+        copy.deepcopy(reloaded), peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj"], init_lora_weights=False)
+    )
+    trainer = PipelineDPTrainer(
+        lora,
+        token_loss,
+        lambda p: torch.optim.SGD(p, lr=0.5),
+        stages=2,
+        microbatches=2,
+        noise_multiplier=1.0,
+        expected_batch_size=6,
+    )
     trainer.step(x, y)
     trainer.save_pretrained(str(tmp_path / "adapter"))
     adapted = peft.PeftModel.from_pretrained(copy.deepcopy(reloaded), str(tmp_path / "adapter"))
@@ -99,10 +149,18 @@ def test_save_pretrained_round_trips_a_model_and_an_adapter(tmp_path):
 
 
 def test_dora_is_refused_by_name():
-    cfg = transformers.LlamaConfig(vocab_size=40, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
-                                   num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=32)
-    model = peft.get_peft_model(transformers.LlamaForCausalLM(cfg),
-                                peft.LoraConfig(r=4, target_modules=["q_proj"], use_dora=True))
+    cfg = transformers.LlamaConfig(
+        vocab_size=40,
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        max_position_embeddings=32,
+    )
+    model = peft.get_peft_model(
+        transformers.LlamaForCausalLM(cfg), peft.LoraConfig(r=4, target_modules=["q_proj"], use_dora=True)
+    )
     with pytest.raises(UnsupportedModelError, match=r"q_proj' is a DoRA adapter.*use plain LoRA"):
         PipelineDPTrainer(model, token_loss, stages=2, expected_batch_size=4)
 
@@ -119,8 +177,16 @@ def test_a_peft_model_around_a_traced_two_input_model_matches_the_loop_oracle():
     x, y = {"ids": ids, "mask": torch.ones_like(ids)}, torch.randint(0, 11, (5, 4), generator=g)
     want = loop_clipped_sum(copy.deepcopy(base), token_loss, x, y, 0.05)
     before = {k: v.detach().clone() for k, v in base.named_parameters()}
-    PipelineDPTrainer(model, token_loss, lambda p: torch.optim.SGD(p, lr=1.0), stages=2, microbatches=2,
-                      noise_multiplier=0.0, max_grad_norm=0.05, expected_batch_size=1).step(x, y)
+    PipelineDPTrainer(
+        model,
+        token_loss,
+        lambda p: torch.optim.SGD(p, lr=1.0),
+        stages=2,
+        microbatches=2,
+        noise_multiplier=0.0,
+        max_grad_norm=0.05,
+        expected_batch_size=1,
+    ).step(x, y)
     got = {k: before[k] - p.detach() for k, p in base.named_parameters()}
     assert max_relative_error(got, want) < 1e-10
     assert any("lora_A" in k and float(v.abs().max()) > 0 for k, v in got.items())

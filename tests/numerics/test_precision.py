@@ -1,5 +1,6 @@
 """bf16-mixed: bf16 autocast forward, float32 master weights, per-sample norms and clipped sums in
 float32. Compared with a float64 loop oracle and with a bf16-autocast single-device loop."""
+
 import copy
 
 import pytest
@@ -45,9 +46,18 @@ def test_bf16_mixed_is_close_to_float64_and_to_a_bf16_autocast_loop(mode):
     same_precision = autocast_loop(model(), x, y)
     m = model()
     before = {k: v.detach().clone() for k, v in m.named_parameters()}
-    t = PipelineDPTrainer(m, token_loss, lambda p: torch.optim.SGD(p, lr=1.0, momentum=0.9), stages=2,
-                          microbatches=3, noise_multiplier=0.0, max_grad_norm=CLIP, expected_batch_size=1,
-                          grad_mode=mode, precision="bf16-mixed")
+    t = PipelineDPTrainer(
+        m,
+        token_loss,
+        lambda p: torch.optim.SGD(p, lr=1.0, momentum=0.9),
+        stages=2,
+        microbatches=3,
+        noise_multiplier=0.0,
+        max_grad_norm=CLIP,
+        expected_batch_size=1,
+        grad_mode=mode,
+        precision="bf16-mixed",
+    )
     t.step(x, y)
     got = {k: (before[k] - p.detach()).double() for k, p in m.named_parameters()}
     assert all(p.dtype == torch.float32 for p in m.parameters())  # master weights stay float32
@@ -72,9 +82,18 @@ def test_bf16_true_trains_bf16_weights_with_float32_per_sample_arithmetic(mode):
     same_weights = model().to(torch.bfloat16).double()  # the oracle on the very bf16 weights, in float64
     exact = loop_clipped_sum(same_weights, token_loss, x, y, CLIP)
     m = model()
-    t = PipelineDPTrainer(m, token_loss, lambda p: RecordingSGD(p, lr=1.0, momentum=0.9), stages=2,
-                          microbatches=3, noise_multiplier=0.0, max_grad_norm=CLIP, expected_batch_size=1,
-                          grad_mode=mode, precision="bf16-true")
+    t = PipelineDPTrainer(
+        m,
+        token_loss,
+        lambda p: RecordingSGD(p, lr=1.0, momentum=0.9),
+        stages=2,
+        microbatches=3,
+        noise_multiplier=0.0,
+        max_grad_norm=CLIP,
+        expected_batch_size=1,
+        grad_mode=mode,
+        precision="bf16-true",
+    )
     t.step(x, y)
     assert all(p.dtype == torch.bfloat16 for p in m.parameters())
     assert all(v["momentum_buffer"].dtype == torch.bfloat16 for opt in t.state.optimizers for v in opt.state.values())

@@ -1,4 +1,5 @@
 """Sampling, padding, virtual steps, accounting, budget guard, secure mode, checkpoints."""
+
 import os
 
 import pytest
@@ -30,11 +31,19 @@ def model():
 
 
 def trainer(m=None, **kw):
-    args = dict(stages=2, microbatches=2, noise_multiplier=0.8, max_grad_norm=0.5, expected_batch_size=10,
-                sample_rate=0.05, seed=11)
+    args = dict(
+        stages=2,
+        microbatches=2,
+        noise_multiplier=0.8,
+        max_grad_norm=0.5,
+        expected_batch_size=10,
+        sample_rate=0.05,
+        seed=11,
+    )
     args.update(kw)
-    return PipelineDPTrainer(m if m is not None else model(), class_loss,
-                             lambda p: torch.optim.SGD(p, lr=0.2, momentum=0.9), **args)
+    return PipelineDPTrainer(
+        m if m is not None else model(), class_loss, lambda p: torch.optim.SGD(p, lr=0.2, momentum=0.9), **args
+    )
 
 
 def test_empirical_sample_rate():
@@ -58,9 +67,18 @@ def test_padded_rows_change_nothing():
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
 def test_virtual_steps_match_opacus_on_the_whole_batch(schedule):
     x, y = data(23)
-    t = PipelineDPTrainer(model(), class_loss, lambda p: torch.optim.SGD(p, lr=0.5), stages=2, microbatches=2,
-                          microbatch_size=3, schedule=schedule, noise_multiplier=0.0, max_grad_norm=0.05,
-                          expected_batch_size=23)  # 23 rows in passes of 2 x 3 rows: 4 passes, one step
+    t = PipelineDPTrainer(
+        model(),
+        class_loss,
+        lambda p: torch.optim.SGD(p, lr=0.5),
+        stages=2,
+        microbatches=2,
+        microbatch_size=3,
+        schedule=schedule,
+        noise_multiplier=0.0,
+        max_grad_norm=0.05,
+        expected_batch_size=23,
+    )  # 23 rows in passes of 2 x 3 rows: 4 passes, one step
     t.step(x, y)
     want = opacus_step(model(), x, y, token_model=False, mode="hooks", max_grad_norm=0.05, lr=0.5)
     assert max_relative_error(t.model.state_dict(), want) < 1e-10
@@ -85,7 +103,8 @@ def test_calibrated_sigma_reaches_target_epsilon():
     eps = ref.get_epsilon(delta=1e-5)
     assert eps <= 3.0 and 3.0 - eps < 0.01  # Opacus's get_noise_multiplier tolerance
     assert t.noise_multiplier == pytest.approx(
-        get_noise_multiplier(target_epsilon=3.0, target_delta=1e-5, sample_rate=0.05, steps=50, accountant="rdp"))
+        get_noise_multiplier(target_epsilon=3.0, target_delta=1e-5, sample_rate=0.05, steps=50, accountant="rdp")
+    )
 
 
 def test_unreachable_target_epsilon_is_a_clear_error():
@@ -114,7 +133,9 @@ def test_resume_equals_an_uninterrupted_run(tmp_path):
     resumed = trainer()
     result = resumed.fit(data(), steps=6, checkpoint_dir=str(tmp_path), resume=True)
     assert result.steps == 6
-    assert all(torch.equal(a, b) for a, b in zip(straight.model.state_dict().values(), resumed.model.state_dict().values()))
+    assert all(
+        torch.equal(a, b) for a, b in zip(straight.model.state_dict().values(), resumed.model.state_dict().values())
+    )
     assert resumed.epsilon(1e-5) == straight.epsilon(1e-5)
     assert max_relative_error(resumed.model.state_dict(), model().state_dict()) > 1e-3
 

@@ -1,5 +1,6 @@
 """load_stage: a model built on the meta device gets only one stage's tensors, from a file, a folder
 of shards or a mapping; what cannot be loaded is refused by name."""
+
 import pytest
 import torch
 from safetensors.torch import save_file

@@ -1,5 +1,6 @@
 """The automatic split (no marks, no wrapper) where several tensors cross a cut, against the loop oracle;
 the graph-level refusals; and the forward's inputs as a dict."""
+
 import copy
 
 import pytest
@@ -35,12 +36,14 @@ def step_update(model, trainer, x, y):
 
 def class_step_error(model, x, y, clip=0.1):
     """One noise-free step on 2 stages (a classifier) against the loop oracle: the max relative error."""
+
     def ce(o, t):
         return F.cross_entropy(o, t, reduction="none")
 
     want = loop_clipped_sum(copy.deepcopy(model), ce, x, y, clip)
-    trainer = PipelineDPTrainer(model, ce, sgd, stages=2, microbatches=2, noise_multiplier=0.0, max_grad_norm=clip,
-                                expected_batch_size=1)
+    trainer = PipelineDPTrainer(
+        model, ce, sgd, stages=2, microbatches=2, noise_multiplier=0.0, max_grad_norm=clip, expected_batch_size=1
+    )
     return max_relative_error(step_update(model, trainer, x, y), want)
 
 
@@ -49,8 +52,17 @@ def class_step_error(model, x, y, clip=0.1):
 def test_a_long_skip_connection_crosses_the_split(stages, mode):
     torch.manual_seed(0)
     model = LoopNet(skip=True).double()  # the input reaches the output: two tensors cross every cut
-    trainer = PipelineDPTrainer(model, seq_loss, sgd, stages=stages, microbatches=3, noise_multiplier=0.0,
-                                max_grad_norm=0.05, expected_batch_size=1, grad_mode=mode)
+    trainer = PipelineDPTrainer(
+        model,
+        seq_loss,
+        sgd,
+        stages=stages,
+        microbatches=3,
+        noise_multiplier=0.0,
+        max_grad_norm=0.05,
+        expected_batch_size=1,
+        grad_mode=mode,
+    )
     g = torch.Generator().manual_seed(1)
     for n, t in ((9, 6), (4, 3)):  # one trainer, other batch sizes and sequence lengths (padding included)
         x, y = torch.randn(n, t, 5, generator=g, dtype=torch.float64), torch.randint(0, 3, (n, t), generator=g)
@@ -63,8 +75,17 @@ def test_a_long_skip_connection_crosses_the_split(stages, mode):
 def test_two_inputs_a_mask_and_the_embedding_reused_at_the_end(stages, mode):
     torch.manual_seed(0)
     model = MaskedNet().double()
-    trainer = PipelineDPTrainer(model, seq_loss, sgd, stages=stages, microbatches=2, noise_multiplier=0.0,
-                                max_grad_norm=0.1, expected_batch_size=1, grad_mode=mode)
+    trainer = PipelineDPTrainer(
+        model,
+        seq_loss,
+        sgd,
+        stages=stages,
+        microbatches=2,
+        noise_multiplier=0.0,
+        max_grad_norm=0.1,
+        expected_batch_size=1,
+        grad_mode=mode,
+    )
     assert list(trainer.state_dict()) == list(model.state_dict())  # the model's own names
     g = torch.Generator().manual_seed(2)
     for n, t in ((7, 5), (3, 9)):
@@ -109,8 +130,17 @@ def test_the_automatic_split_of_a_skip_model_equals_the_hand_made_one():
     g = torch.Generator().manual_seed(2)
     x, y = torch.randn(8, 4, 5, generator=g, dtype=torch.float64), torch.randint(0, 3, (8, 4), generator=g)
     for model in (auto, by_hand):
-        PipelineDPTrainer(model, seq_loss, sgd, stages=2, microbatches=2, noise_multiplier=1.0, max_grad_norm=0.05,
-                          expected_batch_size=8, seed=3).step(x, y)
+        PipelineDPTrainer(
+            model,
+            seq_loss,
+            sgd,
+            stages=2,
+            microbatches=2,
+            noise_multiplier=1.0,
+            max_grad_norm=0.05,
+            expected_batch_size=8,
+            seed=3,
+        ).step(x, y)
     assert max_relative_error(auto.state_dict(), by_hand.state_dict()) < 1e-12
 
 
@@ -118,8 +148,9 @@ def test_measured_costs_balance_a_model_with_dict_inputs():
     torch.manual_seed(0)
     model = MaskedNet().double()
     x, _ = masked_data(4, 6, torch.Generator().manual_seed(3))
-    trainer = PipelineDPTrainer(model, seq_loss, stages=2, microbatches=2, expected_batch_size=4,
-                                balance=measured_costs(x, repeats=1))
+    trainer = PipelineDPTrainer(
+        model, seq_loss, stages=2, microbatches=2, expected_batch_size=4, balance=measured_costs(x, repeats=1)
+    )
     report = trainer.partition_report
     assert report.unit == "seconds" and len(report.stage_costs) == 2 and min(report.stage_costs) > 0
     assert sum(report.blocks_per_stage) == len(model_blocks(model))
@@ -157,8 +188,12 @@ def test_a_module_called_twice_stays_on_one_stage_and_is_exact():
     holding = [k for k, b in enumerate(blocks) if any(p is model.shared.weight for p in b.module.parameters())]
     assert holding == [0]  # both calls in one block: no cut between them
     g = torch.Generator().manual_seed(4)
-    assert class_step_error(model, torch.randn(6, 6, generator=g, dtype=torch.float64),
-                            torch.randint(0, 6, (6,), generator=g)) < 1e-10
+    assert (
+        class_step_error(
+            model, torch.randn(6, 6, generator=g, dtype=torch.float64), torch.randint(0, 6, (6,), generator=g)
+        )
+        < 1e-10
+    )
 
 
 def test_what_the_graph_shows_cannot_be_clipped_is_refused_by_name():
@@ -224,8 +259,12 @@ def test_pipe_split_marks_in_a_plain_module_choose_the_cut_and_several_tensors_c
     assert len(blocks) == 2  # only the mark: no cut between a and b although one tensor crosses there
     assert {n for n, _ in blocks[0].module.named_parameters()} == {"a.weight", "a.bias", "b.weight", "b.bias"}
     g = torch.Generator().manual_seed(7)
-    assert class_step_error(model, torch.randn(6, 4, generator=g, dtype=torch.float64),
-                            torch.randint(0, 3, (6,), generator=g)) < 1e-10
+    assert (
+        class_step_error(
+            model, torch.randn(6, 4, generator=g, dtype=torch.float64), torch.randint(0, 3, (6,), generator=g)
+        )
+        < 1e-10
+    )
     import torch.distributed.pipelining._IR as ir
 
     assert torch.ops.pippy._pipe_split is not None and ir.pipe_split() is None  # the op is restored after tracing
@@ -267,8 +306,16 @@ def test_a_plain_model_with_its_head_tied_to_its_embedding_is_exact_across_stage
     model = TiedLM().double()
     x, y = tied_batch(torch.Generator().manual_seed(1))
     want = loop_clipped_sum(copy.deepcopy(model), seq_loss, x, y, 0.1)
-    trainer = PipelineDPTrainer(model, seq_loss, sgd, stages=stages, microbatches=2, noise_multiplier=0.0,
-                                max_grad_norm=0.1, expected_batch_size=1)
+    trainer = PipelineDPTrainer(
+        model,
+        seq_loss,
+        sgd,
+        stages=stages,
+        microbatches=2,
+        noise_multiplier=0.0,
+        max_grad_norm=0.1,
+        expected_batch_size=1,
+    )
     assert max_relative_error(step_update(model, trainer, x, y), want) < 1e-10
 
 
@@ -279,6 +326,7 @@ def test_a_tie_the_cross_term_cannot_follow_is_refused_by_name():
     shifted = PipelineDPTrainer(TiedLM(shift=3).double(), seq_loss, stages=2, microbatches=2, expected_batch_size=5)
     with pytest.raises(UnsupportedModelError, match="tied embedding 'embed' must read the micro-batch's token ids"):
         shifted.step(x, y)
+
     class TiedByIds(TiedLM):
         def forward(self, ids, mask):  # the ids under another name than input_ids
             return super().forward(ids, mask)

@@ -1,6 +1,7 @@
 """The layering of the package, read from the source with ``ast``: no import cycle, and no
 module imports a layer above its own. Imports inside functions count (they are still
 dependencies); imports under ``if TYPE_CHECKING:`` do not (they never run)."""
+
 import ast
 import os
 from typing import Dict, List, Optional, Set
@@ -10,7 +11,11 @@ PACKAGES = ("pipedp", "schedules")
 
 # the layer of each part; a module may import only parts of its own layer or below
 LAYERS = {
-    "schedules": 0, "pipedp.errors": 0, "pipedp.config": 0, "pipedp.models": 0, "pipedp.data": 0,
+    "schedules": 0,
+    "pipedp.errors": 0,
+    "pipedp.config": 0,
+    "pipedp.models": 0,
+    "pipedp.data": 0,
     "pipedp.privacy": 1,
     "pipedp.split": 2,
     "pipedp.runtime": 3,
@@ -38,7 +43,8 @@ def module_files() -> Dict[str, str]:
 def _is_type_checking(node: ast.If) -> bool:
     test = node.test
     return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
-        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING")
+        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING"
+    )
 
 
 def _runtime_nodes(tree: ast.AST):
@@ -102,7 +108,7 @@ def find_cycle(edges: Dict[str, Set[str]]) -> Optional[List[str]]:
         path.append(m)
         for n in sorted(edges.get(m, ())):
             if state.get(n) == 1:
-                return path[path.index(n):] + [n]
+                return path[path.index(n) :] + [n]
             if n not in state:
                 cycle = visit(n)
                 if cycle:
@@ -127,7 +133,9 @@ def test_no_import_cycle():
 def test_every_import_respects_the_layer_order():
     wrong = [
         f"{m} (layer {layer_of(m)}) imports {n} (layer {layer_of(n)})"
-        for m, targets in graph().items() for n in sorted(targets) if layer_of(n) > layer_of(m)
+        for m, targets in graph().items()
+        for n in sorted(targets)
+        if layer_of(n) > layer_of(m)
     ]
     assert not wrong, "imports against the layer order:\n  " + "\n  ".join(wrong)
 

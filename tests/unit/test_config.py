@@ -1,5 +1,6 @@
 """The one configuration: validation, the steps-for-epochs rule, the CLI flags generated from it,
 and the independence of the random streams."""
+
 import argparse
 import dataclasses
 import math
@@ -13,17 +14,20 @@ from pipedp.config import split_options, steps_for_epochs
 from pipedp.privacy.streams import Stream, stream_seed
 
 
-@pytest.mark.parametrize("cls, field, value, message", [
-    (PipelineConfig, "stages", 0, "stages: must be >= 1, got 0"),
-    (PipelineConfig, "microbatches", 2.5, "microbatches: must be an integer"),
-    (PipelineConfig, "schedule", "pipedream", "unknown schedule 'pipedream'"),
-    (PipelineConfig, "grad_mode", "fast", "unknown grad_mode 'fast'"),
-    (PrivacyConfig, "max_grad_norm", math.inf, "max_grad_norm: must be > 0 and finite"),
-    (PrivacyConfig, "noise_multiplier", math.nan, "noise_multiplier: must be >= 0 and finite"),
-    (PrivacyConfig, "delta", 0.0, "delta: must be in (0, 1)"),
-    (PrivacyConfig, "sample_rate", 1.5, "sample_rate: must be in (0, 1]"),
-    (PrivacyConfig, "accountant", "moments", "unknown accountant 'moments'"),
-])
+@pytest.mark.parametrize(
+    "cls, field, value, message",
+    [
+        (PipelineConfig, "stages", 0, "stages: must be >= 1, got 0"),
+        (PipelineConfig, "microbatches", 2.5, "microbatches: must be an integer"),
+        (PipelineConfig, "schedule", "pipedream", "unknown schedule 'pipedream'"),
+        (PipelineConfig, "grad_mode", "fast", "unknown grad_mode 'fast'"),
+        (PrivacyConfig, "max_grad_norm", math.inf, "max_grad_norm: must be > 0 and finite"),
+        (PrivacyConfig, "noise_multiplier", math.nan, "noise_multiplier: must be >= 0 and finite"),
+        (PrivacyConfig, "delta", 0.0, "delta: must be in (0, 1)"),
+        (PrivacyConfig, "sample_rate", 1.5, "sample_rate: must be in (0, 1]"),
+        (PrivacyConfig, "accountant", "moments", "unknown accountant 'moments'"),
+    ],
+)
 def test_validate_names_the_field(cls, field, value, message):
     base = cls(expected_batch_size=8) if cls is PrivacyConfig else cls()
     with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)").replace("[", r"\[")) as info:

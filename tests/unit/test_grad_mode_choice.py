@@ -1,5 +1,6 @@
 """The per-layer choice between ghost norms and materialised per-sample gradients (moved from
 bench/, where CI never ran it). That both give the same norms is the parity tests' job."""
+
 import torch
 import torch.nn as nn
 
@@ -17,7 +18,9 @@ def test_per_sample_gradients_are_kept_from_i_to_w_where_they_are_small():
     from pipedp.privacy.per_sample import keeps_per_sample_grads
 
     def keeps(d_in, d_out, tokens, n=4):
-        return keeps_per_sample_grads(nn.Linear(d_in, d_out), [torch.randn(n, tokens, d_in)], torch.randn(n, tokens, d_out))
+        return keeps_per_sample_grads(
+            nn.Linear(d_in, d_out), [torch.randn(n, tokens, d_in)], torch.randn(n, tokens, d_out)
+        )
 
     assert keeps(32, 96, 256)  # 3k per sample <= 256 x 128 held: kept (W a weighted sum, no Gram matrices)
     assert not keeps(128, 384, 64)  # 49k > 64 x 512 held: ghost norms in I, the clipped product in W

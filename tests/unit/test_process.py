@@ -1,4 +1,5 @@
 """settle_process: the process-wide settings an application applies once its trainer is built."""
+
 import platform
 import subprocess
 import sys

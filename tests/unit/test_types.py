@@ -1,5 +1,6 @@
 """mypy over the seams (configured in pyproject.toml): both runtimes, both transports and their
 pending reductions must conform to the Protocols in pipedp/runtime/protocols.py."""
+
 import os
 import subprocess
 import sys
