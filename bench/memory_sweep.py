@@ -22,7 +22,6 @@ import torch.distributed as dist
 import torch.distributed.pipelining  # noqa: F401  (imported before any measured phase)
 
 import pipedp.train.trainer  # noqa: F401
-
 from pipedp.models import GPTConfig
 from pipedp.runtime.launch import launch
 

@@ -22,11 +22,10 @@ import torch
 import torch.distributed as dist
 
 import schedules
-from schedules import Kind
-
 from pipedp.runtime.launch import launch
 from pipedp.runtime.stage import Stage
 from pipedp.split.adapters import model_blocks
+from schedules import Kind
 
 from .presets import PRESETS
 

@@ -11,9 +11,9 @@ import pytest
 import torch
 import torch.nn as nn
 
-from pipedp.privacy.per_sample import clipped_grad_sum, per_sample_grads
 from pipedp.privacy.clipping import clip_factors
 from pipedp.privacy.noise import add_noise
+from pipedp.privacy.per_sample import clipped_grad_sum, per_sample_grads
 
 BATCH = 16
 

@@ -10,9 +10,8 @@ import argparse
 
 import torch
 
-from pipedp import PipelineDPTrainer
+from pipedp import PipelineDPTrainer, init_from_env
 from pipedp.data import CharTokenizer, generated_corpus, windows
-from pipedp import init_from_env
 from pipedp.models import GPTConfig, tiny_gpt, token_loss
 
 

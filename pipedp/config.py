@@ -258,7 +258,8 @@ def describe(config: Any, only_resume: bool = False) -> Dict[str, Any]:
         if isinstance(value, tuple):
             value = list(value)
         elif value is not None and not isinstance(value, (bool, int, float, str, list, dict)):
-            value = getattr(value, "describe", lambda: type(value).__name__)()  # a balance rule: by name
+            describe_rule = getattr(value, "describe", None)  # a balance rule: by name
+            value = describe_rule() if describe_rule is not None else type(value).__name__
         out[f.name] = value
     return out
 

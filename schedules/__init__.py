@@ -7,9 +7,9 @@ package (the design card fixes the folder), so it can be used and tested on its 
 from .actions import COMPUTE_KINDS, Action, Kind, Schedule
 from .builders import gpipe, one_f_one_b
 from .registry import BUILDERS, build, canonical_name
-from .zero_bubble import dp_zero_bubble
 from .simulator import DeadlockError, SimResult, simulate
 from .validator import ScheduleError, validate
+from .zero_bubble import dp_zero_bubble
 
 __all__ = [
     "Action",

@@ -17,7 +17,7 @@ from typing import Dict, List, Optional
 
 class Kind(enum.Enum):
     F = "F"  # forward of one micro-batch, capturing what per-sample gradients need
-    I = "I"  # backward to the stage input only (torch's I), plus this stage's per-sample squared norms
+    I = "I"  # noqa: E741 -- backward to the stage input only (torch's I), plus this stage's per-sample squared norms
     W = "W"  # clipped weight gradient, from stored (activations, clip * output-grads)
     SEND_F = "SEND_F"  # send the forward activation to the next stage
     RECV_F = "RECV_F"  # receive the forward activation from the previous stage

@@ -12,6 +12,7 @@ from typing import Optional, Tuple
 import torch
 
 from ..config import PipelineConfig, PrivacyConfig, steps_for_epochs
+from ..data import CharTokenizer, generated_corpus, read_text, windows
 from ..errors import PipeDPError
 from ..models import GPTConfig, tiny_gpt, token_loss
 from ..privacy.accounting import calibrate_noise
@@ -21,7 +22,6 @@ from ..split.adapters import model_blocks
 from ..split.hf_loading import load_local_model, load_pipeline_stage, tokenize_for_model
 from ..split.partition import block_costs
 from ..train.trainer import PipelineDPTrainer
-from ..data import CharTokenizer, generated_corpus, read_text, windows
 from .flags import DEFAULT_STEPS, configs_from_args
 
 

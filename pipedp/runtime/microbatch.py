@@ -19,7 +19,6 @@ import torch
 
 from ..errors import BatchError
 
-
 Inputs = Union[torch.Tensor, Dict[str, torch.Tensor]]
 # what one stage hands the next: a tensor, or a tuple of tensors (several values crossing one cut,
 # e.g. a residual stream and a mask); the gradient message back holds one gradient per

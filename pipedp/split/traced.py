@@ -26,7 +26,6 @@ import inspect
 import operator
 from typing import Dict, List, Optional, Set
 
-import torch
 import torch.fx as fx
 import torch.nn as nn
 
@@ -69,11 +68,11 @@ class _TopLevelTracer(fx.Tracer):
 
         namespace = torch.ops.pippy
         original = namespace._pipe_split
-        setattr(namespace, "_pipe_split", lambda: self.create_proxy("call_function", _split_mark, (), {}))
+        namespace._pipe_split = lambda: self.create_proxy("call_function", _split_mark, (), {})
         try:
             return super().trace(root, concrete_args)
         finally:
-            setattr(namespace, "_pipe_split", original)
+            namespace._pipe_split = original
 
 
 def traced_blocks(model: nn.Module) -> Optional[List[Block]]:

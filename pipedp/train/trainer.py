@@ -38,8 +38,10 @@ from ..runtime.microbatch import (
     microbatch_size_for,
     plan_passes,
     replica_rows,
-    rows as batch_rows,
     take,
+)
+from ..runtime.microbatch import (
+    rows as batch_rows,
 )
 from ..runtime.protocols import Runtime
 from ..split.adapters import model_blocks

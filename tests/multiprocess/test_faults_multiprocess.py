@@ -7,10 +7,10 @@ import sys
 import time
 
 import pytest
+from workers import signal_at_step
 
 from pipedp import RankFailedError
 from pipedp.runtime.launch import launch
-from workers import signal_at_step
 
 pytestmark = pytest.mark.dist
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))

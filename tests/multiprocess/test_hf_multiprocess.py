@@ -4,13 +4,13 @@ import pytest
 import torch
 
 transformers = pytest.importorskip("transformers")
+from oracles import max_relative_error  # noqa: E402
 from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
 
-from oracles import max_relative_error  # noqa: E402
 from pipedp import PipelineDPTrainer  # noqa: E402
-from pipedp.split.hf_loading import resident_parameter_bytes  # noqa: E402
-from pipedp.runtime.launch import launch  # noqa: E402
 from pipedp.models import token_loss  # noqa: E402
+from pipedp.runtime.launch import launch  # noqa: E402
+from pipedp.split.hf_loading import resident_parameter_bytes  # noqa: E402
 
 pytestmark = pytest.mark.dist
 
@@ -57,7 +57,6 @@ def test_llama_stage_loading_in_processes_equals_whole_model(tmp_path):
 
 def test_save_pretrained_from_two_processes_round_trips(tmp_path):
     import transformers
-
     from workers import llama_export
 
     launch(llama_export, 2, (str(tmp_path / "export"),), timeout_s=300)
@@ -113,11 +112,7 @@ def test_the_llama_lora_example_runs_under_torchrun_and_exports(tmp_path):
 
 
 def test_tied_embedding_across_two_processes_is_exact_and_stays_tied():
-    import copy
 
-    import transformers
-
-    from oracles import loop_clipped_sum
     from workers import tied_llama_step
 
     got = launch(tied_llama_step, 2, (0.0,), timeout_s=300)[0]
@@ -131,7 +126,6 @@ def test_tied_embedding_across_two_processes_is_exact_and_stays_tied():
 
 def test_a_tied_checkpoint_loaded_stage_by_stage_trains_tied(tmp_path):
     import transformers
-
     from workers import tied_llama_from_folder
 
     cfg = transformers.LlamaConfig(

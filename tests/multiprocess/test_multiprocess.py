@@ -4,11 +4,11 @@ import time
 
 import pytest
 import torch
-
 from oracles import max_relative_error, opacus_step
+from workers import CLIP, LR, make_batch, make_model
+
 from pipedp import PipelineDPTrainer, RankFailedError
 from pipedp.runtime.launch import free_port, launch
-from workers import CLIP, LR, make_batch, make_model
 
 pytestmark = pytest.mark.dist
 N = 13  # does not divide into micro-batches: padded rows travel too

@@ -31,10 +31,9 @@ def test_several_tensors_cross_between_two_processes_as_in_one():
 def test_each_process_loads_only_its_stage_of_a_traced_model(tmp_path):
     """Built on the meta device, each rank reads its own tensors from a safetensors file; the step equals
     the one of the whole model in one process."""
-    from safetensors.torch import save_file
-
     from loop_models import MaskedNet
     from oracles import max_relative_error
+    from safetensors.torch import save_file
     from workers import traced_stage_step
 
     torch.manual_seed(0)
@@ -94,10 +93,9 @@ def test_each_process_loads_its_stage_of_a_tied_model_and_the_tie_holds(tmp_path
     """The head shares the embedding's weight; materialising a stage replaces parameters, and the tie is
     restored, so the cross-stage tie is trained exactly: equal to the whole model's step in one process
     (itself checked against the loop oracle in tests/numerics/test_traced_split.py)."""
-    from safetensors.torch import save_model
-
     from loop_models import TiedLM
     from oracles import max_relative_error
+    from safetensors.torch import save_model
     from workers import tied_stage_step, tied_step
 
     torch.manual_seed(0)

@@ -365,6 +365,7 @@ def traced_masked_step(rank, inprocess=False):
 def traced_stage_step(rank, weights):
     """MaskedNet built on the meta device; each rank loads only its stage's tensors from ``weights``."""
     from loop_models import MaskedNet
+
     from pipedp import load_stage
     from pipedp.split.stage_loading import resident_parameter_bytes
 
@@ -442,6 +443,7 @@ def variable_width_step(rank, inprocess=False):
 def tied_stage_step(rank, weights):
     """TiedLM built on the meta device, each rank loading its stage; the tie spans the two stages."""
     from loop_models import TiedLM
+
     from pipedp import load_stage
 
     with torch.device("meta"):

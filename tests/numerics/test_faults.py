@@ -12,8 +12,8 @@ import sys
 import pytest
 import torch
 import torch.nn.functional as F
-
 from oracles import max_relative_error, opacus_step
+
 from pipedp import BatchError, CheckpointError, ConfigError, NonFiniteError, PipeDPError, PipelineDPTrainer
 from pipedp.models import mlp
 
@@ -175,6 +175,7 @@ def test_a_non_finite_sample_over_sequences_is_left_out_exactly(clipping):
 
     from loop_models import LoopNet
     from oracles import loop_clipped_sum
+
     from pipedp.models import token_loss as seq_loss
 
     torch.manual_seed(0)

@@ -7,12 +7,11 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from torch.distributed.pipelining import pipe_split
-
 from loop_models import LoopNet
 from oracles import loop_clipped_sum, max_relative_error
-from pipedp import PipelineDPTrainer, UnsupportedModelError
-from pipedp import SplitModel
+from torch.distributed.pipelining import pipe_split
+
+from pipedp import PipelineDPTrainer, SplitModel, UnsupportedModelError
 from pipedp.models import token_loss
 
 warnings.filterwarnings("ignore", category=FutureWarning)

@@ -7,13 +7,13 @@ import pytest
 import torch
 
 transformers = pytest.importorskip("transformers")
+from oracles import loop_clipped_sum, max_relative_error  # noqa: E402
 from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM  # noqa: E402
 
-from oracles import loop_clipped_sum, max_relative_error  # noqa: E402
-from pipedp import PartitionError, PipelineDPTrainer, UnsupportedModelError  # noqa: E402
-from pipedp.split.hf_loading import build_on_meta, load_pipeline_stage, resident_parameter_bytes  # noqa: E402
+from pipedp import PipelineDPTrainer, UnsupportedModelError  # noqa: E402
 from pipedp.models import token_loss  # noqa: E402
-from pipedp.split.adapters import model_blocks
+from pipedp.split.adapters import model_blocks  # noqa: E402
+from pipedp.split.hf_loading import build_on_meta, load_pipeline_stage, resident_parameter_bytes  # noqa: E402
 from pipedp.split.partition import partition  # noqa: E402
 
 VOCAB, SEQ = 40, 8

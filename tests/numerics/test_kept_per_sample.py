@@ -7,13 +7,12 @@ import copy
 import pytest
 import torch
 import torch.nn.functional as F
-
 from loop_models import MaskedNet
 from oracles import loop_clipped_sum, max_relative_error
+
 from pipedp.models import token_loss
 from pipedp.runtime.stage import Stage
 from pipedp.split.adapters import model_blocks
-
 
 seq_loss = token_loss  # per-sample mean over positions
 

@@ -12,8 +12,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
-
 from oracles import loop_clipped_sum, max_relative_error
+
 from pipedp import PipelineDPTrainer
 from pipedp.models import GPTConfig, mlp, tiny_gpt, token_loss
 

@@ -5,8 +5,8 @@ import functools
 import pytest
 import torch
 import torch.nn.functional as F
-
 from oracles import max_relative_error, opacus_step
+
 from pipedp import PipelineDPTrainer
 from pipedp.models import GPTConfig, mlp, tiny_gpt, token_loss
 

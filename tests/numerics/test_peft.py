@@ -10,6 +10,7 @@ peft = pytest.importorskip("peft")
 transformers = pytest.importorskip("transformers")
 
 from oracles import loop_clipped_sum, max_relative_error  # noqa: E402
+
 from pipedp import PipelineDPTrainer, UnsupportedModelError  # noqa: E402
 from pipedp.models import token_loss  # noqa: E402
 

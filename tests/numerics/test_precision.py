@@ -1,12 +1,10 @@
 """bf16-mixed: bf16 autocast forward, float32 master weights, per-sample norms and clipped sums in
 float32. Compared with a float64 loop oracle and with a bf16-autocast single-device loop."""
 
-import copy
-
 import pytest
 import torch
-
 from oracles import loop_clipped_sum, max_relative_error
+
 from pipedp import PipelineDPTrainer
 from pipedp.models import GPTConfig, tiny_gpt, token_loss
 

@@ -7,8 +7,8 @@ import torch
 import torch.nn.functional as F
 from opacus.accountants import create_accountant
 from opacus.accountants.utils import get_noise_multiplier
-
 from oracles import max_relative_error, opacus_step
+
 from pipedp import CheckpointError, PipeDPError, PipelineDPTrainer
 from pipedp.models import mlp
 from pipedp.privacy.sampling import poisson_indices, truncation_probability

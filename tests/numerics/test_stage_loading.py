@@ -3,9 +3,9 @@ of shards or a mapping; what cannot be loaded is refused by name."""
 
 import pytest
 import torch
+from loop_models import MaskedNet
 from safetensors.torch import save_file
 
-from loop_models import MaskedNet
 from pipedp import CheckpointError, PartitionError, load_stage, measured_costs
 from pipedp.split.adapters import model_blocks
 from pipedp.split.partition import partition
@@ -61,9 +61,8 @@ def test_what_cannot_be_loaded_is_refused_by_name(tmp_path):
 
 
 def test_a_tied_model_stays_tied_on_every_stage(tmp_path):
-    from safetensors.torch import save_model
-
     from loop_models import TiedLM
+    from safetensors.torch import save_model
 
     torch.manual_seed(0)
     whole = TiedLM().double()

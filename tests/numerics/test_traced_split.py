@@ -6,13 +6,12 @@ import copy
 import pytest
 import torch
 import torch.nn.functional as F
-
 from loop_models import LoopNet, MaskedNet
 from oracles import loop_clipped_sum, max_relative_error
+
 from pipedp import BatchError, PipelineDPTrainer, UnsupportedModelError, measured_costs
 from pipedp.models import token_loss
 from pipedp.split.adapters import model_blocks
-
 
 seq_loss = token_loss  # per-sample mean over positions
 
