@@ -23,7 +23,7 @@ import torch.distributed as dist
 
 import schedules
 from pipedp.runtime.launch import launch
-from pipedp.runtime.stage import Stage
+from pipedp.runtime.stage import Stage, StageOptions
 from pipedp.split.adapters import model_blocks
 from schedules import Kind
 
@@ -48,14 +48,14 @@ def measure_block_costs(size: int = 4) -> Dict[str, float]:
     blocks = model_blocks(preset.build())
     block = blocks[1]  # a transformer block
     x = torch.randn(size, 64, 128)
-    stage = Stage(1, 3, [block], None, "ghost")
+    stage = Stage(1, 3, [block], None, StageOptions("ghost"))
     ones = torch.ones(size, dtype=torch.float64)
     phases: Dict[str, List[float]] = {"F": [], "I": [], "W": []}
     for rep in range(18):
         t0 = time.perf_counter()
         y = stage.forward(0, x)
         t1 = time.perf_counter()
-        stage.backward(0, torch.ones_like(y))
+        stage.backward_input(0, torch.ones_like(y))
         t2 = time.perf_counter()
         stage.weight(0, ones)
         t3 = time.perf_counter()

@@ -55,6 +55,8 @@ def test_clip_and_noise_pass(benchmark, width):
     def run():
         c = clip_factors(norms, 1.0, torch.ones(BATCH)).to(g.dtype).reshape(-1, 1, 1)
         grads = clipped_grad_sum(layer, [a], g * c)
-        return add_noise(list(grads.values()), 1.0, seed=0, step=0, stage=0)
+        values = [g.clone() for g in grads.values()]
+        add_noise(values, [str(k) for k in range(len(values))], 1.0, seed=0, step=0)
+        return values
 
     benchmark(run)

@@ -24,6 +24,7 @@ CLIPPING_MODES = ("flat", "per_stage", "per_layer")
 ACCOUNTANTS = ("prv", "rdp", "gdp")
 TRANSPORTS = ("auto", "inprocess", "distributed")
 PRECISIONS = ("32", "bf16-mixed", "bf16-true")
+SAMPLINGS = ("poisson", "shuffle")
 MAX_TARGET_EPSILON = 100.0  # calibrating beyond it is meaningless, and prv's search slows to minutes
 
 # "params", "uniform", a list of per-block costs, or a function of the blocks returning one
@@ -58,15 +59,16 @@ def option(
 class PipelineConfig:
     """How the model is split and driven through the pipeline."""
 
-    stages: int = option(2, "pipeline stages (processes per replica)", resume=True)
-    microbatches: int = option(4, "micro-batches per pipeline pass", resume=True)
-    schedule: str = option("1f1b", "pipeline schedule", choices=sorted(schedules.BUILDERS), resume=True)
+    # resume=False where the update does not depend on the option: the noise is drawn per parameter and the
+    # norms are summed over every stage, so a run may resume on another split, schedule or micro-batch count
+    stages: int = option(2, "pipeline stages (processes per replica)")
+    microbatches: int = option(4, "micro-batches per pipeline pass")
+    schedule: str = option("1f1b", "pipeline schedule", choices=sorted(schedules.BUILDERS))
     schedule_costs: Optional[Tuple[float, float, float]] = option(
         None,
         "relative costs of F, I and W that the cost-aware schedules (dp-zb) place actions by "
         "(default equal; python -m bench.schedule_sim measures them)",
         cli=False,
-        resume=True,
     )
     microbatch_size: Optional[int] = option(
         None, "static micro-batch size; a larger logical batch runs as several passes (virtual steps)"
@@ -77,9 +79,8 @@ class PipelineConfig:
         "LayerNorm's per-sample gradients computed once in I and held until W: fastest, and micro-batch size x "
         "those parameters of memory per micro-batch between I and W)",
         choices=GRAD_MODES,
-        resume=True,
     )
-    replicas: int = option(1, "data-parallel replicas (world size = stages x replicas)", resume=True)
+    replicas: int = option(1, "data-parallel replicas (world size = stages x replicas)")
     precision: str = option(
         "32",
         "32: as the model is; bf16-mixed: bf16 autocast forward, float32 weights, "
@@ -97,6 +98,12 @@ class PipelineConfig:
     untie_weights: bool = option(
         False,
         "give a head tied to the input embedding its own copy (by default a tie across stages is trained exactly)",
+    )
+    self_check: bool = option(
+        True,
+        "at the first step of each input shape, compare the per-sample gradients of a few samples with each "
+        "sample's gradient computed alone, and refuse the model, naming the layers, if they differ (a layer that "
+        "does not see the batch first, a parameter used outside its module, a wrong layer rule)",
     )
     timeout: float = option(
         300.0,
@@ -153,6 +160,21 @@ class PrivacyConfig:
         resume=True,
     )
     sample_rate: Optional[float] = option(None, "Poisson rate q, for sampling and accounting", cli=False, resume=True)
+    sampling: Optional[str] = option(
+        None,
+        "how the batches given to step() are drawn: 'poisson' (each record independently with probability "
+        "sample_rate, as fit() and Opacus's DPDataLoader draw them: accounted with subsampling amplification) or "
+        "'shuffle' (each epoch a random permutation cut into batches of expected_batch_size: each record in one "
+        "step per epoch, accounted without amplification); unset, step() accounts every step as if it held every "
+        "record (no amplification), and fit() draws Poisson batches",
+        choices=SAMPLINGS,
+        resume=True,
+    )
+    dataset_size: Optional[int] = option(
+        None,
+        "records (privacy units) in the training data: delta must be below 1/dataset_size; fit() sets it from its data",
+        cli=False,
+    )
     accountant: str = option("prv", "Opacus accountant", choices=ACCOUNTANTS, resume=True)
     delta: float = option(1e-5, "target delta of the (epsilon, delta) guarantee")
     target_epsilon: Optional[float] = option(
@@ -187,12 +209,40 @@ class PrivacyConfig:
             raise ConfigError(f"sample_rate: must be in (0, 1], got {self.sample_rate}", "sample_rate")
         if not (math.isfinite(self.delta) and 0 < self.delta < 1):
             raise ConfigError(f"delta: must be in (0, 1), got {self.delta}", "delta")
+        if self.sampling is not None:
+            _one_of(self, "sampling")
+        if self.dataset_size is not None:
+            _at_least(self, "dataset_size", 1)
+            if self.delta >= 1 / self.dataset_size:
+                raise ConfigError(
+                    f"delta: {self.delta:g} is not below 1/N = 1/{self.dataset_size} (N records): a mechanism that "
+                    "publishes one random record in full meets such a delta; use delta well below 1/N (e.g. "
+                    f"{_suggested_delta(self.dataset_size):g})",
+                    "delta",
+                )
+        if self.sampling == "poisson" and self.sample_rate is None:
+            raise ConfigError(
+                "sampling='poisson' needs sample_rate (the probability each record is in a batch) to account the "
+                "steps: pass sample_rate = expected batch size / records",
+                "sampling",
+            )
+        if self.sampling == "shuffle" and self.secure_mode:
+            raise ConfigError(
+                "sampling='shuffle' with secure_mode: an epoch's permutation must be redrawn identically on every "
+                "rank and after a resume, which OS randomness cannot; use sampling='poisson' with secure_mode",
+                "sampling",
+            )
+        if self.sampling == "shuffle" and self.dataset_size is None:
+            raise ConfigError(
+                "sampling='shuffle' needs dataset_size: an epoch is dataset_size / expected_batch_size steps",
+                "sampling",
+            )
         for name in ("target_epsilon", "max_epsilon", "epochs"):
             if getattr(self, name) is not None:
                 _finite(self, name, minimum=0.0, strict=True)
         if self.total_steps is not None:
             _at_least(self, "total_steps", 1)
-        if self.max_epsilon is not None and self.sample_rate is None:
+        if self.max_epsilon is not None and self.sample_rate is None and self.sampling == "poisson":
             raise ConfigError(
                 "max_epsilon needs sample_rate (the Poisson rate) to account the privacy spent", "max_epsilon"
             )
@@ -221,6 +271,52 @@ class PrivacyConfig:
         if self.epochs is not None and self.sample_rate is not None:
             return steps_for_epochs(self.epochs, self.sample_rate)
         return None
+
+
+@dataclass(frozen=True)
+class FitConfig:
+    """How ``fit`` runs: its length, its checkpoints and its batch cap (the mechanism is PrivacyConfig's)."""
+
+    steps: Optional[int] = option(None, "total DP steps, including those before a resume", exclusive="length")
+    epochs: Optional[float] = option(None, "epochs: ceil(epochs / sample_rate) steps", exclusive="length")
+    checkpoint_dir: Optional[str] = option(None, "save checkpoints here; the folder is locked while training")
+    checkpoint_every: Optional[int] = option(None, "steps between checkpoints (default: only at the end)")
+    resume: bool = option(False, "continue from the newest checkpoint in checkpoint_dir, as if never stopped")
+    max_logical_batch: Optional[int] = option(
+        None, "cap each sampled batch at this many records (truncated Poisson: adds to delta, reported)"
+    )
+    checkpoint_key: Optional[str] = option(
+        None, "HMAC key that signs the checkpoints and refuses unsigned or altered ones (or PIPEDP_CHECKPOINT_KEY)"
+    )
+    keep_last: Optional[int] = option(None, "keep only the newest N checkpoints")
+
+    def validate(self) -> "FitConfig":
+        if (self.steps is None) == (self.epochs is None):
+            raise ConfigError("fit() takes exactly one of steps or epochs", "steps")
+        if self.steps is not None:
+            _at_least(self, "steps", 1)
+        if self.epochs is not None:
+            _finite(self, "epochs", minimum=0.0, strict=True)
+        for name in ("checkpoint_every", "max_logical_batch", "keep_last"):
+            if getattr(self, name) is not None:
+                _at_least(self, name, 1)
+        if self.resume and self.checkpoint_dir is None:
+            raise ConfigError("resume needs checkpoint_dir", "resume")
+        return self
+
+    def total_steps(self, sample_rate: Optional[float]) -> int:
+        """The steps to train: ``steps``, or ceil(epochs / sample_rate)."""
+        if self.steps is not None:
+            return self.steps
+        if sample_rate is None:
+            raise ConfigError("fit(epochs=...) needs the trainer's sample_rate to turn epochs into steps", "epochs")
+        assert self.epochs is not None
+        return steps_for_epochs(self.epochs, sample_rate)
+
+
+def _suggested_delta(records: int) -> float:
+    """A delta well below 1/N: the largest power of ten at most 1/(10 N)."""
+    return 10.0 ** math.floor(math.log10(1 / (10 * records)))
 
 
 def steps_for_epochs(epochs: float, sample_rate: float) -> int:
@@ -285,3 +381,164 @@ def _one_of(config: Any, name: str, value: Any = None) -> None:
     choices = next(f.metadata["choices"] for f in fields(config) if f.name == name)
     if value not in choices:
         raise ConfigError(f"unknown {name} {getattr(config, name)!r}: choose one of {list(choices)}", name)
+
+
+# ---- the command line's job: its data and its optimizer (pipedp train; the Python API takes its own) -------------
+FORMATS = ("auto", "text", "instruction", "chat")
+PRIVACY_UNITS = ("record", "user")
+OPTIMIZERS = ("adamw", "adam", "sgd")
+LR_SCHEDULES = ("constant", "linear", "cosine")
+NO_DECAY_KINDS = ("bias", "norm", "embedding")
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    """What ``pipedp train`` trains on: where the records come from, how one becomes a row, and the privacy unit."""
+
+    data: Optional[str] = option(
+        None,
+        "training records: a .txt file (one record per line), a .jsonl / .json / .csv / .parquet file of records, "
+        "or a folder written by datasets' save_to_disk (one split); default: the generated corpus",
+    )
+    format: str = option(
+        "auto",
+        "record format: text (the --text-field column), instruction (prompt + completion: trains on the completion "
+        "only), chat (messages, rendered with the tokenizer's chat template: trains on the assistant turns only), "
+        "or auto (from the first record's fields)",
+        choices=FORMATS,
+    )
+    text_field: str = option("text", "the field holding a text record's text")
+    seq_len: int = option(36, "tokens per row: each record is one row, truncated or right-padded to this length")
+    privacy_unit: str = option(
+        "record",
+        "what DP protects: record (each record is one sample, sampled and clipped alone) or user (every record of "
+        "one --user-field value forms one unit, sampled and clipped as one: user-level DP)",
+        choices=PRIVACY_UNITS,
+    )
+    user_field: Optional[str] = option(None, "the field naming a record's user (with --privacy-unit user)")
+    max_records_per_user: Optional[int] = option(
+        None, "rows per user unit (--privacy-unit user): a user's first K records; fewer are padded with empty rows"
+    )
+    eval_data: Optional[str] = option(
+        None, "evaluation records (any --data source); their loss is published without noise", exclusive="eval"
+    )
+    eval_fraction: Optional[float] = option(
+        None,
+        "hold out this fraction of the privacy units for evaluation (seeded); their loss is not differentially private",
+        exclusive="eval",
+    )
+    eval_every: Optional[int] = option(None, "steps between evaluations (default: only at the end)")
+    cache_dir: Optional[str] = option(
+        None,
+        "where tokenised data is cached, keyed by a hash of the data, tokenizer and options (default: RUN/data-cache)",
+    )
+
+    def validate(self) -> "DataConfig":
+        _one_of(self, "format")
+        _one_of(self, "privacy_unit")
+        _at_least(self, "seq_len", 1)
+        if not self.text_field:
+            raise ConfigError("text_field: must name a field, got ''", "text_field")
+        if self.privacy_unit == "user":
+            if not self.user_field:
+                raise ConfigError(
+                    "privacy_unit: 'user' needs user_field, the field that names each record's user", "user_field"
+                )
+            if self.max_records_per_user is None:
+                raise ConfigError(
+                    "privacy_unit: 'user' needs max_records_per_user K: each user's unit is K rows (the user's first K "
+                    "records, padded with empty rows), so that every unit has the same sensitivity",
+                    "max_records_per_user",
+                )
+        elif self.user_field is not None or self.max_records_per_user is not None:
+            name = "user_field" if self.user_field is not None else "max_records_per_user"
+            raise ConfigError(f"{name}: only with privacy_unit 'user' (the unit is now one record)", name)
+        if self.max_records_per_user is not None:
+            _at_least(self, "max_records_per_user", 1)
+        if self.eval_fraction is not None and not (
+            isinstance(self.eval_fraction, (int, float)) and 0 < self.eval_fraction < 1
+        ):
+            raise ConfigError(f"eval_fraction: must be in (0, 1), got {self.eval_fraction!r}", "eval_fraction")
+        if self.eval_every is not None:
+            _at_least(self, "eval_every", 1)
+            if self.eval_data is None and self.eval_fraction is None:
+                raise ConfigError("eval_every: give evaluation data (eval_data or eval_fraction)", "eval_every")
+        return self
+
+
+@dataclass(frozen=True)
+class OptimizerConfig:
+    """The optimizer every stage builds for its own parameters, and its learning-rate schedule."""
+
+    optimizer: str = option(
+        "adamw",
+        "adamw (decoupled weight decay), adam (weight decay added to the gradient) or sgd",
+        choices=OPTIMIZERS,
+    )
+    lr: float = option(3e-3, "learning rate (the peak, after any warmup)")
+    weight_decay: float = option(0.0, "weight decay, except on the parameter kinds of --no-decay")
+    no_decay: str = option(
+        "bias,norm,embedding",
+        "parameters without weight decay, comma-separated kinds: bias, norm (LayerNorm / RMSNorm / GroupNorm "
+        "weights), embedding; '' decays every parameter",
+    )
+    momentum: float = option(0.0, "SGD momentum")
+    adam_beta1: float = option(0.9, "Adam(W) beta1")
+    adam_beta2: float = option(0.999, "Adam(W) beta2")
+    adam_epsilon: float = option(1e-8, "Adam(W) epsilon")
+    lr_schedule: str = option(
+        "constant", "constant, or linear / cosine decay to 0 at the last step (after any warmup)", choices=LR_SCHEDULES
+    )
+    warmup_steps: Optional[int] = option(
+        None, "steps of linear warmup: step s (from 0) uses lr x (s + 1) / warmup", exclusive="warmup"
+    )
+    warmup_ratio: Optional[float] = option(None, "warmup as a fraction of the total steps", exclusive="warmup")
+
+    def validate(self) -> "OptimizerConfig":
+        _one_of(self, "optimizer")
+        _one_of(self, "lr_schedule")
+        _finite(self, "lr", minimum=0.0, strict=True)
+        for name in ("weight_decay", "momentum", "adam_epsilon"):
+            _finite(self, name, minimum=0.0)
+        for name in ("adam_beta1", "adam_beta2"):
+            value = getattr(self, name)
+            if not (isinstance(value, (int, float)) and 0 <= value < 1):
+                raise ConfigError(f"{name}: must be in [0, 1), got {value!r}", name)
+        unknown = [k for k in self.no_decay_kinds() if k not in NO_DECAY_KINDS]
+        if unknown:
+            raise ConfigError(
+                f"no_decay: unknown kind(s) {unknown}: choose among {list(NO_DECAY_KINDS)} (comma-separated)",
+                "no_decay",
+            )
+        if self.warmup_steps is not None:
+            _at_least(self, "warmup_steps", 0)
+        if self.warmup_ratio is not None and not (
+            isinstance(self.warmup_ratio, (int, float)) and 0 <= self.warmup_ratio < 1
+        ):
+            raise ConfigError(f"warmup_ratio: must be in [0, 1), got {self.warmup_ratio!r}", "warmup_ratio")
+        return self
+
+    def no_decay_kinds(self) -> Tuple[str, ...]:
+        return tuple(k.strip() for k in self.no_decay.split(",") if k.strip())
+
+    def warmup(self, total_steps: int) -> int:
+        """Warmup steps of a run of ``total_steps``."""
+        if self.warmup_steps is not None:
+            return self.warmup_steps
+        if self.warmup_ratio is not None:
+            return math.ceil(self.warmup_ratio * total_steps)
+        return 0
+
+    def lr_factor(self, step: int, total_steps: int) -> float:
+        """The learning rate of step ``step`` (0-based) as a fraction of ``lr``: (s + 1) / warmup during the
+        warmup, then constant, or decayed linearly / along a half cosine to 0 at step ``total_steps``
+        (never 0 at a step that runs)."""
+        warmup = self.warmup(total_steps)
+        if step < warmup:
+            return (step + 1) / warmup
+        if self.lr_schedule == "constant":
+            return 1.0
+        progress = min(1.0, (step - warmup) / max(1, total_steps - warmup))
+        if self.lr_schedule == "linear":
+            return 1.0 - progress
+        return 0.5 * (1.0 + math.cos(math.pi * progress))

@@ -5,7 +5,7 @@ package (the design card fixes the folder), so it can be used and tested on its 
 """
 
 from .actions import COMPUTE_KINDS, Action, Kind, Schedule
-from .builders import gpipe, one_f_one_b
+from .builders import forward_only, gpipe, one_f_one_b
 from .registry import BUILDERS, build, canonical_name
 from .simulator import DeadlockError, SimResult, simulate
 from .validator import ScheduleError, validate
@@ -20,6 +20,7 @@ __all__ = [
     "build",
     "canonical_name",
     "gpipe",
+    "forward_only",
     "one_f_one_b",
     "dp_zero_bubble",
     "simulate",

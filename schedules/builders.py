@@ -30,6 +30,12 @@ def forward_actions(stage: int, stages: int, mb: int) -> List[Action]:
     return acts
 
 
+def forward_only(stages: int, microbatches: int) -> Schedule:
+    """Evaluation: every micro-batch forward through every stage, nothing backward."""
+    actions = {s: [a for mb in range(microbatches) for a in forward_actions(s, stages, mb)] for s in range(stages)}
+    return Schedule("forward", stages, microbatches, actions)
+
+
 def backward_actions(stage: int, stages: int, mb: int) -> List[Action]:
     acts = []
     if stage < stages - 1:

@@ -1,4 +1,4 @@
-"""Poisson sampling of logical batches, one independent draw per step.
+"""Poisson sampling of logical batches, one independent draw per step; and shuffled epochs.
 
 Each step t includes every example independently with probability q, with the uniform
 draws from the (step) sampling stream of streams.py: any rank computes the same batch without communication, and a
@@ -25,6 +25,22 @@ def poisson_indices(num_examples: int, sample_rate: float, seed: int, step: int,
         g = torch.Generator().manual_seed(stream_seed(Stream.SAMPLING, seed, step))
         draws = torch.rand(num_examples, generator=g, dtype=torch.float64)
     return torch.nonzero(draws < sample_rate).flatten()
+
+
+def steps_per_epoch(num_examples: int, batch_size: int) -> int:
+    """Shuffled batches of one epoch: ceil(N / B) (the last one holds the rest)."""
+    return max(1, math.ceil(num_examples / batch_size))
+
+
+def shuffled_indices(num_examples: int, batch_size: int, seed: int, step: int) -> torch.Tensor:
+    """Step ``step``'s batch of shuffled fixed-size batches: epoch e = step // (steps per epoch) is a
+    permutation from the (epoch) shuffle stream, cut into batches of ``batch_size``; every record is
+    in exactly one batch of each epoch. Keyed by the step, so a resumed run draws the same batches."""
+    per_epoch = steps_per_epoch(num_examples, batch_size)
+    epoch, k = divmod(step, per_epoch)
+    g = torch.Generator().manual_seed(stream_seed(Stream.SHUFFLE, seed, epoch))
+    order = torch.randperm(num_examples, generator=g)
+    return order[k * batch_size : (k + 1) * batch_size].sort().values
 
 
 def truncate(indices: torch.Tensor, cap: Optional[int], seed: int, step: int) -> torch.Tensor:

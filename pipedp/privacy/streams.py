@@ -12,18 +12,25 @@ at another position of the key, and the noise of step 0x5A11 met the sampling of
 from __future__ import annotations
 
 import enum
+import hashlib
 
 import numpy as np
 
 
 class Stream(enum.IntEnum):
-    NOISE = 1  # keys: (step, stage)
+    NOISE = 1  # keys: (step, name_key(parameter name))
     SAMPLING = 2  # keys: (step,)
     TRUNCATION = 3  # keys: (step,)
     AUDIT = 4  # keys: (0,): which canaries a privacy audit includes
+    SHUFFLE = 5  # keys: (epoch,): the permutation of a shuffled epoch
 
 
-KEY_LENGTH = {Stream.NOISE: 2, Stream.SAMPLING: 1, Stream.TRUNCATION: 1, Stream.AUDIT: 1}
+KEY_LENGTH = {Stream.NOISE: 2, Stream.SAMPLING: 1, Stream.TRUNCATION: 1, Stream.AUDIT: 1, Stream.SHUFFLE: 1}
+
+
+def name_key(name: str) -> int:
+    """A stable 63-bit integer for a parameter name (a stream key must be an integer)."""
+    return int.from_bytes(hashlib.sha256(name.encode()).digest()[:8], "big") >> 1
 
 
 def stream_seed(purpose: Stream, seed: int, *keys: int) -> int:

@@ -1,8 +1,8 @@
 """Per-micro-batch capture of layer inputs and outputs, keyed by micro-batch id.
 
-A *unit* is a module that directly owns trainable parameters (a Linear, an Embedding, a
+A *layer* is a module that directly owns trainable parameters (a Linear, an Embedding, a
 LayerNorm, or a custom module with its own nn.Parameter). During the forward of
-micro-batch j, a forward hook on every unit stores its inputs (detached) and its output
+micro-batch j, a forward hook on every layer stores its inputs (detached) and its output
 (still in the graph) under key j. The backward pass then asks autograd for the gradient
 of the loss w.r.t. those outputs directly, so nothing depends on the order in which
 hooks fire — which is what breaks Opacus under interleaved micro-batches.
@@ -28,30 +28,35 @@ class LayerCall:
     version: int  # output._version at capture: an in-place change later would corrupt its gradient
 
 
-def find_units(named_modules: Iterator[Tuple[str, nn.Module]]) -> Dict[str, nn.Module]:
-    units = {}
+def find_layers(named_modules: Iterator[Tuple[str, nn.Module]]) -> Dict[str, nn.Module]:
+    """Each module owning trainable parameters once, under its first name (a module two blocks hold is
+    one layer: hooked twice, its every call would be captured twice)."""
+    layers: Dict[str, nn.Module] = {}
+    seen = set()
     for name, module in named_modules:
-        if any(p.requires_grad for p in module.parameters(recurse=False)):
-            units[name if name not in units else f"{name}#{len(units)}"] = module
-    return units
+        if id(module) in seen or not any(p.requires_grad for p in module.parameters(recurse=False)):
+            continue
+        seen.add(id(module))
+        layers[name if name not in layers else f"{name}#{len(layers)}"] = module
+    return layers
 
 
-def block_units(blocks: Sequence[Block]) -> Dict[str, nn.Module]:
-    """The units of a stage's blocks, under the model's own qualified names."""
-    return find_units(
+def block_layers(blocks: Sequence[Block]) -> Dict[str, nn.Module]:
+    """The layers of a stage's blocks, under the model's own qualified names."""
+    return find_layers(
         (b.qualified(n) if n else b.name or type(m).__name__, m) for b in blocks for n, m in b.module.named_modules()
     )
 
 
 class ActivationCapture:
-    """Records, for the micro-batch being forwarded, every unit call as a LayerCall."""
+    """Records, for the micro-batch being forwarded, every layer call as a LayerCall."""
 
-    def __init__(self, units: Dict[str, nn.Module]):
-        self.units = units
+    def __init__(self, layers: Dict[str, nn.Module]):
+        self.layers = layers
         self._active: Optional[int] = None
         self._batch_size = 0
         self.records: Dict[int, Dict[str, List[LayerCall]]] = {}
-        self._handles = [m.register_forward_hook(self._hook_for(name), with_kwargs=True) for name, m in units.items()]
+        self._handles = [m.register_forward_hook(self._hook_for(name), with_kwargs=True) for name, m in layers.items()]
 
     def _hook_for(self, name: str):
         def hook(module: nn.Module, args, kwargs, output):
@@ -75,8 +80,9 @@ class ActivationCapture:
                     raise UnsupportedModelError(
                         f"layer {name!r} ({type(module).__name__}) got an input of shape {shape} without the "
                         f"micro-batch dimension ({self._batch_size}) first: per-sample gradients need "
-                        "batch-first tensor inputs on every layer with parameters (expand shared inputs "
-                        "such as position ids to [batch, ...])"
+                        "batch-first tensor inputs on every layer with parameters (construct sequence layers with "
+                        "batch_first=True, e.g. nn.MultiheadAttention; expand shared inputs such as position ids to "
+                        "[batch, ...])"
                     )
                 inputs.append(a.detach())
             calls = self.records[self._active].setdefault(name, [])
@@ -92,6 +98,10 @@ class ActivationCapture:
             yield
         finally:
             self._active = None
+
+    def reset(self) -> None:
+        self._active = None
+        self.records.clear()
 
     def pop(self, microbatch: int) -> Dict[str, List[LayerCall]]:
         return self.records.pop(microbatch)

@@ -10,12 +10,13 @@ from schedules import Schedule
 
 from ..config import PipelineConfig
 from ..errors import ConfigError
-from ..privacy.clipping import Clipping
+from ..privacy.clipping import ClipRule
 from ..split.blocks import Block
 from ..split.partition import Tie
 from .inprocess import InProcessRuntime
 from .protocols import Runtime
-from .stage import Stage, TieRole
+from .stage import Stage, StageOptions
+from .tie import TieRole
 
 
 def is_distributed(transport: str) -> bool:
@@ -25,10 +26,17 @@ def is_distributed(transport: str) -> bool:
     )
 
 
+def stage_options(pipeline: PipelineConfig, clip: ClipRule) -> StageOptions:
+    """The stages' options, from the run's configuration: the one way every runtime builds a stage."""
+    return StageOptions(
+        grad_mode=pipeline.grad_mode, precision=pipeline.precision, clip=clip, self_check=pipeline.self_check
+    )
+
+
 def create_runtime(
     pipeline: PipelineConfig,
     schedule: Schedule,
-    clipping: Clipping,
+    clip: ClipRule,
     stage_blocks: List[List[Block]],
     loss_fn: Callable,
     description: Dict[str, Any],
@@ -37,26 +45,18 @@ def create_runtime(
 ) -> Runtime:
     """``description`` is what every rank must agree on; ``state_keys`` the model's state-dict order;
     ``tie``: an embedding on the first stage tied to the head on the last."""
+    options = stage_options(pipeline, clip)
     if is_distributed(pipeline.transport):
         from .distributed import DistributedRuntime  # torch.distributed's process groups only when used
 
         return DistributedRuntime.create(
-            pipeline, schedule, clipping, stage_blocks, loss_fn, description, state_keys, tie
+            pipeline, schedule, options, stage_blocks, loss_fn, description, state_keys, tie
         )
     if pipeline.replicas != 1:
         raise ConfigError("replicas > 1 needs one process per (stage, replica): launch with torchrun", "replicas")
     p = len(stage_blocks)
     stages = [
-        Stage(
-            i,
-            p,
-            blocks,
-            loss_fn,
-            pipeline.grad_mode,
-            clipping.per_layer,
-            pipeline.precision,
-            TieRole.for_stage(i, p, tie, keep=False),
-        )
+        Stage(i, p, blocks, loss_fn, options, TieRole.for_stage(i, p, tie, own_copy=False))
         for i, blocks in enumerate(stage_blocks)
     ]
-    return InProcessRuntime(stages, schedule, clipping, state_keys, tied=tie is not None)
+    return InProcessRuntime(stages, schedule, state_keys)

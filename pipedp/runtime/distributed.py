@@ -19,17 +19,18 @@ from typing import Any, Callable, Dict, List, Optional, Sequence
 import torch
 import torch.distributed as dist
 
-from schedules import Schedule
+from schedules import Schedule, forward_only
 
 from ..config import PipelineConfig
 from ..errors import BatchError, ConfigMismatchError, TransportError
-from ..privacy.clipping import Clipping
 from ..split.blocks import Block
 from ..split.partition import Tie
 from .dist_transport import DistTransport, PipelineGroups
 from .executor import Executor
+from .launch import bounded
 from .microbatch import Inputs, PassBatch, rows, tensors_of
-from .stage import Stage, TieRole
+from .stage import Stage, StageOptions
+from .tie import TieRole
 
 
 @dataclass(frozen=True)
@@ -54,8 +55,63 @@ class Mesh:
 
 
 def _checksum(stage: Stage) -> float:
+    """A float64 sum of the stage's trainable parameters, accumulated without float64 copies."""
     with torch.no_grad():
-        return float(sum(p.double().sum() for p in stage.parameters)) if stage.parameters else 0.0
+        return float(sum(float(p.sum(dtype=torch.float64)) for p in stage.parameters))
+
+
+@dataclass(frozen=True)
+class Groups:
+    pipelines: List[PipelineGroups]  # per replica: its stages' P2P channels and norm all-reduce
+    data_parallel: List[Any]  # per stage: that stage on every replica (sum of clipped gradients)
+    world: Any  # every rank: the step's checks and totals
+    ties: List[Any]  # per replica: its first and last stage, when an embedding is tied to the head
+
+
+def _agree(config: Dict[str, Any]) -> None:
+    """Every rank must run the same configuration (compared before any check that could make one
+    rank leave early)."""
+    configs: List[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(configs, config)
+    mismatches = [
+        f"rank {r} has {key}={cfg[key]!r} but rank 0 has {configs[0][key]!r}"
+        for r, cfg in enumerate(configs)
+        for key in config
+        if cfg[key] != configs[0][key]
+    ]
+    if mismatches:
+        raise ConfigMismatchError("ranks disagree on the configuration:\n  " + "\n  ".join(mismatches))
+
+
+def _create_groups(mesh: "Mesh", wait: timedelta, tied: bool) -> Groups:
+    """Every rank creates every group, in the same order (torch.distributed requires it); each waits at
+    most ``wait`` for a peer, so a hung rank ends the run instead of stalling it for good."""
+    pipelines = [
+        PipelineGroups(*(dist.new_group(mesh.pipeline_ranks(r), timeout=wait) for _ in range(3)))
+        for r in range(mesh.replicas)
+    ]
+    data_parallel = [dist.new_group(mesh.data_parallel_ranks(s), timeout=wait) for s in range(mesh.stages)]
+    world = dist.new_group(list(range(mesh.stages * mesh.replicas)), timeout=wait)
+    ties = []
+    if tied:
+        ties = [
+            dist.new_group([r * mesh.stages, r * mesh.stages + mesh.stages - 1], timeout=wait)
+            for r in range(mesh.replicas)
+        ]
+    return Groups(pipelines, data_parallel, world, ties)
+
+
+def _check_same_weights(stage: Stage, mesh: "Mesh", world: int) -> None:
+    mine = _checksum(stage)
+    checksums: List[Optional[tuple]] = [None] * world
+    dist.all_gather_object(checksums, (mesh.stage, mine))
+    for r, entry in enumerate(checksums):
+        s, value = entry  # type: ignore[misc]
+        if s == mesh.stage and value != mine:
+            raise ConfigMismatchError(
+                f"ranks {mesh.rank} and {r} hold stage {s} with different weights: build the model from the "
+                "same seed (torch.manual_seed before constructing it) or load the same checkpoint on every rank"
+            )
 
 
 def _device_for_backend() -> torch.device:
@@ -91,6 +147,7 @@ class DistributedRuntime:
         self.dp_group, self.world_group = dp_group, world_group
         self.tie_group = tie_group  # first and last stage of this replica, when an embedding is tied to the head
         self.state_keys = list(state_keys)
+        self.failure: Optional[str] = None  # an earlier step raised here: the ranks are out of step
 
     @property
     def local_stages(self) -> List[Stage]:
@@ -101,7 +158,7 @@ class DistributedRuntime:
         cls,
         pipeline: PipelineConfig,
         schedule: Schedule,
-        clipping: Clipping,
+        options: StageOptions,
         stage_blocks: List[List[Block]],
         loss_fn: Callable,
         description: Dict[str, Any],
@@ -110,79 +167,42 @@ class DistributedRuntime:
     ) -> "DistributedRuntime":
         """``description``: what every rank must agree on (the run's configuration and model signature)."""
         world, rank = dist.get_world_size(), dist.get_rank()
-        config = {"world size": world, **description}
-        configs: List[Any] = [None] * world
-        dist.all_gather_object(configs, config)  # before any check that could make one rank leave early
-        mismatches = [
-            f"rank {r} has {key}={cfg[key]!r} but rank 0 has {configs[0][key]!r}"
-            for r, cfg in enumerate(configs)
-            for key in config
-            if cfg[key] != configs[0][key]
-        ]
-        if mismatches:
-            raise ConfigMismatchError("ranks disagree on the configuration:\n  " + "\n  ".join(mismatches))
+        _agree({"world size": world, **description})
         if world != pipeline.stages * pipeline.replicas:
             raise ConfigMismatchError(
                 f"world size {world} != stages {pipeline.stages} x replicas {pipeline.replicas}: launch "
                 f"torchrun --nproc_per_node {pipeline.stages * pipeline.replicas} (or fix stages/replicas)"
             )
         mesh = Mesh(pipeline.stages, pipeline.replicas, rank)
-        # every rank creates every group, in the same order (torch.distributed requires it); each waits
-        # at most `timeout` for a peer, so a hung rank ends the run instead of stalling it for good
-        wait = timedelta(seconds=pipeline.timeout)
-        pipeline_groups = [
-            PipelineGroups(*(dist.new_group(mesh.pipeline_ranks(r), timeout=wait) for _ in range(3)))
-            for r in range(mesh.replicas)
-        ]
-        dp_groups = [dist.new_group(mesh.data_parallel_ranks(s), timeout=wait) for s in range(mesh.stages)]
-        world_group = dist.new_group(list(range(world)), timeout=wait)  # the step's checks and totals
-        tie_groups = (
-            [
-                dist.new_group([r * mesh.stages, r * mesh.stages + mesh.stages - 1], timeout=wait)
-                for r in range(mesh.replicas)
-            ]
-            if tie is not None
-            else []
-        )
+        with bounded("creating the process groups", pipeline.timeout):
+            groups = _create_groups(mesh, timedelta(seconds=pipeline.timeout), tied=tie is not None)
         device = _device_for_backend()
         for s, blocks in enumerate(stage_blocks):
             for b in blocks:  # keep only this rank's stage; free the rest
                 b.module.to(device if s == mesh.stage else "meta")
-        stage = Stage(
-            mesh.stage,
-            mesh.stages,
-            stage_blocks[mesh.stage],
-            loss_fn,
-            pipeline.grad_mode,
-            clipping.per_layer,
-            pipeline.precision,
-            TieRole.for_stage(mesh.stage, mesh.stages, tie, keep=True),
-        )
-        mine = _checksum(stage)
-        checksums: List[Optional[tuple]] = [None] * world
-        dist.all_gather_object(checksums, (mesh.stage, mine))
-        for r, entry in enumerate(checksums):
-            s, value = entry  # type: ignore[misc]
-            if s == mesh.stage and value != mine:
-                raise ConfigMismatchError(
-                    f"ranks {rank} and {r} hold stage {s} with different weights: build the model from the "
-                    "same seed (torch.manual_seed before constructing it) or load the same checkpoint on every rank"
-                )
+        role = TieRole.for_stage(mesh.stage, mesh.stages, tie, own_copy=True)
+        stage = Stage(mesh.stage, mesh.stages, stage_blocks[mesh.stage], loss_fn, options, role)
+        _check_same_weights(stage, mesh, world)
         ranks = mesh.pipeline_ranks(mesh.replica)
         transport = DistTransport(
             mesh.stage,
             rank,
             ranks[mesh.stage - 1] if mesh.stage > 0 else None,
             ranks[mesh.stage + 1] if mesh.stage < mesh.stages - 1 else None,
-            pipeline_groups[mesh.replica],
+            groups.pipelines[mesh.replica],
             device,
         )
-        executor = Executor(stage, transport, schedule.for_stage(mesh.stage), clipping, tied=tie is not None)
-        tie_group = tie_groups[mesh.replica] if tie_groups else None
-        return cls(mesh, stage, executor, dp_groups[mesh.stage], world_group, tie_group, device, state_keys)
+        executor = Executor(stage, transport, schedule.for_stage(mesh.stage))
+        tie_group = groups.ties[mesh.replica] if groups.ties else None
+        return cls(mesh, stage, executor, groups.data_parallel[mesh.stage], groups.world, tie_group, device, state_keys)
 
     def check_same_batch(self, inputs: Inputs, targets: torch.Tensor) -> None:
         """Every rank must step on the same logical batch: compare its size and a fingerprint."""
+        if self.failure is not None:
+            raise TransportError(
+                f"rank {self.rank}: an earlier step failed here ({self.failure}); the other ranks may still be inside "
+                "it, so the ranks are out of step: restart the run (resume from the last checkpoint)"
+            )
         mine = torch.tensor(
             [float(rows(inputs)), sum(_fingerprint(t) for t in tensors_of(inputs)), _fingerprint(targets)],
             dtype=torch.float64,
@@ -200,6 +220,13 @@ class DistributedRuntime:
     def run_pass(self, batch: PassBatch) -> torch.Tensor:
         self.executor.start_pass(batch.to(self.device))
         self.executor.run()
+        self.executor.end_pass()
+        return self.executor.totals().cpu()
+
+    def run_eval(self, batch: PassBatch) -> torch.Tensor:
+        actions = forward_only(self.mesh.stages, len(batch.masks)).for_stage(self.mesh.stage)
+        self.executor.start_pass(batch.to(self.device), actions)
+        self.executor.run()
         return self.executor.totals().cpu()
 
     def sum_over_replicas(self, grads: List[torch.Tensor]) -> List[torch.Tensor]:
@@ -210,14 +237,15 @@ class DistributedRuntime:
         return [chunk.view_as(g) for chunk, g in zip(flat.split([g.numel() for g in grads]), grads)]
 
     def combine_tied(self, stage: Stage, grads: List[torch.Tensor]) -> List[torch.Tensor]:
-        """Both copies of a tied embedding / head get the sum of both clipped parts (noise added once,
-        by the owner), so they stay equal."""
         if stage.tie is None or self.tie_group is None:
             return grads
-        k = stage.tied_index()
-        total = grads[k].clone()
-        self._collective("tied weight sum", lambda: dist.all_reduce(total, op=dist.ReduceOp.SUM, group=self.tie_group))
-        return [total if i == k else g for i, g in enumerate(grads)]
+
+        def all_reduce(total: torch.Tensor) -> None:
+            self._collective(
+                "tied weight sum", lambda: dist.all_reduce(total, op=dist.ReduceOp.SUM, group=self.tie_group)
+            )
+
+        return stage.tie.combine_across(grads, stage.parameters, all_reduce)
 
     def total(self, value: torch.Tensor) -> torch.Tensor:
         value = value.to(self.device, torch.float64).clone()
@@ -259,6 +287,11 @@ class DistributedRuntime:
             for v in own.values():
                 dist.send(v.detach().contiguous().to(self.device), dst=0, group=self.world_group)
         return None
+
+    def abort_step(self, error: BaseException) -> None:
+        self.stage.reset()
+        self.executor.state = None
+        self.failure = f"{type(error).__name__}: {str(error).splitlines()[0][:200] if str(error) else ''}"
 
     def close(self) -> None:
         self.stage.close()

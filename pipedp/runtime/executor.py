@@ -10,16 +10,16 @@ another stage progress.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Callable, Dict, List, Optional
+from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
 
 from schedules import Action, Kind
 
 from ..errors import UnsupportedModelError
-from ..privacy.clipping import Clipping, clip_factors
 from .microbatch import Activation, PassBatch, detached
 from .protocols import PendingReduction, Transport, WouldBlock
+from .self_check import Probe
 from .stage import Stage
 
 
@@ -30,6 +30,9 @@ class PassState:
     batch: PassBatch
     loss_sum: torch.Tensor  # float64 scalar on the batch's device
     dropped: torch.Tensor  # real rows left out for a non-finite norm (last stage), likewise
+    clipped: torch.Tensor  # real rows whose clip factor was below 1 (last stage), likewise
+    evaluating: bool = False  # forward only, no capture, no gradient (pipedp's evaluation)
+    probe: Optional[Probe] = None  # the self-check of micro-batch 0 (a new input signature)
     received: Dict[int, Activation] = field(default_factory=dict)  # activations in
     outgoing: Dict[int, Activation] = field(default_factory=dict)  # activations out
     grads_in: Dict[int, Activation] = field(default_factory=dict)  # gradient messages
@@ -37,11 +40,13 @@ class PassState:
     norms: Dict[int, torch.Tensor] = field(default_factory=dict)  # this stage's, before the reduction
     tie_in: Dict[int, torch.Tensor] = field(default_factory=dict)  # tied head's message, travelling to stage 0
     tie_out: Dict[int, torch.Tensor] = field(default_factory=dict)
+    probes_in: Tuple[Activation, ...] = ()  # the self-check's per-row gradient messages, behind micro-batch 0's
+    probes_out: Tuple[Activation, ...] = ()
     reductions: Dict[int, PendingReduction] = field(default_factory=dict)
 
 
 class LocalReduction:
-    """Per-stage clipping needs no other stage's norms: the 'reduction' is the stage's own."""
+    """Per-stage and per-layer clipping need no other stage's norms: the 'reduction' is the stage's own."""
 
     def __init__(self, value: torch.Tensor):
         self.value = value
@@ -51,20 +56,16 @@ class LocalReduction:
 
 
 class Executor:
-    def __init__(
-        self, stage: Stage, transport: Transport, actions: List[Action], clipping: Clipping, tied: bool = False
-    ):
-        """``tied``: the pipeline's first-stage embedding is tied to its last-stage head; the head's
-        message for the cross term of the norms travels back with every gradient."""
+    """Behind micro-batch j's gradient message travel, on the gradient channel and in this order: the
+    tie's message (when an embedding is tied to the head) and, for micro-batch 0 of a pass the
+    self-check probes, each checked row's own gradient message."""
+
+    def __init__(self, stage: Stage, transport: Transport, actions: List[Action]):
         self.stage = stage
-        self.tied = tied
+        self.tie = stage.tie
         self.transport = transport
         self.actions = actions
-        self.reduce_norms = clipping.across_stages
-        if clipping.per_layer:  # one threshold per unit, in the stage's unit order: [units, 1]
-            self.clip_norm = torch.tensor([[clipping.layer_norm(name)] for name in stage.units], dtype=torch.float64)
-        else:
-            self.clip_norm = torch.tensor(clipping.stage_norms[stage.index], dtype=torch.float64)
+        self.reduce_norms = stage.clip.rule.across_stages
         self.handlers: Dict[Kind, Callable[[int], None]] = {
             Kind.F: self._forward,
             Kind.I: self._backward_input,
@@ -76,22 +77,34 @@ class Executor:
             Kind.NORM_REDUCE: self._norm_reduce,
         }
         self.position = 0  # index of the next action to run
+        self.pass_actions = actions  # this pass's list: the schedule's, or evaluation's forward-only one
         self.state: Optional[PassState] = None  # None between passes
 
-    def start_pass(self, batch: PassBatch) -> None:
+    def start_pass(self, batch: PassBatch, actions: Optional[List[Action]] = None) -> None:
+        """``actions``: another action list for this pass only (evaluation's forward-only one)."""
         device = batch.masks[0].device
         zero = torch.zeros((), dtype=torch.float64, device=device)
-        self.state = PassState(batch, zero, zero.clone())
+        evaluating = actions is not None
+        probe = None if evaluating else self.stage.check_plan(batch.inputs[0], batch.masks[0])
+        self.state = PassState(batch, zero, zero.clone(), zero.clone(), evaluating=evaluating, probe=probe)
+        self.pass_actions = actions if actions is not None else self.actions
         self.position = 0
+
+    def end_pass(self) -> None:
+        """Every stage finished the pass: a self-check it ran has passed on all of them."""
+        state = self._pass
+        if state.probe is not None:
+            self.stage.passed_check(state.batch.inputs[0])
 
     @property
     def done(self) -> bool:
-        return self.position >= len(self.actions)
+        return self.position >= len(self.pass_actions)
 
     def totals(self) -> torch.Tensor:
-        """float64 [2]: the sum of the last pass's real-row losses, and how many real rows were left
-        out because their gradient norm was not finite (both counted on the last stage only)."""
-        return torch.stack([self._pass.loss_sum, self._pass.dropped])
+        """float64 [3]: the sum of the last pass's real-row losses, how many real rows were left out
+        because their gradient norm was not finite, and how many were clipped (clip factor < 1), all
+        counted on the last stage only."""
+        return torch.stack([self._pass.loss_sum, self._pass.dropped, self._pass.clipped])
 
     @property
     def _pass(self) -> PassState:
@@ -102,7 +115,7 @@ class Executor:
     def run(self) -> bool:
         """Run actions until the end (True) or until one would block (False)."""
         while not self.done:
-            action = self.actions[self.position]
+            action = self.pass_actions[self.position]
             try:
                 self.handlers[action.kind](action.microbatch)
             except WouldBlock:
@@ -118,9 +131,12 @@ class Executor:
         inputs = state.batch.inputs[mb]
         x = inputs if stage.is_first else state.received.pop(mb)
         side = inputs if isinstance(inputs, dict) else None  # every stage sees its micro-batch's masks
-        out = stage.forward(
-            mb, x, state.batch.targets[mb] if stage.is_last else None, side, size=int(state.batch.masks[mb].shape[0])
-        )
+        targets, size = state.batch.targets[mb] if stage.is_last else None, int(state.batch.masks[mb].shape[0])
+        if state.evaluating:
+            out = stage.evaluate(x, targets, side, size)
+        else:
+            check = mb == 0 and state.probe is not None
+            out = stage.forward(mb, x, targets, side, size=size, check_buffers=check)
         if stage.is_last:
             real = state.batch.masks[mb] > 0
             state.loss_sum += torch.where(real, out.detach().to(torch.float64), 0.0).sum()
@@ -130,18 +146,21 @@ class Executor:
     def _backward_input(self, mb: int) -> None:
         state = self._pass
         grad = state.batch.masks[mb] if self.stage.is_last else state.grads_in.pop(mb)
-        result = self.stage.backward(mb, grad)
+        probe = None
+        if mb == 0 and state.probe is not None:
+            probe = Probe(state.probe.rows, state.probes_in)
+        result = self.stage.backward_input(mb, grad, probe)
         if result.input_grad is not None:
             state.grads_out[mb] = result.input_grad
+        if probe is not None:
+            state.probes_out = result.probe_messages
         norms = result.squared_norms
-        if self.tied:  # ||g_emb + g_head||^2 = ||g_emb||^2 + ||g_head||^2 + 2 <g_emb, g_head>
-            if self.stage.is_last:
-                state.tie_out[mb] = self.stage.tie_message(mb, _token_ids(state.batch.inputs[mb]))
-            elif self.stage.is_first:
-                cross = self.stage.tie_cross(mb, state.tie_in.pop(mb), _token_ids(state.batch.inputs[mb]))
-                norms = norms + 2 * cross.to(norms.device)
-            else:
-                state.tie_out[mb] = state.tie_in.pop(mb)  # relayed towards stage 0
+        if self.tie is not None:  # ||g_emb + g_head||^2 = ||g_emb||^2 + ||g_head||^2 + 2 <g_emb, g_head>
+            norms, outgoing = self.tie.after_backward(
+                self.stage.pending[mb], _token_ids(state.batch.inputs[mb]), norms, state.tie_in.pop(mb, None)
+            )
+            if outgoing is not None:
+                state.tie_out[mb] = outgoing
         state.norms[mb] = norms
 
     def _norm_reduce(self, mb: int) -> None:
@@ -160,11 +179,13 @@ class Executor:
         if self.reduce_norms and not self.stage.is_first:
             # every stage joined mb's reduction, the previous one after receiving our gradient of mb
             self.transport.release(Kind.SEND_B, mb)
+        clip = self.stage.clip
+        factors = clip.factors(total, mask)
         if self.stage.is_last:
-            finite = torch.isfinite(total)
-            finite = finite.all(0) if finite.dim() == 2 else finite  # per_layer: any layer's norm
-            state.dropped += ((mask > 0) & ~finite).sum().to(torch.float64)
-        self.stage.weight(mb, clip_factors(total, self.clip_norm.to(mask.device), mask))
+            real, finite = mask > 0, ~clip.rows(~torch.isfinite(total))
+            state.dropped += (real & ~finite).sum().to(torch.float64)
+            state.clipped += (real & finite & clip.rows(factors < 1)).sum().to(torch.float64)
+        self.stage.weight(mb, factors)
 
     def _send_forward(self, mb: int) -> None:
         self.transport.send(Kind.SEND_F, mb, self._pass.outgoing.pop(mb))
@@ -173,14 +194,21 @@ class Executor:
         self._pass.received[mb] = self.transport.recv(Kind.RECV_F, mb)
 
     def _send_backward(self, mb: int) -> None:
-        self.transport.send(Kind.SEND_B, mb, self._pass.grads_out.pop(mb))
-        if self.tied:
-            self.transport.send(Kind.SEND_B, mb, self._pass.tie_out.pop(mb))
+        state = self._pass
+        self.transport.send(Kind.SEND_B, mb, state.grads_out.pop(mb))
+        if self.tie is not None:
+            self.transport.send(Kind.SEND_B, mb, state.tie_out.pop(mb))
+        if mb == 0 and state.probe is not None:
+            for message in state.probes_out:
+                self.transport.send(Kind.SEND_B, mb, message)
 
     def _recv_backward(self, mb: int) -> None:
-        self._pass.grads_in[mb] = self.transport.recv(Kind.RECV_B, mb)
-        if self.tied:  # sent right behind the gradient, so it is there too
-            self._pass.tie_in[mb] = self.transport.recv(Kind.RECV_B, mb)
+        state = self._pass
+        state.grads_in[mb] = self.transport.recv(Kind.RECV_B, mb)
+        if self.tie is not None:  # sent right behind the gradient, so it is there too
+            state.tie_in[mb] = self.transport.recv(Kind.RECV_B, mb)
+        if mb == 0 and state.probe is not None:
+            state.probes_in = tuple(self.transport.recv(Kind.RECV_B, mb) for _ in state.probe.rows)
         # the next stage computed this gradient from our activation of mb: it has received it
         self.transport.release(Kind.SEND_F, mb)
 
@@ -206,5 +234,5 @@ def run_in_process(executors: List[Executor]) -> None:
         if all(finished):
             return
         if [e.position for e in executors] == before:
-            stuck = [str(e.actions[e.position]) for e in executors if not e.done]
+            stuck = [str(e.pass_actions[e.position]) for e in executors if not e.done]
             raise RuntimeError(f"in-process pipeline deadlocked at {stuck}")

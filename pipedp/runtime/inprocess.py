@@ -6,9 +6,8 @@ from typing import Any, Dict, List, Optional, Sequence
 
 import torch
 
-from schedules import Schedule
+from schedules import Schedule, forward_only
 
-from ..privacy.clipping import Clipping
 from .executor import Executor, run_in_process
 from .inprocess_transport import InProcessHub
 from .microbatch import Inputs, PassBatch
@@ -20,20 +19,14 @@ class InProcessRuntime:
     replica = 0
     replicas = 1
 
-    def __init__(
-        self,
-        stages: Sequence[Stage],
-        schedule: Schedule,
-        clipping: Clipping,
-        state_keys: Sequence[str],
-        tied: bool = False,
-    ):
+    def __init__(self, stages: Sequence[Stage], schedule: Schedule, state_keys: Sequence[str]):
         self._stages: List[Stage] = list(stages)
         self.state_keys = list(state_keys)
         self.hub = InProcessHub(len(stages))
+        evaluation = forward_only(len(stages), schedule.microbatches)
+        self.eval_actions = [evaluation.for_stage(stage.index) for stage in stages]
         self.executors = [
-            Executor(stage, self.hub.transport(stage.index), schedule.for_stage(stage.index), clipping, tied)
-            for stage in stages
+            Executor(stage, self.hub.transport(stage.index), schedule.for_stage(stage.index)) for stage in stages
         ]
 
     @property
@@ -48,6 +41,15 @@ class InProcessRuntime:
             e.start_pass(batch)
         run_in_process(self.executors)
         self.hub.end_pass()
+        for e in self.executors:
+            e.end_pass()
+        return self.executors[-1].totals()
+
+    def run_eval(self, batch: PassBatch) -> torch.Tensor:
+        for e, actions in zip(self.executors, self.eval_actions):
+            e.start_pass(batch, actions)
+        run_in_process(self.executors)
+        self.hub.end_pass()
         return self.executors[-1].totals()
 
     def sum_over_replicas(self, grads: List[torch.Tensor]) -> List[torch.Tensor]:
@@ -55,13 +57,9 @@ class InProcessRuntime:
 
     def combine_tied(self, stage: Stage, grads: List[torch.Tensor]) -> List[torch.Tensor]:
         """The owner adds the head's clipped part of the shared tensor (the partner does not step it)."""
-        if stage.tie is None or stage.tie.role != "owner":
+        if stage.tie is None:
             return grads
-        partner = self._stages[-1]
-        k = stage.tied_index()
-        grads = list(grads)
-        grads[k] = grads[k] + partner.take_tied_part()
-        return grads
+        return stage.tie.combine_in_process(grads, stage.parameters, self._stages[-1].take_tied_part)
 
     def total(self, value: torch.Tensor) -> torch.Tensor:
         return value
@@ -77,6 +75,13 @@ class InProcessRuntime:
         for stage in self._stages:
             merged.update(stage.named_state())
         return {k: merged[k] for k in self.state_keys if k in merged}
+
+    def abort_step(self, error: BaseException) -> None:
+        self.hub.clear()
+        for executor in self.executors:
+            executor.state = None
+        for stage in self._stages:
+            stage.reset()
 
     def close(self) -> None:
         for stage in self._stages:

@@ -31,6 +31,11 @@ class InProcessHub:
     def transport(self, stage: int) -> "InProcessTransport":
         return InProcessTransport(self, stage)
 
+    def clear(self) -> None:
+        """Forget every message and reduction (a failed pass)."""
+        self.mailboxes.clear()
+        self.reductions.clear()
+
     def end_pass(self) -> None:
         leftover = [k for k, box in self.mailboxes.items() if box]
         if leftover:

@@ -10,12 +10,15 @@ Used by the tests, the CLI (when not started by torchrun) and the benchmarks.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import io
 import os
 import queue
 import signal
 import socket
+import sys
+import threading
 import time
 import traceback
 from datetime import timedelta
@@ -34,6 +37,30 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+@contextlib.contextmanager
+def bounded(what: str, seconds: float):
+    """Wait at most ``seconds`` (plus a grace of 30 s) for a blocking distributed call whose own timeout
+    may not apply (a rendezvous with a peer that will never come, a stale store): past it, say so on
+    stderr and end the process, rather than sit there unbounded. Exit code 75 (EX_TEMPFAIL)."""
+
+    def expire() -> None:
+        sys.stderr.write(
+            f"pipedp: rank {os.environ.get('RANK', '?')}: {what} did not finish within {seconds:.0f} s (a rank is "
+            "missing, or the rendezvous is stale after a killed launcher): stopping this process; start the job "
+            "again (with --resume to continue from the last checkpoint)\n"
+        )
+        sys.stderr.flush()
+        os._exit(75)
+
+    timer = threading.Timer(seconds + 30.0, expire)
+    timer.daemon = True
+    timer.start()
+    try:
+        yield
+    finally:
+        timer.cancel()
+
+
 def init_from_env(backend: Optional[str] = None, timeout_s: float = 300.0, store: Optional[dist.Store] = None) -> None:
     """init_process_group from torchrun's environment (or the given store); NCCL when CUDA is there, else gloo."""
     if dist.is_initialized():
@@ -42,16 +69,17 @@ def init_from_env(backend: Optional[str] = None, timeout_s: float = 300.0, store
         backend = "nccl" if torch.cuda.is_available() else "gloo"
     if backend == "nccl":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count())
-    if store is None:
-        dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s))
-    else:
-        dist.init_process_group(
-            backend,
-            store=store,
-            rank=int(os.environ["RANK"]),
-            world_size=int(os.environ["WORLD_SIZE"]),
-            timeout=timedelta(seconds=timeout_s),
-        )
+    with bounded("creating the default process group", timeout_s):
+        if store is None:
+            dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s))
+        else:
+            dist.init_process_group(
+                backend,
+                store=store,
+                rank=int(os.environ["RANK"]),
+                world_size=int(os.environ["WORLD_SIZE"]),
+                timeout=timedelta(seconds=timeout_s),
+            )
 
 
 def _loopback_store(world: int, timeout_s: float) -> dist.TCPStore:

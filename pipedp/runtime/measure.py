@@ -17,18 +17,17 @@ import torch
 
 from ..split.blocks import Block
 from .microbatch import Inputs, detached, rows, tensors_of
-from .stage import Stage
+from .stage import Stage, StageOptions
 
 
 def _time_block(block: Block, x, size: int, first: bool, grad_mode: str, repeats: int):
     times, out = [], None
     for r in range(repeats + 1):
-        stage = Stage(0 if first else 1, 3, [block], None, grad_mode)  # a middle stage: input grads, no loss
-        stage.verified = True  # time the passes, not the first-use check
+        stage = Stage(0 if first else 1, 3, [block], None, StageOptions(grad_mode))  # a middle stage: no loss
         start = time.perf_counter()
         out = stage.forward(0, x, size=size)
         ones = tuple(torch.ones_like(t) for t in tensors_of(out) if t.is_floating_point())
-        stage.backward(0, ones if isinstance(out, tuple) else ones[0] if ones else ())
+        stage.backward_input(0, ones if isinstance(out, tuple) else ones[0] if ones else ())
         stage.weight(0, torch.ones(size, dtype=torch.float64))
         elapsed = time.perf_counter() - start
         stage.close()

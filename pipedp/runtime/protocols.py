@@ -60,8 +60,13 @@ class Runtime(Protocol):
     def check_same_batch(self, inputs: Inputs, targets: torch.Tensor) -> None: ...
 
     def run_pass(self, batch: PassBatch) -> torch.Tensor:
-        """One pipeline pass; returns float64 [2]: the sum of this replica's real-row losses and
-        the number of its real rows left out for a non-finite gradient norm (0 off the last stage)."""
+        """One pipeline pass; returns float64 [3]: the sum of this replica's real-row losses, the number
+        of its real rows left out for a non-finite gradient norm, and the number clipped (0 off the last
+        stage)."""
+        ...
+
+    def run_eval(self, batch: PassBatch) -> torch.Tensor:
+        """One forward-only pass (no capture, no gradient); float64 [3] as run_pass, loss sum first."""
         ...
 
     def sum_over_replicas(self, grads: List[torch.Tensor]) -> List[torch.Tensor]: ...
@@ -82,6 +87,12 @@ class Runtime(Protocol):
 
     def gather_state(self) -> Optional[Dict[str, torch.Tensor]]:
         """The whole model's state dict (original names) on rank 0; None on the other ranks."""
+        ...
+
+    def abort_step(self, error: BaseException) -> None:
+        """A step raised: drop what it left behind (messages in flight, captures, partial clipped sums),
+        so that the next step is the one it would have been; a runtime that cannot (another rank may
+        still wait on this one) refuses every later step with the first failure named."""
         ...
 
     def close(self) -> None:

@@ -1,27 +1,48 @@
-"""The fit loop: draw each step's Poisson batch, step, checkpoint; nothing else.
+"""The fit loop: draw each step's batch with pipedp's own sampler, step, checkpoint; nothing else.
 
-It uses the trainer's public surface only (``step``, ``state``, ``privacy``, ``runtime``,
-``save_checkpoint``, ``load_checkpoint``, ``epsilon``).
+It depends on the ``Trainable`` protocol below, not on the trainer class: the trainer calls
+``fit`` and the loop calls back only what the protocol names.
 """
 
 from __future__ import annotations
 
 import math
-import os
 import warnings
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable, Optional, Union
+from typing import Any, Callable, List, Optional, Protocol, Union
 
 import torch
 
-from ..config import steps_for_epochs
+from ..config import FitConfig, PrivacyConfig
 from ..errors import CheckpointError, PipeDPError, PrivacyBudgetExceeded
-from ..privacy.sampling import poisson_indices, truncate, truncation_probability
-from ..runtime.microbatch import rows, take
-from .checkpoint import FolderLock
+from ..privacy.sampling import poisson_indices, shuffled_indices, steps_per_epoch, truncate, truncation_probability
+from ..runtime.microbatch import Inputs, rows, take
+from . import checkpoint
 
-if TYPE_CHECKING:
-    from .trainer import PipelineDPTrainer
+
+class Trainable(Protocol):
+    """What the fit loop needs of a trainer."""
+
+    privacy: PrivacyConfig
+    last_batch_size: int
+
+    @property
+    def steps_taken(self) -> int: ...
+
+    @property
+    def runtime(self) -> Any: ...  # rank and broadcast: rank 0 locks the folder, secure draws come from rank 0
+
+    def use_dataset(self, records: int) -> None: ...
+
+    def step(self, inputs: Inputs, targets: torch.Tensor, *, sampling: Optional[str] = None) -> float: ...
+
+    def epsilon(self, delta: Optional[float] = None) -> float: ...
+
+    def save_checkpoint(
+        self, directory: str, key: Union[str, bytes, None] = None, keep_last: Optional[int] = None
+    ) -> None: ...
+
+    def load_checkpoint(self, directory: str, key: Union[str, bytes, None] = None) -> None: ...
 
 
 @dataclass
@@ -52,75 +73,61 @@ def _as_tensors(dataset):
 
 
 def fit(
-    trainer: "PipelineDPTrainer",
+    trainer: Trainable,
     dataset,
-    *,
-    steps: Optional[int] = None,
-    epochs: Optional[float] = None,
-    checkpoint_dir: Optional[str] = None,
-    checkpoint_every: Optional[int] = None,
-    resume: bool = False,
-    max_logical_batch: Optional[int] = None,
-    checkpoint_key: Union[str, bytes, None] = None,
-    keep_last: Optional[int] = None,
-    callback: Optional[Callable[[int, float, "PipelineDPTrainer"], None]] = None,
+    config: FitConfig,
+    callback: Optional[Callable[[int, float, Any], None]] = None,
 ) -> FitResult:
-    """Train until ``steps`` total steps (or ``epochs`` epochs: ceil(epochs / sample_rate) steps).
+    """Train until ``config`` total steps (or epochs), each on a batch from pipedp's own sampler.
 
-    Every step draws a logical batch by Poisson sampling at ``trainer.sample_rate``.
-    ``max_logical_batch`` caps a batch (truncated Poisson): the run then differs from the
-    accounted Poisson mechanism only on the event that the cap bites in some step, whose
-    probability is at most T * p with p = P(|B| > cap), on each of two neighbouring
-    datasets; so (epsilon, delta) becomes (epsilon, delta + (1 + e^epsilon) * T * p).
-    FitResult.truncation_delta reports that extra term.
-    ``callback(step, loss, trainer)`` runs after every step. With ``resume``, training
-    continues from the newest checkpoint in ``checkpoint_dir`` exactly as if it had never
-    stopped (same batches, same noise). A max_epsilon on the trainer stops the loop before
-    the step that would exceed it, after saving a checkpoint. ``checkpoint_key`` (or the
-    environment variable PIPEDP_CHECKPOINT_KEY) signs every manifest and refuses to resume
-    from one it did not sign; ``keep_last`` keeps only the newest step folders. While it
-    runs, the folder is locked: a second job on it is refused with this job's pid.
+    Poisson (the default, or ``PrivacyConfig.sampling='poisson'``): each record independently with
+    probability sample_rate, accounted with amplification. ``'shuffle'``: each epoch a seeded
+    permutation cut into batches of expected_batch_size, each record once per epoch, accounted
+    without amplification. ``max_logical_batch`` caps a Poisson batch (truncated Poisson): the run
+    then differs from the accounted mechanism only on the event that the cap bites in some step,
+    whose probability is at most T * p with p = P(|B| > cap), on each of two neighbouring datasets;
+    so (epsilon, delta) becomes (epsilon, delta + (1 + e^epsilon) * T * p), reported as
+    FitResult.truncation_delta. With ``resume``, training continues from the newest checkpoint
+    exactly as if it had never stopped (same batches, same noise). A max_epsilon on the trainer stops
+    the loop before the step that would exceed it, after saving a checkpoint. While it runs, the
+    checkpoint folder is locked: a second job on it is refused.
     """
     privacy = trainer.privacy
-    q = privacy.sample_rate
-    if q is None:
-        raise PipeDPError("fit() samples batches by Poisson sampling: give the trainer a sample_rate")
-    if (steps is None) == (epochs is None):
-        raise PipeDPError("fit() takes exactly one of steps or epochs")
-    total = steps if steps is not None else steps_for_epochs(epochs, q)
+    sampling = privacy.sampling or "poisson"
     inputs, targets = _as_tensors(dataset)
-    if rows(inputs) != len(targets):
-        raise PipeDPError(f"fit() got {rows(inputs)} inputs but {len(targets)} targets: pass one target per input")
-    if max_logical_batch is not None and max_logical_batch < 1:
-        raise PipeDPError(f"max_logical_batch must be >= 1, got {max_logical_batch}")
-    if resume and checkpoint_dir is None:
-        raise PipeDPError("resume=True needs checkpoint_dir")
-    lock = _lock(trainer, checkpoint_dir) if checkpoint_dir else None
+    n = rows(inputs)
+    if n != len(targets):
+        raise PipeDPError(f"fit() got {n} inputs but {len(targets)} targets: pass one target per input")
+    trainer.use_dataset(n)  # delta is checked against 1/n here
+    if sampling == "poisson" and privacy.sample_rate is None:
+        raise PipeDPError("fit() draws Poisson batches: give the trainer a sample_rate (expected batch / records)")
+    if config.max_logical_batch is not None and sampling != "poisson":
+        raise PipeDPError("max_logical_batch caps Poisson batches; shuffled batches have a fixed size already")
+    total = _total_steps(config, trainer.privacy, sampling)
+    lock = _lock(trainer, config.checkpoint_dir) if config.checkpoint_dir else None
     try:
-        trunc, last_loss, stopped = _train(
-            trainer,
-            inputs,
-            targets,
-            total,
-            checkpoint_dir,
-            checkpoint_every,
-            resume,
-            max_logical_batch,
-            checkpoint_key,
-            keep_last,
-            callback,
-        )
+        trunc, last_loss, stopped = _train(trainer, inputs, targets, total, config, sampling, callback)
     finally:
         if lock is not None:
             lock.release()
-    eps = trainer.epsilon(privacy.delta) if trainer.state.step else 0.0
+    eps = trainer.epsilon() if trainer.steps_taken else 0.0
     extra_delta = (1 + math.exp(min(eps, 700.0))) * total * trunc if trunc else 0.0
-    return FitResult(trainer.state.step, last_loss, eps, privacy.delta, stopped, extra_delta)
+    return FitResult(trainer.steps_taken, last_loss, eps, privacy.delta, stopped, extra_delta)
 
 
-def _lock(trainer: "PipelineDPTrainer", directory: str) -> FolderLock:
-    """Rank 0 locks the folder; every rank learns whether it could (so all stop together)."""
-    lock = FolderLock(directory)
+def _total_steps(config: FitConfig, privacy: PrivacyConfig, sampling: str) -> int:
+    """config.steps, or the steps of config.epochs: ceil(epochs / q) Poisson steps, or whole shuffled
+    epochs of ceil(records / batch) steps each (the last batch of an epoch the smaller)."""
+    if sampling == "poisson" or config.steps is not None:
+        return config.total_steps(privacy.sample_rate)
+    assert privacy.expected_batch_size is not None and privacy.dataset_size is not None and config.epochs
+    return max(1, math.ceil(config.epochs * steps_per_epoch(privacy.dataset_size, privacy.expected_batch_size)))
+
+
+def _lock(trainer: Trainable, directory: str) -> checkpoint.FolderLock:
+    """Rank 0 locks the folder (held until release; a dead job's lock is free); every rank learns
+    whether it could (so all stop together)."""
+    lock = checkpoint.FolderLock(directory)
     problem = None
     if trainer.runtime.rank == 0:
         try:
@@ -133,43 +140,47 @@ def _lock(trainer: "PipelineDPTrainer", directory: str) -> FolderLock:
     return lock
 
 
-def _train(
-    trainer,
-    inputs,
-    targets,
-    total,
-    checkpoint_dir,
-    checkpoint_every,
-    resume,
-    max_logical_batch,
-    checkpoint_key,
-    keep_last,
-    callback,
-):
-    privacy, q, n = trainer.privacy, trainer.privacy.sample_rate, rows(inputs)
-    if resume:
-        if os.path.exists(os.path.join(checkpoint_dir, "latest")):
-            trainer.load_checkpoint(checkpoint_dir, checkpoint_key)
+def _draw(trainer: Trainable, n: int, step: int, sampling: str, cap: Optional[int]) -> torch.Tensor:
+    """The indices of step ``step``'s batch (every rank draws the same)."""
+    privacy = trainer.privacy
+    if sampling == "shuffle":
+        assert privacy.expected_batch_size is not None
+        return shuffled_indices(n, privacy.expected_batch_size, privacy.seed, step)
+    assert privacy.sample_rate is not None
+    index = poisson_indices(n, privacy.sample_rate, privacy.seed, step, privacy.secure_mode)
+    index = truncate(index, cap, privacy.seed, step)
+    if privacy.secure_mode:  # OS randomness differs per rank: every rank takes rank 0's draw
+        index = trainer.runtime.broadcast(index)
+    return index
+
+
+def _train(trainer: Trainable, inputs, targets, total: int, config: FitConfig, sampling: str, callback):
+    privacy, n = trainer.privacy, rows(inputs)
+    directory = config.checkpoint_dir
+    if directory:
+        checkpoint.resolve_key(config.checkpoint_key)  # an empty key is refused now, not at the first save
+    if config.resume:
+        assert directory is not None  # FitConfig.validate()
+        if checkpoint.exists(directory):
+            trainer.load_checkpoint(directory, config.checkpoint_key)
         else:
-            warnings.warn(f"resume=True but {checkpoint_dir!r} holds no checkpoint: starting from step 0", stacklevel=4)
+            warnings.warn(f"resume=True but {directory!r} holds no checkpoint: starting from step 0", stacklevel=4)
     trunc = 0.0
-    if max_logical_batch is not None:
-        trunc = truncation_probability(n, q, max_logical_batch)
+    cap = config.max_logical_batch
+    if cap is not None:
+        assert privacy.sample_rate is not None
+        trunc = truncation_probability(n, privacy.sample_rate, cap)
         if trunc > 0:
             warnings.warn(
-                f"max_logical_batch={max_logical_batch} truncates Poisson batches with probability {trunc:.2e} "
+                f"max_logical_batch={cap} truncates Poisson batches with probability {trunc:.2e} "
                 f"per step: the guarantee is (epsilon, delta + (1 + e^epsilon) * {total} * {trunc:.2e})",
                 stacklevel=4,
             )
     last_loss, stopped = math.nan, None
-    while trainer.state.step < total:
-        t = trainer.state.step
-        index = poisson_indices(n, q, privacy.seed, t, privacy.secure_mode)
-        index = truncate(index, max_logical_batch, privacy.seed, t)
-        if privacy.secure_mode:  # OS randomness differs per rank: every rank takes rank 0's draw
-            index = trainer.runtime.broadcast(index)
+    while trainer.steps_taken < total:
+        index = _draw(trainer, n, trainer.steps_taken, sampling, cap)
         try:
-            loss = trainer.step(take(inputs, index), targets[index])
+            loss = trainer.step(take(inputs, index), targets[index], sampling=sampling)
         except PrivacyBudgetExceeded as exc:
             stopped = str(exc)
             warnings.warn(stopped, stacklevel=4)
@@ -177,9 +188,13 @@ def _train(
         if trainer.last_batch_size:  # an empty batch's loss is NaN by definition; any other NaN is reported
             last_loss = loss
         if callback is not None:
-            callback(trainer.state.step, loss, trainer)
-        if checkpoint_dir and checkpoint_every and trainer.state.step % checkpoint_every == 0:
-            trainer.save_checkpoint(checkpoint_dir, checkpoint_key, keep_last)
-    if checkpoint_dir:
-        trainer.save_checkpoint(checkpoint_dir, checkpoint_key, keep_last)
+            callback(trainer.steps_taken, loss, trainer)
+        every = config.checkpoint_every
+        if directory and every and trainer.steps_taken % every == 0:
+            trainer.save_checkpoint(directory, config.checkpoint_key, config.keep_last)
+    if directory:
+        trainer.save_checkpoint(directory, config.checkpoint_key, config.keep_last)
     return trunc, last_loss, stopped
+
+
+__all__: List[str] = ["FitResult", "Trainable", "fit"]

@@ -1,13 +1,13 @@
 """The state a DP training run carries from step to step, owned by the trainer.
 
 Saved and restored as a whole by checkpoint.py: the step counter, the privacy accountant
-(through Opacus's own ``state_dict``) and the stages' optimizers.
+(through Opacus's own ``state_dict``), the stages' optimizers and their learning-rate schedulers.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import List, Optional
+from dataclasses import dataclass, field
+from typing import Any, List, Optional
 
 import torch
 from opacus.accountants import IAccountant
@@ -18,3 +18,4 @@ class TrainingState:
     step: int  # DP steps taken (the next step's index)
     accountant: IAccountant
     optimizers: List[Optional[torch.optim.Optimizer]]  # per local stage (None: nothing to train there)
+    schedulers: List[Optional[Any]] = field(default_factory=list)  # per local stage: an LRScheduler, or None

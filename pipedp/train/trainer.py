@@ -14,7 +14,7 @@ import dataclasses
 import math
 import warnings
 import weakref
-from typing import Any, Callable, Dict, List, Optional, Union
+from typing import Any, Callable, Dict, List, Optional, Tuple, Union
 
 import torch
 import torch.nn as nn
@@ -23,13 +23,13 @@ from opacus.accountants import create_accountant
 import schedules
 from schedules import Kind
 
-from ..config import PipelineConfig, PrivacyConfig, describe, split_options
-from ..errors import ConfigError, NonFiniteError, PipeDPError, PrivacyBudgetExceeded, UnsupportedModelError
-from ..privacy.accounting import calibrate_noise, spent_epsilon, steps_within_budget
-from ..privacy.clipping import Clipping
+from ..config import SAMPLINGS, FitConfig, PipelineConfig, PrivacyConfig, describe, split_options
+from ..errors import ConfigError, NonFiniteError, PrivacyBudgetExceeded, UnsupportedModelError
+from ..privacy.accounting import BudgetGuard, calibrate_noise, charged_rate, spent_epsilon
+from ..privacy.clipping import ClipRule
 from ..privacy.noise import add_noise
 from ..privacy.validation import validate_model
-from ..runtime.capture import block_units
+from ..runtime.capture import block_layers
 from ..runtime.create import create_runtime
 from ..runtime.microbatch import (
     Inputs,
@@ -44,16 +44,18 @@ from ..runtime.microbatch import (
     rows as batch_rows,
 )
 from ..runtime.protocols import Runtime
+from ..runtime.tie import the_tie
 from ..split.adapters import model_blocks
 from ..split.balance import cost_unit, report
 from ..split.blocks import model_signature
-from ..split.partition import Tie, block_costs, find_ties, partition
+from ..split.partition import block_costs, find_ties, partition
 from . import checkpoint
 from .export import save_pretrained
 from .loop import FitResult, fit
 from .state import TrainingState
 
 OptimizerFactory = Callable[[List[nn.Parameter]], torch.optim.Optimizer]
+SchedulerFactory = Callable[[torch.optim.Optimizer], Any]  # e.g. lambda opt: LambdaLR(opt, warmup)
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 
@@ -76,16 +78,20 @@ def _check_finite(stage: Any, values: List[torch.Tensor], step: int, what: str) 
         )
 
 
-def _the_tie(ties: List[Tie], clipping: Clipping) -> Optional[Tie]:
-    """The one embedding / head tie pipedp handles across stages, under flat clipping."""
-    if not ties:
-        return None
-    if len(ties) > 1 or not clipping.across_stages:
-        raise UnsupportedModelError(
-            f"tied weights across stages {[t.owner for t in ties]}: pipedp clips one embedding tied to the head "
-            "exactly under clipping='flat'; untie them (untie_weights=True) for per-stage / per-layer clipping"
-        )
-    return ties[0]
+def _refuse_duplicate_names(stage_blocks: List[List[Any]]) -> None:
+    """The noise of each parameter is drawn from the stream of its name: two tensors of one name would get
+    the same noise (correlated, and the guarantee assumes independent noise)."""
+    owner: Dict[str, int] = {}
+    for blocks in stage_blocks:
+        for b in blocks:
+            for n, p in b.module.named_parameters():
+                name = b.qualified(n)
+                if owner.setdefault(name, id(p)) != id(p):
+                    raise UnsupportedModelError(
+                        f"two different parameters are both named {name!r} (from the model's blocks): pipedp draws "
+                        "each parameter's noise from the stream of its name, so they would get the same noise; give "
+                        "each block its prefix in the model's own state dict (pipeline_blocks() names)"
+                    )
 
 
 def _check_optimizer_options(optimizers: List[Optional[torch.optim.Optimizer]]) -> None:
@@ -96,6 +102,18 @@ def _check_optimizer_options(optimizers: List[Optional[torch.optim.Optimizer]]) 
                 values = value if isinstance(value, tuple) else (value,)
                 if any(isinstance(v, float) and not math.isfinite(v) for v in values):
                     raise ConfigError(f"optimizer option {key}={value!r} is not finite: give a finite value", key)
+
+
+def _warn_if_nothing_can_change(runtime: Runtime, optimizers: List[Optional[torch.optim.Optimizer]]) -> None:
+    """Every step is charged epsilon: say so when no step can change the model."""
+    if not any(stage.parameters for stage in runtime.local_stages):
+        local = "this rank's stage has" if runtime.replicas > 1 or runtime.rank > 0 else "the model has"
+        warnings.warn(
+            f"{local} no trainable parameter: steps change nothing here but are charged epsilon", stacklevel=3
+        )
+    rates = [g.get("lr") for opt in optimizers if opt is not None for g in opt.param_groups]
+    if rates and all(isinstance(lr, (int, float)) and lr == 0 for lr in rates):
+        warnings.warn("the learning rate is 0: steps change nothing but are charged epsilon", stacklevel=3)
 
 
 def _default_optimizer(params: List[nn.Parameter]) -> torch.optim.Optimizer:
@@ -136,6 +154,7 @@ class PipelineDPTrainer:
         loss_fn: LossFn,
         optimizer: OptimizerFactory = _default_optimizer,
         *,
+        scheduler: Optional[SchedulerFactory] = None,
         pipeline: Optional[PipelineConfig] = None,
         privacy: Optional[PrivacyConfig] = None,
         **options: Any,
@@ -160,19 +179,22 @@ class PipelineDPTrainer:
         self.model = model
         self.last_batch_size = 0
         self.last_dropped_samples = 0  # samples of the last step left out for a non-finite gradient norm
-        self._budget: Optional[int] = None
+        self.last_clipped_fraction = 0.0  # of the last step's samples, those clipped (a diagnostic, not private)
+        self._budget: Optional[BudgetGuard] = None
+        self._warned_unamplified = self._warned_delta = False
 
         blocks = model_blocks(model, pipeline.untie_weights)
         costs = block_costs(blocks, pipeline.balance)
         stage_blocks = partition(blocks, pipeline.stages, pipeline.balance, costs)
-        layers = [name for stage in stage_blocks for name in block_units(stage)]
-        self.clipping = Clipping.make(privacy.clipping, privacy.max_grad_norm, pipeline.stages, layers)
-        tie = _the_tie(find_ties(stage_blocks), self.clipping)
+        _refuse_duplicate_names(stage_blocks)
+        layers = [name for stage in stage_blocks for name in block_layers(stage)]
+        self.clip = ClipRule.make(privacy.clipping, privacy.max_grad_norm, pipeline.stages, layers)
+        tie = the_tie(find_ties(stage_blocks), self.clip.across_stages)
         self.partition_report = report(stage_blocks, costs, cost_unit(pipeline.balance))
         self.runtime: Runtime = create_runtime(
             pipeline,
             self.schedule,
-            self.clipping,
+            self.clip,
             stage_blocks,
             loss_fn,
             self.run_config(),
@@ -180,41 +202,50 @@ class PipelineDPTrainer:
             tie,
         )
         self._finalizer = weakref.finalize(self, self.runtime.close)  # hooks off when the trainer goes
+        # a stage with nothing to train (e.g. a frozen embedding) gets no optimizer
+        optimizers = [optimizer(stage.parameters) if stage.parameters else None for stage in self.runtime.local_stages]
         self.state = TrainingState(
             step=0,
             accountant=create_accountant(mechanism=privacy.accountant),
-            # a stage with nothing to train (e.g. a frozen embedding) gets no optimizer
-            optimizers=[
-                optimizer(stage.parameters) if stage.parameters else None for stage in self.runtime.local_stages
-            ],
+            optimizers=optimizers,
+            schedulers=[scheduler(opt) if scheduler is not None and opt is not None else None for opt in optimizers],
         )
         _check_optimizer_options(self.state.optimizers)
+        _warn_if_nothing_can_change(self.runtime, self.state.optimizers)
 
     # ---- one DP-SGD step ---------------------------------------------------------------------
-    def step(self, inputs: Inputs, targets: torch.Tensor) -> float:
+    def step(self, inputs: Inputs, targets: torch.Tensor, *, sampling: Optional[str] = None) -> float:
         """One DP-SGD step on a logical batch of any size >= 0; returns its mean loss
         (NaN for an empty batch, whose update is noise only). ``inputs``: a tensor, or a dict of
-        batch-first tensors such as ``{"input_ids": .., "attention_mask": ..}``."""
+        batch-first tensors such as ``{"input_ids": .., "attention_mask": ..}``. ``sampling``: how
+        this batch was drawn ("poisson" or "shuffle"; default ``PrivacyConfig.sampling``), which
+        decides what the accountant charges (see pipedp.privacy.accounting). A step that raises
+        leaves the trainer as it was before it: the next step is the one it would have been."""
         n = check_batch(inputs, targets)
+        charge = self._charge(sampling if sampling is not None else self.privacy.sampling)
         self.last_batch_size = n
-        self.check_budget()
+        self._check_budget(charge)
         self.runtime.check_same_batch(inputs, targets)
         pipeline = self.pipeline
         mine = replica_rows(n, pipeline.replicas, self.runtime.replica)
         inputs, targets = take(inputs, mine), targets[mine]
-        totals = torch.zeros(2, dtype=torch.float64)  # loss sum, samples left out for a non-finite norm
-        for part in plan_passes(batch_rows(inputs), pipeline.microbatches, pipeline.microbatch_size):
-            size = microbatch_size_for(part.stop - part.start, pipeline.microbatches, pipeline.microbatch_size)
-            batch = make_pass(take(inputs, part), targets[part], pipeline.microbatches, size)
-            totals = totals + self.runtime.run_pass(batch)
-        self._apply_update()
-        if self.privacy.sample_rate is not None:
-            self.state.accountant.step(
-                noise_multiplier=self.privacy.noise_multiplier, sample_rate=self.privacy.sample_rate
-            )
+        totals = torch.zeros(3, dtype=torch.float64)  # loss sum, samples left out (non-finite norm), clipped
+        try:
+            for part in plan_passes(batch_rows(inputs), pipeline.microbatches, pipeline.microbatch_size):
+                size = microbatch_size_for(part.stop - part.start, pipeline.microbatches, pipeline.microbatch_size)
+                batch = make_pass(take(inputs, part), targets[part], pipeline.microbatches, size)
+                totals = totals + self.runtime.run_pass(batch)
+            self._apply_update()
+        except BaseException as exc:
+            self.runtime.abort_step(exc)  # nothing of the failed step stays behind (messages, captures, sums)
+            raise
+        if charge is not None:
+            self.state.accountant.step(noise_multiplier=charge[0], sample_rate=charge[1])
         self.state.step += 1
-        loss_sum, dropped = (float(v) for v in self.runtime.total(totals))
+        loss_sum, dropped, clipped = (float(v) for v in self.runtime.total(totals))
         self.last_dropped_samples = int(dropped)
+        # a diagnostic computed from the private batch without noise: not itself private
+        self.last_clipped_fraction = clipped / n if n else 0.0
         if dropped:
             warnings.warn(
                 f"step {self.state.step}: {int(dropped)} sample(s) had a non-finite gradient norm "
@@ -223,35 +254,60 @@ class PipelineDPTrainer:
             )
         return loss_sum / n if n else math.nan
 
+    def _charge(self, sampling: Optional[str]) -> Optional[Tuple[float, float]]:
+        """(noise multiplier, sample rate) the accountant records for the next step, or None."""
+        privacy = self.privacy
+        if sampling is not None and sampling not in SAMPLINGS:
+            raise ConfigError(f"unknown sampling {sampling!r}: choose one of {list(SAMPLINGS)}", "sampling")
+        if sampling is None and not self._warned_unamplified:
+            self._warned_unamplified = True
+            warnings.warn(
+                "step() got a batch whose sampling is not declared: each such step is accounted as if it held every "
+                "record (no subsampling amplification). Declare PrivacyConfig.sampling='poisson' if your batches "
+                "are Poisson-sampled at sample_rate (e.g. Opacus's DPDataLoader), or let fit() draw them",
+                stacklevel=3,
+            )
+        per_epoch = 1
+        if sampling == "shuffle":
+            assert privacy.dataset_size is not None and privacy.expected_batch_size is not None  # validate()
+            per_epoch = math.ceil(privacy.dataset_size / privacy.expected_batch_size)
+        rate = charged_rate(sampling, privacy.sample_rate, self.state.step, per_epoch)
+        return None if rate is None else (privacy.noise_multiplier, rate)
+
     def _apply_update(self) -> None:
-        std = self.privacy.noise_multiplier * self.clipping.sensitivity
+        std = self.privacy.noise_multiplier * self.clip.sensitivity
         stages = self.runtime.local_stages
         for stage in stages:  # every stage's update is set and checked before any optimizer steps
             grads = stage.take_clipped_sum()
             if self.runtime.replica == 0:  # noise once, before the sum over replicas
-                grads = self._noised(stage, grads, std)
+                self._noised(stage, grads, std)
             grads = self.runtime.combine_tied(stage, grads)  # a tied embedding / head: both parts, noised once
             grads = self.runtime.sum_over_replicas(grads)
             for p, g in zip(stage.parameters, grads):
-                p.grad = (g / self.privacy.expected_batch_size).to(p.dtype)
+                p.grad = g.div_(self.privacy.expected_batch_size).to(p.dtype)
             _check_finite(stage, [p.grad for p in stage.parameters], self.state.step + 1, "noisy clipped gradient")
-        for stage, opt in zip(stages, self.state.optimizers):
+        for stage, opt, scheduler in zip(stages, self.state.optimizers, self.state.schedulers):
             if opt is None:  # nothing to train on this stage
                 continue
             opt.step()
             opt.zero_grad(set_to_none=True)
+            if scheduler is not None:
+                scheduler.step()
             _check_finite(stage, list(stage.parameters), self.state.step + 1, "value after the optimizer step")
 
-    def _noised(self, stage: Any, grads: List[torch.Tensor], std: float) -> List[torch.Tensor]:
-        """grads + the stage's noise, except where another stage adds it (a tied head's copy)."""
-        keep = [k for k in range(len(grads)) if k not in stage.noise_free]
-        noised = add_noise(
-            [grads[k] for k in keep], std, self.privacy.seed, self.state.step, stage.index, self.privacy.secure_mode
+    def _noised(self, stage: Any, grads: List[torch.Tensor], std: float) -> None:
+        """Add the stage's noise to its clipped sums in place, except where another stage adds it
+        (a tied head's copy); each parameter's noise is drawn from its own (step, name) stream."""
+        names = stage.parameter_names()
+        keep = [k for k in range(len(grads)) if k not in stage.noised_elsewhere]
+        add_noise(
+            [grads[k] for k in keep],
+            [names[k] for k in keep],
+            std,
+            self.privacy.seed,
+            self.state.step,
+            self.privacy.secure_mode,
         )
-        out = list(grads)
-        for k, g in zip(keep, noised):
-            out[k] = g
-        return out
 
     # ---- configuration as the checks see it ---------------------------------------------------
     def run_config(self) -> Dict[str, Any]:
@@ -265,12 +321,17 @@ class PipelineDPTrainer:
         }
 
     def resume_config(self) -> Dict[str, Any]:
-        """What a checkpoint and its resumption must agree on: the options that shape the update."""
-        return {
+        """What a checkpoint and its resumption must agree on: the options that shape the update. The
+        split does not (the noise is drawn per parameter, the norms summed over every stage), except
+        under per-stage clipping, where each stage's threshold is part of the mechanism."""
+        config = {
             **describe(self.pipeline, only_resume=True),
             **describe(self.privacy, only_resume=True),
             "model": model_signature(self.model),
         }
+        if self.clip.mode == "per_stage":
+            config["stages"] = self.pipeline.stages
+        return config
 
     # ---- state and privacy --------------------------------------------------------------------
     @property
@@ -286,48 +347,125 @@ class PipelineDPTrainer:
         """The whole model's state dict with its original names (multi-process: on rank 0; None elsewhere)."""
         return self.runtime.gather_state()
 
+    def evaluate(self, inputs: Inputs, targets: torch.Tensor) -> float:
+        """The mean per-sample loss of ``loss_fn`` over a batch of any size, through the pipeline with no
+        per-sample machinery and no gradient: no privacy is spent by the computation itself, but the
+        number it returns is not private if the batch is (see docs/privacy.md)."""
+        n = check_batch(inputs, targets)
+        if n == 0:
+            return math.nan
+        self.runtime.check_same_batch(inputs, targets)
+        pipeline = self.pipeline
+        mine = replica_rows(n, pipeline.replicas, self.runtime.replica)
+        inputs, targets = take(inputs, mine), targets[mine]
+        total = torch.zeros(3, dtype=torch.float64)
+        try:
+            for part in plan_passes(batch_rows(inputs), pipeline.microbatches, pipeline.microbatch_size):
+                size = microbatch_size_for(part.stop - part.start, pipeline.microbatches, pipeline.microbatch_size)
+                total = total + self.runtime.run_eval(
+                    make_pass(take(inputs, part), targets[part], pipeline.microbatches, size)
+                )
+        except BaseException as exc:
+            self.runtime.abort_step(exc)
+            raise
+        return float(self.runtime.total(total)[0]) / n
+
     def save_pretrained(self, path: str) -> None:
         """Write a Hugging Face folder (for a PeftModel: the adapter folder) that
         ``from_pretrained`` loads as the trained model. Every rank calls it; rank 0 writes."""
         save_pretrained(self.model, self.runtime.gather_state(), path)
 
-    def check_budget(self) -> None:
-        """Raise PrivacyBudgetExceeded if one more step would spend more than max_epsilon."""
+    def check_budget(self, sampling: Optional[str] = None) -> None:
+        """Raise PrivacyBudgetExceeded if one more step on a batch drawn by ``sampling`` (default
+        PrivacyConfig.sampling) would spend more than max_epsilon."""
+        self._check_budget(self._charge(sampling if sampling is not None else self.privacy.sampling))
+
+    def _check_budget(self, charge: Optional[Tuple[float, float]]) -> None:
         privacy = self.privacy
         if privacy.max_epsilon is None:
             return
         if self._budget is None:
-            assert privacy.sample_rate is not None  # validate() requires it with max_epsilon
-            self._budget = steps_within_budget(
-                privacy.max_epsilon, privacy.delta, privacy.noise_multiplier, privacy.sample_rate, privacy.accountant
-            )
-        if self.state.step + 1 > self._budget:
+            self._budget = BudgetGuard(privacy.max_epsilon, privacy.delta, privacy.accountant)
+        if not self._budget.allows(list(self.state.accountant.history), charge):
+            assert charge is not None
             raise PrivacyBudgetExceeded(
                 f"step {self.state.step + 1} would exceed max_epsilon={privacy.max_epsilon} at delta={privacy.delta}: "
-                f"{self.state.step} steps spent epsilon {self.epsilon(privacy.delta):.4f} and the budget allows "
-                f"{self._budget} steps at noise_multiplier={privacy.noise_multiplier:.4f}, "
-                f"sample_rate={privacy.sample_rate}"
+                f"{self.state.step} steps spent epsilon {self.epsilon(privacy.delta):.4f}; the next is charged "
+                f"noise_multiplier={charge[0]:.4f} at sample rate {charge[1]:g}"
             )
 
-    def epsilon(self, delta: float = 1e-5) -> float:
-        if self.privacy.sample_rate is None:
-            raise PipeDPError(
-                "epsilon() needs the Poisson sample rate: pass sample_rate=q (expected batch size / "
-                "dataset size) to PipelineDPTrainer"
+    def epsilon(self, delta: Optional[float] = None) -> float:
+        """The epsilon spent so far at ``delta`` (default PrivacyConfig.delta), for the steps as they were
+        accounted: never negative; inf once a step had no noise."""
+        delta = self.privacy.delta if delta is None else delta
+        if self.privacy.dataset_size is not None and delta >= 1 / self.privacy.dataset_size:
+            raise ConfigError(
+                f"delta {delta:g} is not below 1/N = 1/{self.privacy.dataset_size}: such a delta allows publishing a "
+                "random record in full; ask for a delta well below 1/N",
+                "delta",
+            )
+        if self.privacy.dataset_size is None and not self._warned_delta:
+            self._warned_delta = True
+            warnings.warn(
+                "the number of records is unknown, so delta cannot be checked against 1/N (an epsilon at "
+                "delta >= 1/N guarantees nothing): pass dataset_size to PipelineDPTrainer, or train with fit()",
+                stacklevel=2,
             )
         return spent_epsilon(self.state.accountant, delta)
 
+    def use_dataset(self, records: int) -> None:
+        """The training data holds ``records`` privacy units (fit() calls this): delta is checked
+        against 1/records, and a shuffled epoch is records / expected_batch_size steps."""
+        known = self.privacy.dataset_size
+        if known is not None and known != records:
+            raise ConfigError(
+                f"dataset_size is {known} but the data holds {records} records: pass the data the trainer was "
+                "configured for, or fix dataset_size",
+                "dataset_size",
+            )
+        self.privacy = dataclasses.replace(self.privacy, dataset_size=records).validate()
+
     # ---- the training loop and checkpoints ----------------------------------------------------
-    def fit(self, dataset, **kwargs: Any) -> FitResult:
-        """Poisson-sampled DP training over ``dataset``; see pipedp.train.loop.fit for the arguments."""
-        return fit(self, dataset, **kwargs)
+    def fit(
+        self,
+        dataset: Any,
+        config: Optional[FitConfig] = None,
+        *,
+        steps: Optional[int] = None,
+        epochs: Optional[float] = None,
+        checkpoint_dir: Optional[str] = None,
+        checkpoint_every: Optional[int] = None,
+        resume: Optional[bool] = None,
+        max_logical_batch: Optional[int] = None,
+        checkpoint_key: Union[str, bytes, None] = None,
+        keep_last: Optional[int] = None,
+        callback: Optional[Callable[[int, float, "PipelineDPTrainer"], None]] = None,
+    ) -> FitResult:
+        """DP training over ``dataset`` ((inputs, targets), a TensorDataset, or a map-style dataset of
+        pairs) with pipedp's own sampler: Poisson at sample_rate, or shuffled epochs when
+        PrivacyConfig.sampling is 'shuffle'. Options: a FitConfig, or its fields as keywords (a keyword
+        overrides the config's field; see pipedp.config.FitConfig). ``callback(step, loss, trainer)``
+        runs after every step."""
+        given: Dict[str, Any] = dict(
+            steps=steps,
+            epochs=epochs,
+            checkpoint_dir=checkpoint_dir,
+            checkpoint_every=checkpoint_every,
+            resume=resume,
+            max_logical_batch=max_logical_batch,
+            checkpoint_key=checkpoint_key,
+            keep_last=keep_last,
+        )  # tests/unit/test_config.py checks that these are FitConfig's fields, all of them
+        config = dataclasses.replace(config or FitConfig(), **{k: v for k, v in given.items() if v is not None})
+        return fit(self, dataset, config.validate(), callback)
 
     def save_checkpoint(
         self, directory: str, key: Union[str, bytes, None] = None, keep_last: Optional[int] = None
     ) -> None:
         """Every rank calls this. ``key`` (or PIPEDP_CHECKPOINT_KEY) signs the manifest;
-        ``keep_last`` keeps only the newest step folders."""
-        checkpoint.save(
+        ``keep_last`` keeps only the newest step folders. The first save draws the job's id (a
+        loaded checkpoint's is kept): every step folder of this job carries it."""
+        self._checkpoint_job = checkpoint.save(
             directory,
             self.state,
             self.runtime,
@@ -335,11 +473,15 @@ class PipelineDPTrainer:
             self.pipeline.stages,
             checkpoint.resolve_key(key),
             keep_last,
+            getattr(self, "_checkpoint_job", None),
         )
 
     def load_checkpoint(self, directory: str, key: Union[str, bytes, None] = None) -> None:
-        """The newest checkpoint in ``directory``; with a key, only a manifest signed with it."""
-        checkpoint.load(directory, self.state, self.runtime, self.resume_config(), checkpoint.resolve_key(key))
+        """The newest checkpoint in ``directory`` (saved on any number of stages or replicas); with a key,
+        only if every step folder there is signed with it and of one job."""
+        self._checkpoint_job = checkpoint.load(
+            directory, self.state, self.runtime, self.resume_config(), checkpoint.resolve_key(key)
+        )
 
     # ---- leaving the user's model as it was ---------------------------------------------------
     def close(self) -> None:

@@ -11,7 +11,7 @@ from loop_models import MaskedNet
 from oracles import loop_clipped_sum, max_relative_error
 
 from pipedp.models import token_loss
-from pipedp.runtime.stage import Stage
+from pipedp.runtime.stage import Stage, StageOptions
 from pipedp.split.adapters import model_blocks
 
 seq_loss = token_loss  # per-sample mean over positions
@@ -26,9 +26,9 @@ def test_one_stage_clipped_sum_equals_the_loop_oracle(keep, mode):
     ids = torch.randint(0, 11, (5, 7), generator=g)
     x, y = {"ids": ids, "mask": torch.ones_like(ids)}, torch.randint(0, 11, (5, 7), generator=g)
     want = loop_clipped_sum(copy.deepcopy(model), seq_loss, x, y, 0.1)
-    stage = Stage(0, 1, model_blocks(model), seq_loss, mode, keep_per_sample=keep)
+    stage = Stage(0, 1, model_blocks(model), seq_loss, StageOptions(mode, keep_ratio=None if keep else 0))
     stage.forward(0, x, y)
-    norms = stage.backward(0, torch.ones(5)).squared_norms
+    norms = stage.backward_input(0, torch.ones(5)).squared_norms
     kept = bool(stage.pending[0].kept)
     assert kept == keep  # the path under test was taken
     stage.weight(0, torch.clamp(0.1 / (norms.sqrt() + 1e-6), max=1.0))
@@ -47,9 +47,9 @@ def test_layers_over_single_vectors_too(keep):
     x, y = torch.randn(6, 5, generator=g, dtype=torch.float64), torch.randint(0, 3, (6,), generator=g)
     ce = lambda o, t: F.cross_entropy(o, t, reduction="none")  # noqa: E731
     want = loop_clipped_sum(copy.deepcopy(model), ce, x, y, 0.1)
-    stage = Stage(0, 1, model_blocks(model), ce, "ghost", keep_per_sample=keep)
+    stage = Stage(0, 1, model_blocks(model), ce, StageOptions("ghost", keep_ratio=None if keep else 0))
     stage.forward(0, x, y)
-    norms = stage.backward(0, torch.ones(6)).squared_norms
+    norms = stage.backward_input(0, torch.ones(6)).squared_norms
     assert bool(stage.pending[0].kept) == keep
     stage.weight(0, torch.clamp(0.1 / (norms.sqrt() + 1e-6), max=1.0))
     got = dict(zip(stage.parameter_names(), stage.take_clipped_sum()))
@@ -68,9 +68,9 @@ def test_keep_mode_keeps_every_linear_and_layer_norm():
     want = loop_clipped_sum(copy.deepcopy(model), seq_loss, x, y, 0.1)
     kept = {}
     for mode in ("ghost", "keep"):
-        stage = Stage(0, 1, model_blocks(model), seq_loss, mode)
+        stage = Stage(0, 1, model_blocks(model), seq_loss, StageOptions(mode))
         stage.forward(0, x, y)
-        norms = stage.backward(0, torch.ones(5)).squared_norms
+        norms = stage.backward_input(0, torch.ones(5)).squared_norms
         kept[mode] = set(stage.pending[0].kept)
         stage.weight(0, torch.clamp(0.1 / (norms.sqrt() + 1e-6), max=1.0))
         got = dict(zip(stage.parameter_names(), stage.take_clipped_sum()))
@@ -79,5 +79,5 @@ def test_keep_mode_keeps_every_linear_and_layer_norm():
     linears = {n for n, m in model.named_modules() if isinstance(m, (torch.nn.Linear, torch.nn.LayerNorm))}
     assert kept["keep"] == linears  # every one of them, the wide head included
     assert kept["ghost"] < linears  # the default rule leaves some out (the comparison is not empty)
-    with pytest.raises(ValueError, match="keep_per_sample=False contradicts"):
-        Stage(0, 1, model_blocks(model), seq_loss, "keep", keep_per_sample=False)
+    with pytest.raises(ValueError, match="keep_ratio=0 contradicts"):
+        StageOptions("keep", keep_ratio=0)

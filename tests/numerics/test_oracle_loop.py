@@ -143,14 +143,14 @@ def test_per_stage_clipping_matches_group_wise_loop(schedule):
 
 
 def test_per_stage_noise_is_scaled_to_the_total_sensitivity():
-    from pipedp.privacy.clipping import Clipping
+    from pipedp.privacy.clipping import ClipRule
 
-    assert Clipping.make("per_stage", [0.3, 0.4], 2).sensitivity == pytest.approx(0.5)
-    assert Clipping.make("per_stage", 1.0, 4).stage_norms == (0.5, 0.5, 0.5, 0.5)
+    assert ClipRule.make("per_stage", [0.3, 0.4], 2).sensitivity == pytest.approx(0.5)
+    assert ClipRule.make("per_stage", 1.0, 4).stage_thresholds == (0.5, 0.5, 0.5, 0.5)
     with pytest.raises(ValueError, match="flat clipping takes one max_grad_norm"):
-        Clipping.make("flat", [0.3, 0.4], 2)
+        ClipRule.make("flat", [0.3, 0.4], 2)
     with pytest.raises(ValueError, match="got 3 max_grad_norm values for 2 stages"):
-        Clipping.make("per_stage", [1, 2, 3], 2)
+        ClipRule.make("per_stage", [1, 2, 3], 2)
 
 
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "dp-zb"])
@@ -182,15 +182,15 @@ def test_per_layer_clipping_matches_the_layer_wise_loop(schedule, mode):
 
 
 def test_per_layer_thresholds_are_checked_and_split_equally():
-    from pipedp.privacy.clipping import Clipping
+    from pipedp.privacy.clipping import ClipRule
 
-    equal = Clipping.make("per_layer", 1.0, 2, ["a", "b", "c", "d"])
-    assert equal.layer_norms == (("a", 0.5), ("b", 0.5), ("c", 0.5), ("d", 0.5))
+    equal = ClipRule.make("per_layer", 1.0, 2, ["a", "b", "c", "d"])
+    assert equal.layer_thresholds == (("a", 0.5), ("b", 0.5), ("c", 0.5), ("d", 0.5))
     assert equal.sensitivity == pytest.approx(1.0)
     with pytest.raises(ValueError, match=r"missing \['b'\], unknown \['z'\]"):
-        Clipping.make("per_layer", {"a": 1.0, "z": 1.0}, 1, ["a", "b"])
+        ClipRule.make("per_layer", {"a": 1.0, "z": 1.0}, 1, ["a", "b"])
     with pytest.raises(ValueError, match="needs clipping='per_layer'"):
-        Clipping.make("per_stage", {"a": 1.0}, 1)
+        ClipRule.make("per_stage", {"a": 1.0}, 1)
 
 
 @pytest.mark.parametrize("mode", ["ghost", "materialize", "keep"])

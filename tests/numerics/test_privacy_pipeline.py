@@ -86,7 +86,7 @@ def test_virtual_steps_match_opacus_on_the_whole_batch(schedule):
 
 @pytest.mark.parametrize("accountant", ["prv", "rdp", "gdp"])
 def test_epsilon_equals_opacus_accountant(accountant):
-    t = trainer(accountant=accountant, sample_rate=0.02, noise_multiplier=1.1)
+    t = trainer(accountant=accountant, sample_rate=0.02, noise_multiplier=1.1, sampling="poisson")
     empty = data(0)
     for _ in range(7):
         t.step(*empty)
@@ -102,8 +102,10 @@ def test_calibrated_sigma_reaches_target_epsilon():
     ref.history = [(t.noise_multiplier, 0.05, 50)]
     eps = ref.get_epsilon(delta=1e-5)
     assert eps <= 3.0 and 3.0 - eps < 0.01  # Opacus's get_noise_multiplier tolerance
+    # pipedp's bisection is bracketed differently (bounded in time), so it lands elsewhere in the same band
     assert t.noise_multiplier == pytest.approx(
-        get_noise_multiplier(target_epsilon=3.0, target_delta=1e-5, sample_rate=0.05, steps=50, accountant="rdp")
+        get_noise_multiplier(target_epsilon=3.0, target_delta=1e-5, sample_rate=0.05, steps=50, accountant="rdp"),
+        rel=2e-3,
     )
 
 
@@ -121,7 +123,7 @@ def test_budget_guard_fires_before_the_step_that_would_exceed(tmp_path):
     assert result.steps == 5 and t.steps_taken == 5
     assert "step 6 would exceed max_epsilon" in result.stopped_by_budget
     assert result.epsilon == pytest.approx(eps5)
-    assert open(tmp_path / "latest").read() == "step-00000005"  # nothing lost
+    assert sorted(p.name for p in tmp_path.glob("step-*")) == ["step-00000005"]  # nothing lost
 
 
 def test_resume_equals_an_uninterrupted_run(tmp_path):
@@ -143,18 +145,18 @@ def test_resume_equals_an_uninterrupted_run(tmp_path):
 def test_truncated_checkpoint_is_refused(tmp_path):
     t = trainer()
     t.fit(data(), steps=2, checkpoint_dir=str(tmp_path))
-    path = tmp_path / "step-00000002" / "stage-1.pt"
+    path = tmp_path / "step-00000002" / "stage-1.safetensors"
     path.write_bytes(path.read_bytes()[:-100])
-    with pytest.raises(CheckpointError, match="stage-1.pt.*truncated or corrupted"):
+    with pytest.raises(CheckpointError, match="stage-1.safetensors.*truncated or corrupted"):
         trainer().load_checkpoint(str(tmp_path))
 
 
 def test_a_crash_before_the_manifest_keeps_the_previous_checkpoint(tmp_path):
     t = trainer()
     t.fit(data(), steps=2, checkpoint_dir=str(tmp_path))
-    # a later save died after writing a stage file but before its manifest and 'latest'
-    os.makedirs(tmp_path / "step-00000004")
-    (tmp_path / "step-00000004" / "stage-0.pt.tmp-123").write_bytes(b"half")
+    # a later save died after writing a stage file but before its manifest: it was still a temporary folder
+    os.makedirs(tmp_path / ".tmp-step-00000004-123-abcd")
+    (tmp_path / ".tmp-step-00000004-123-abcd" / "stage-0.safetensors").write_bytes(b"half")
     fresh = trainer()
     fresh.load_checkpoint(str(tmp_path))
     assert fresh.steps_taken == 2
@@ -162,8 +164,9 @@ def test_a_crash_before_the_manifest_keeps_the_previous_checkpoint(tmp_path):
 
 def test_checkpoint_from_another_configuration_is_refused(tmp_path):
     trainer().fit(data(), steps=1, checkpoint_dir=str(tmp_path))
-    with pytest.raises(CheckpointError, match="microbatches: checkpoint 2, now 4"):
-        trainer(microbatches=4).load_checkpoint(str(tmp_path))
+    # (the split, the schedule and the micro-batch count do not shape the update: those may change)
+    with pytest.raises(CheckpointError, match="max_grad_norm: checkpoint 0.5, now 0.7"):
+        trainer(max_grad_norm=0.7).load_checkpoint(str(tmp_path))
 
 
 def test_truncation_probability_and_cap():

@@ -104,12 +104,15 @@ def test_the_automatic_split_of_a_skip_model_equals_the_hand_made_one():
                 return self.inp(x), x
 
         class Layer(torch.nn.Module):
-            def __init__(self, layer):
+            """layers.{i}, under the model's own names (the noise is drawn per parameter name)."""
+
+            def __init__(self, index, layer):
                 super().__init__()
-                self.layer = layer
+                self.index = str(index)
+                self.add_module(self.index, layer)
 
             def forward(self, h, x):
-                return self.layer(h), x
+                return getattr(self, self.index)(h), x
 
         class Out(torch.nn.Module):
             def __init__(self):
@@ -119,7 +122,7 @@ def test_the_automatic_split_of_a_skip_model_equals_the_hand_made_one():
             def forward(self, h, x):
                 return self.out(h) + x.mean(-1, keepdim=True)
 
-        blocks = [("", Inp())] + [("layers", Layer(layer)) for layer in model.layers] + [("", Out())]
+        blocks = [("", Inp())] + [("layers", Layer(i, layer)) for i, layer in enumerate(model.layers)] + [("", Out())]
         model.pipeline_blocks = lambda: blocks
         return model
 

@@ -8,7 +8,7 @@ import math
 import pytest
 
 from pipedp import ConfigError, PipelineConfig, PrivacyConfig
-from pipedp.cli.flags import add_config_flags, cli_fields, configs_from_args, flag_name
+from pipedp.cli.flags import add_config_flags, cli_fields, configs_from_args, flag_of
 from pipedp.cli.main import build_parser
 from pipedp.config import split_options, steps_for_epochs
 from pipedp.privacy.streams import Stream, stream_seed
@@ -39,7 +39,7 @@ def test_privacy_needs_what_its_options_need():
     with pytest.raises(ConfigError, match="expected_batch_size is required"):
         PrivacyConfig().validate()
     with pytest.raises(ConfigError, match="max_epsilon needs sample_rate"):
-        PrivacyConfig(expected_batch_size=4, max_epsilon=3.0).validate()
+        PrivacyConfig(expected_batch_size=4, max_epsilon=3.0, sampling="poisson").validate()
     with pytest.raises(ConfigError, match="exactly one of total_steps or epochs"):
         PrivacyConfig(expected_batch_size=4, sample_rate=0.1, target_epsilon=3.0).validate()
 
@@ -63,7 +63,7 @@ def test_cli_flags_are_generated_from_the_config_fields():
     flags = {s for a in train._actions for s in a.option_strings}
     for cls in (PipelineConfig, PrivacyConfig):
         for f in cli_fields(cls):
-            assert flag_name(f.name) in flags, f"config field {f.name} has no CLI flag"
+            assert flag_of(f) in flags, f"config field {f.name} has no CLI flag"
     parser = argparse.ArgumentParser()
     add_config_flags(parser)
     pipeline, privacy = configs_from_args(parser.parse_args(["--stages", "3", "--schedule", "gpipe", "--secure-mode"]))

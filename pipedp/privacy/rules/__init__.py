@@ -1,0 +1,40 @@
+"""The layer-rule registry: one entry per layer type, holding that layer's per-sample DP math.
+
+A rule answers, for one *unit* (a module directly owning trainable parameters) called on
+batch-first ``inputs`` with output-gradients ``backprops``:
+- ``grads``: the per-sample gradients {param: [n, *param.shape]};
+- ``weight``: the summed gradient {param: [*param.shape]} for backprops already scaled by each
+  sample's clip factor (W: one local vector-Jacobian product, no per-sample tensors);
+- ``norms`` (optional): the per-sample squared norms {param: [n]} without materialising the
+  gradients (ghost norms), or None where no closed form applies or materialising is cheaper;
+- ``keepable`` (optional): whether this call's per-sample gradients are cheap enough in closed form
+  to be computed once in I and kept until W (their memory is then checked by the caller).
+
+Lookup (``rule_for``): a unit that also has trainable children -> the torch.func fallback; the
+exact type; a registered predicate (e.g. Hugging Face's Conv1D, matched by shape not import); a
+layer type Opacus has a grad sampler for; else the torch.func fallback. Adding a layer type is one
+``register`` call (as Opacus's ``register_grad_sampler``).
+"""
+
+from __future__ import annotations
+
+import torch.nn as nn
+
+from . import embedding, generic, layer_norm, linear  # noqa: F401  (each registers its rules)
+from .registry import PREDICATES, RULES, Grads, LayerRule, has_trainable_children, register, trainable_direct_params
+
+__all__ = ["Grads", "LayerRule", "RULES", "register", "rule_for", "trainable_direct_params"]
+
+
+def rule_for(layer: nn.Module) -> LayerRule:
+    if has_trainable_children(layer):
+        return generic.FUNCTORCH
+    rule = RULES.get(type(layer))
+    if rule is not None:
+        return rule
+    for accepts, rule in PREDICATES:
+        if accepts(layer):
+            return rule
+    if type(layer) in generic.GRAD_SAMPLERS:
+        return generic.OPACUS
+    return generic.FUNCTORCH

@@ -1,0 +1,31 @@
+"""Gram matrices x x^T of [n, T, d] tensors, the shared ingredient of ghost norms."""
+
+from __future__ import annotations
+
+from typing import Dict
+
+import torch
+
+
+def gram(x: torch.Tensor) -> torch.Tensor:
+    return torch.bmm(x, x.transpose(1, 2))
+
+
+def gram_norms(a3: torch.Tensor, g3: torch.Tensor) -> torch.Tensor:
+    """Per-sample ||sum_t g_t a_t^T||^2 for [n, T, in] inputs and [n, T, out] output grads."""
+    return (gram(g3) * gram(a3)).sum((1, 2))
+
+
+class GramCache:
+    """Input Gram matrices a a^T, each computed once: projections that read the same hidden state
+    (q/k/v, gate/up) share it. Keyed by the tensor's storage and layout; live for one micro-batch's
+    norms, while every captured input is still held (so no address can be reused)."""
+
+    def __init__(self) -> None:
+        self._grams: Dict[tuple, torch.Tensor] = {}
+
+    def gram(self, a3: torch.Tensor) -> torch.Tensor:
+        key = (a3.data_ptr(), tuple(a3.shape), tuple(a3.stride()), a3.dtype)
+        if key not in self._grams:
+            self._grams[key] = gram(a3)
+        return self._grams[key]

@@ -1,0 +1,42 @@
+"""nn.LayerNorm with elementwise affine parameters, in closed form.
+
+Per sample: grad weight = sum g * x_hat, grad bias = sum g, over every dimension but the first and
+the normalised ones (a [n, d] input: each sample is its own sum). Cheap to keep from I to W: two
+[n, d] tensors, and W then skips re-normalising the input.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+import torch.nn as nn
+
+from .registry import Grads, LayerRule, register
+
+
+def _grads(unit: nn.LayerNorm, x: torch.Tensor, g: torch.Tensor, per_sample: bool) -> Grads:
+    x_hat = torch.nn.functional.layer_norm(x.to(g.dtype), unit.normalized_shape, None, None, unit.eps)
+    lead = tuple(range(1 if per_sample else 0, x.dim() - len(unit.normalized_shape)))
+    out = {}  # (a sum over no dimension would sum all of them: a [n, d] input is its own per-sample sum)
+    if unit.weight is not None and unit.weight.requires_grad:
+        out[unit.weight] = (g * x_hat).sum(lead) if lead else g * x_hat
+    if unit.bias is not None and unit.bias.requires_grad:
+        out[unit.bias] = g.sum(lead) if lead else g
+    return out
+
+
+def grads(unit: nn.Module, inputs: Sequence[torch.Tensor], backprops: torch.Tensor) -> Grads:
+    return _grads(unit, inputs[0], backprops, per_sample=True)
+
+
+def weight(unit: nn.Module, inputs: Sequence[torch.Tensor], scaled: torch.Tensor) -> Grads:
+    return _grads(unit, inputs[0], scaled, per_sample=False)
+
+
+def keepable(unit: nn.Module, inputs: Sequence[torch.Tensor], backprops: torch.Tensor) -> bool:
+    return True
+
+
+LAYER_NORM = LayerRule("layer_norm", grads, weight, None, keepable)
+register(nn.LayerNorm, LAYER_NORM)

@@ -1,0 +1,170 @@
+"""The self-check: at the first step of each input shape, pipedp's per-sample gradients are compared
+with each sample's gradient computed alone — a check that verifies rather than guesses.
+
+For a few rows r of the pass's first micro-batch, every stage also backpropagates the gradient of
+row r's loss alone (a separate backward through the stage's retained graph, seeded on the last stage
+by the loss of row r and then by the probe messages each stage sends back behind its gradient), and
+compares, for each trainable parameter p of the stage:
+- the per-sample gradient its W pass would use for row r (the kept tensor, or the layer's rule
+  applied to row r's captures) with d loss_r / d p;
+- the per-sample squared norm its I pass computed for row r with ||d loss_r / d p||^2.
+Whatever makes pipedp's per-sample gradients wrong shows as a mismatch: a layer that sees the batch
+in another dimension (time-first attention), samples mixed inside a layer, a parameter read outside
+the call of its module, an in-place change of a layer's output, a wrong layer rule. The sum over the
+micro-batch (W with every clip factor 1 against autograd's gradient of the micro-batch) tells those
+causes apart in the refusal. The comparison is exact up to the arithmetic of the parameters' dtype
+(relative, with an absolute floor relative to the sample's whole gradient on the stage).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Dict, List, Sequence, Tuple
+
+import torch
+import torch.nn as nn
+
+from ..errors import UnsupportedModelError
+from .microbatch import Activation, Inputs
+
+CHECKED_ROWS = 3  # rows of the first micro-batch checked: its first, middle and last real rows
+
+# (relative tolerance, absolute floor as a fraction of the sample's gradient norm on the stage)
+TOLERANCE = {
+    torch.float64: (1e-7, 1e-10),
+    torch.float32: (2e-3, 1e-5),
+    torch.float16: (2e-2, 2e-3),
+    torch.bfloat16: (6e-2, 1e-2),
+}
+
+
+@dataclass(frozen=True)
+class Probe:
+    """Which rows of a micro-batch are checked, and (off the last stage) the gradient of each row's
+    loss alone with respect to this stage's output, received behind the gradient message."""
+
+    rows: Tuple[int, ...]
+    messages: Tuple[Activation, ...] = ()
+
+
+def signature(inputs: Inputs) -> tuple:
+    """The per-sample shapes and dtypes of a micro-batch's inputs: a new one is checked anew."""
+    if isinstance(inputs, dict):
+        return tuple((k, tuple(v.shape[1:]), v.dtype) for k, v in sorted(inputs.items()))
+    return (tuple(inputs.shape[1:]), inputs.dtype)
+
+
+def rows_to_check(mask: torch.Tensor) -> Tuple[int, ...]:
+    real = torch.nonzero(mask > 0).flatten().tolist()
+    if not real:
+        return ()
+    picks = [real[0], real[len(real) // 2], real[-1]][:CHECKED_ROWS]
+    return tuple(sorted(set(picks)))
+
+
+def compute_dtype(precision: str, parameters: Sequence[nn.Parameter], inputs: Sequence[torch.Tensor]) -> torch.dtype:
+    """The least precise floating dtype the stage computes in (bf16 under bf16 precisions)."""
+    if precision != "32":
+        return torch.bfloat16
+    dtypes = {p.dtype for p in parameters} | {t.dtype for t in inputs if t.is_floating_point()}
+    order = [torch.bfloat16, torch.float16, torch.float32, torch.float64]
+    return next((d for d in order if d in dtypes), torch.float32)
+
+
+@dataclass
+class Finding:
+    name: str  # the parameter
+    unit: str  # the layer owning it ("" when no layer call owns it)
+    layer_type: str
+    error: float  # the largest mismatch, relative to the norm of the sample's whole gradient on the stage
+    per_sample_only: bool  # the micro-batch sum agrees: only the attribution to samples is wrong
+    norm_only: bool  # the W-side per-sample gradient agrees, the I-side norm does not
+    called: bool  # the owning layer ran in this micro-batch
+
+
+def compare(
+    stage: int,
+    names: Dict[nn.Parameter, str],
+    owners: Dict[nn.Parameter, Tuple[str, str]],
+    called: set,
+    rows: Sequence[int],
+    reference: List[Dict[nn.Parameter, torch.Tensor]],
+    got: List[Dict[nn.Parameter, torch.Tensor]],
+    got_norms: Dict[nn.Parameter, torch.Tensor],
+    sums: Tuple[Dict[nn.Parameter, torch.Tensor], Dict[nn.Parameter, torch.Tensor]],
+    dtype: torch.dtype,
+) -> None:
+    """Refuse the model, naming the parameters and the likely cause, if pipedp's per-sample gradients
+    (``got``, ``got_norms``) differ from the reference ones; ``sums``: (pipedp's W with clip factors 1,
+    autograd's gradient of the micro-batch)."""
+    rtol, floor = TOLERANCE.get(dtype, TOLERANCE[torch.float32])
+    findings: Dict[nn.Parameter, Finding] = {}
+    for k, r in enumerate(rows):
+        want_k, got_k = reference[k], got[k]
+        scale = float(sum(float(g.double().pow(2).sum()) for g in want_k.values())) ** 0.5
+        for p, name in names.items():
+            want = want_k.get(p)
+            want = want.double() if want is not None else torch.zeros(p.shape, dtype=torch.float64)
+            have = got_k.get(p)
+            have = have.double().reshape(want.shape) if have is not None else torch.zeros_like(want)
+            size = float(want.norm())
+            allowed = rtol * size + floor * scale + 1e-300
+            grad_error = float((have - want).norm())
+            norm = float(got_norms[p][r].clamp(min=0).sqrt()) if p in got_norms else 0.0
+            norm_error = abs(norm - size)
+            worst = max(grad_error, norm_error)
+            if worst > allowed:
+                relative = worst / max(scale, 1e-300)
+                previous = findings.get(p)
+                if previous is None or relative > previous.error:
+                    unit, layer_type = owners.get(p, ("", ""))
+                    findings[p] = Finding(
+                        name, unit, layer_type, relative, False, grad_error <= allowed, unit in called
+                    )
+    if not findings:
+        return
+    got_sum, want_sum = sums
+    for p, finding in findings.items():
+        want = want_sum.get(p)
+        have = got_sum.get(p)
+        if want is None or have is None:
+            continue
+        want, have = want.double(), have.double().reshape(want.shape)
+        size = max(float(want.norm()), float(have.norm()))
+        finding.per_sample_only = float((have - want).norm()) <= 10 * rtol * size + 1e-300
+    raise UnsupportedModelError(_message(stage, list(findings.values())))
+
+
+def _message(stage: int, findings: List[Finding]) -> str:
+    worst = sorted(findings, key=lambda f: -f.error)
+    names = ", ".join(f.name for f in worst[:6]) + (" ..." if len(worst) > 6 else "")
+    first = worst[0]
+    layer = f"layer {first.unit!r} ({first.layer_type})" if first.unit else "the layer using it"
+    size = (
+        f"(each sample's gradient computed alone differs from pipedp's by up to {first.error:.2g} of the sample's "
+        "whole gradient on the stage)"
+    )
+    if first.norm_only:
+        lead = f"the per-sample norms of {names} disagree with their per-sample gradients {size}"
+        cause = (
+            f"the norm rule of {layer} is wrong (a bug in a registered layer rule); use grad_mode='materialize' "
+            "and report it"
+        )
+    elif first.per_sample_only:
+        lead = f"the per-sample gradients of {names} are wrong though their sum over the micro-batch is right {size}"
+        cause = (
+            f"{layer} does not see the micro-batch as the first dimension of its input (e.g. nn.MultiheadAttention "
+            "or Opacus's DPMultiheadAttention with batch_first=False, a layer applied to a transposed [T, batch, ...] "
+            "view) or mixes samples; construct it with batch_first=True, keep the batch dimension first"
+        )
+    else:
+        lead = f"the gradient of {names} is not all seen by per-sample clipping {size}"
+        cause = (
+            f"the parameter is used outside the call of the module that owns it ({layer}: a weight read "
+            "functionally by another module, an adapter such as LoRA on an embedding), or a layer's output was "
+            "changed in place after it ran; call the owning module instead, or freeze the parameter"
+        )
+    return (
+        f"stage {stage}: {lead}: {cause}. (pipedp compares them at the first step of each input shape: "
+        "PipelineConfig.self_check)"
+    )
