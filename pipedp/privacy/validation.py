@@ -11,6 +11,7 @@ from opacus.validators.errors import IllegalModuleConfigurationError
 from ..errors import UnsupportedModelError
 
 _BATCH_MIXING = (nn.modules.batchnorm._BatchNorm, nn.SyncBatchNorm)
+_INSTANCE_NORMS = (nn.InstanceNorm1d, nn.InstanceNorm2d, nn.InstanceNorm3d)
 
 
 def validate_model(model: nn.Module) -> None:
@@ -38,10 +39,20 @@ def validate_model(model: nn.Module) -> None:
                 "weight matrix itself, not on the samples, which pipedp's per-sample capture cannot follow; "
                 "use plain LoRA (use_dora=False)"
             )
+        if (
+            isinstance(module, _INSTANCE_NORMS) and module.track_running_stats
+        ):  # trainable or not (Opacus: only trainable)
+            problems.append(
+                f"layer {name!r} is {type(module).__name__}(track_running_stats=True): its running statistics are "
+                "computed from the private batch and would be released without noise (Opacus: 'we do not support "
+                "tracking running stats with differential privacy'); use track_running_stats=False"
+            )
     if not problems:
-        # Opacus's own validators (LSTM -> DPLSTM, MultiheadAttention -> DPMultiheadAttention, ...)
+        # Opacus's own validators (LSTM -> DPLSTM, MultiheadAttention -> DPMultiheadAttention, ...); only its
+        # "model in eval mode" error is dropped: evaluation mode is the user's choice, nothing leaks from it
         for err in ModuleValidator.validate(model, strict=False):
-            if not isinstance(err, IllegalModuleConfigurationError):  # eval mode is the user's choice
-                problems.append(f"{err}; opacus.validators.ModuleValidator.fix(model) replaces such layers")
+            if isinstance(err, IllegalModuleConfigurationError) and "training mode" in str(err):
+                continue
+            problems.append(f"{err}; opacus.validators.ModuleValidator.fix(model) replaces such layers")
     if problems:
         raise UnsupportedModelError("model not supported for DP training:\n  " + "\n  ".join(problems))

@@ -544,9 +544,13 @@ def _naming(name: str, layer: nn.Module):
     except (UnsupportedModelError, BatchError, TransportError):
         raise
     except Exception as exc:
+        text = str(exc).splitlines()[0][:200] if str(exc) else ""
+        if "autograd.Function" in text:
+            text = "it runs a custom torch.autograd.Function, which torch.func can only transform with setup_context "
+            text += "and vmap support"
         raise UnsupportedModelError(
             f"layer {name!r} ({type(layer).__name__}): its per-sample gradients cannot be computed "
-            f"({type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''}). pipedp takes layers "
+            f"({type(exc).__name__}: {text}). pipedp takes layers "
             "with a registered rule (Linear, Embedding, LayerNorm, Conv, GroupNorm, RMSNorm, ...) and others that "
             "torch.func can differentiate one sample at a time (no custom autograd.Function without vmap support, "
             "no input layout other than batch-first tensors); register a rule with pipedp.privacy.rules.register, "

@@ -144,13 +144,55 @@ def load_stage(
     twins = _twin_names(model)  # before any untying: a tied checkpoint may store one name only
     blocks = model_blocks(model, untie_weights)
     shared = _sharing(model)  # the ties that remain
-    materialize_stage(weights, partition(blocks, stages, balance)[stage], twins, device)
+    stage_blocks = partition(blocks, stages, balance)
+    materialize_stage(weights, stage_blocks[stage], twins, device)
+    _write_back(model, stage_blocks[stage])
+    _load_orphans(model, stage_blocks, weights, twins, device)
     for uses in shared:
         tensors = [getattr(module, name) for module, name in uses]
         real = next((t for t in tensors if not t.is_meta), tensors[0])  # on a middle stage: keep the meta one
         for module, name in uses:
             setattr(module, name, real)
     return model
+
+
+def _write_back(model: nn.Module, blocks: List[Block]) -> None:
+    """A block that holds a tensor of the model itself rather than one of its submodules (a traced piece
+    reading a buffer of the root module) got its own copy when it was given memory: the model's own
+    attribute is pointed at it, so the model (traced again by the trainer) sees the loaded value."""
+    own = dict(model.state_dict(keep_vars=True))
+    for block in blocks:
+        for key, tensor in block.module.state_dict(keep_vars=True).items():
+            name = block.qualified(key)
+            if name in own and own[name].is_meta and not tensor.is_meta:
+                _set_tensor(model, name, tensor)
+
+
+def _load_orphans(
+    model: nn.Module, stage_blocks: List[List[Block]], source: WeightSource, twins: Dict[str, List[str]], device
+) -> None:
+    """Tensors of the model that no block holds (a layer defined but never called): loaded on every
+    stage, so that state_dict() and checkpoints are whole."""
+    held = {b.qualified(k) for blocks in stage_blocks for b in blocks for k in b.module.state_dict()}
+    orphans = [n for n, t in model.state_dict(keep_vars=True).items() if n not in held and t.is_meta]
+    if orphans:
+        for name, value in read_tensors(source, orphans, twins).items():
+            _set_tensor(model, name, value.to(device))
+
+
+def _set_tensor(model: nn.Module, name: str, value: torch.Tensor) -> None:
+    """Replace the model's parameter or buffer ``name`` by ``value`` (a parameter stays a parameter)."""
+    path, _, leaf = name.rpartition(".")
+    module = model.get_submodule(path) if path else model
+    if leaf in module._parameters:
+        old = module._parameters[leaf]
+        module._parameters[leaf] = (
+            value
+            if isinstance(value, nn.Parameter)
+            else nn.Parameter(value, requires_grad=old.requires_grad if old is not None else True)
+        )
+    else:
+        module._buffers[leaf] = value
 
 
 def _twin_names(model: nn.Module) -> Dict[str, List[str]]:

@@ -152,7 +152,7 @@ def _trace(model: nn.Module) -> fx.Graph:
         if p.default is not inspect.Parameter.empty
     }
     try:
-        return _TopLevelTracer().trace(model, concrete_args=defaults or None)
+        graph = _TopLevelTracer().trace(model, concrete_args=defaults or None)
     except Exception as exc:
         raise UnsupportedModelError(
             f"{type(model).__name__} could not be traced to split it automatically ({type(exc).__name__}: "
@@ -160,6 +160,37 @@ def _trace(model: nn.Module) -> fx.Graph:
             "non-tensor inputs. Give the model a pipeline_blocks() method, mark split points with pipe_split() "
             "and wrap it in pipedp.SplitModel, or move the data-dependent part inside one submodule"
         ) from exc
+    _drop_baked_defaults(graph, set(defaults))
+    return graph
+
+
+def _drop_baked_defaults(graph: fx.Graph, names: Set[str]) -> None:
+    """An argument with a default is traced as a constant (its value is baked into the graph), but fx
+    still makes it a placeholder guarded by an assertion that the value did not change: the model's
+    inputs are the other arguments, so those placeholders and their guards go."""
+    for node in [n for n in graph.nodes if n.op == "placeholder" and n.args]:
+        if node.target.rsplit("_", 1)[0] not in names and node.target not in names:
+            continue
+        guards, frontier = [], list(node.users)
+        while frontier:  # eq(value, default) -> _assert(...), or _assert_is_none(value)
+            user = frontier.pop()
+            guards.append(user)
+            frontier.extend(user.users)
+        if not all(_is_guard(g) for g in guards):
+            continue  # the value is used by the computation itself: it stays an input
+        for guard in reversed(_in_graph_order(graph, guards)):
+            graph.erase_node(guard)
+        graph.erase_node(node)
+
+
+def _is_guard(node: fx.Node) -> bool:
+    name = getattr(node.target, "__name__", "")
+    return node.op == "call_function" and (node.target is operator.eq or name in ("_assert", "_assert_is_none"))
+
+
+def _in_graph_order(graph: fx.Graph, nodes: List[fx.Node]) -> List[fx.Node]:
+    wanted = set(nodes)
+    return [n for n in graph.nodes if n in wanted]
 
 
 def _crossing(nodes: List[fx.Node], cut: int) -> List[fx.Node]:
@@ -172,19 +203,33 @@ def _crossing(nodes: List[fx.Node], cut: int) -> List[fx.Node]:
 
 
 def _non_tensor_values(nodes: List[fx.Node]) -> Set[fx.Node]:
-    """Nodes computing shapes, sizes, dtypes and arithmetic on those: values no transport can carry."""
+    """Nodes computing shapes, sizes, dtypes and arithmetic on those, and tuples (a call whose result is
+    only ever indexed, as an LSTM's (output, (h, c))): values no transport can carry as one tensor."""
     meta: Set[fx.Node] = set()
     for n in nodes:
         args = [a for a in n.all_input_nodes]
-        if n.op == "call_function" and n.target is getattr and n.args[1] in _META_ATTRIBUTES:
+        indexed = bool(n.users) and all(u.op == "call_function" and u.target is operator.getitem for u in n.users)
+        if indexed and n.op in ("call_module", "call_function", "call_method"):
+            meta.add(n)
+        elif n.op == "call_function" and n.target is getattr and n.args[1] in _META_ATTRIBUTES:
             meta.add(n)
         elif n.op == "call_method" and n.target in _META_METHODS:
             meta.add(n)
         elif n.op == "call_function" and n.target is len:
             meta.add(n)
-        elif n.op == "call_function" and args and all(a in meta for a in args):
+        elif n.op == "call_function" and args and all(a in meta for a in args) and not _indexes_a_call(n):
             meta.add(n)  # operator.getitem / mul / ... on sizes
     return meta
+
+
+def _indexes_a_call(n: fx.Node) -> bool:
+    """``x[k]`` of a layer's tuple result: a tensor again (a size's item stays a size)."""
+    if n.target is not operator.getitem or not isinstance(n.args[0], fx.Node):
+        return False
+    source = n.args[0]
+    while source.op == "call_function" and source.target is operator.getitem and isinstance(source.args[0], fx.Node):
+        source = source.args[0]
+    return source.op == "call_module"
 
 
 def _refuse_what_per_sample_clipping_cannot_see(model: nn.Module, nodes: List[fx.Node]) -> None:

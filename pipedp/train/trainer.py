@@ -344,8 +344,20 @@ class PipelineDPTrainer:
         return self.privacy.noise_multiplier
 
     def state_dict(self) -> Optional[Dict[str, torch.Tensor]]:
-        """The whole model's state dict with its original names (multi-process: on rank 0; None elsewhere)."""
-        return self.runtime.gather_state()
+        """The whole model's state dict with its original names (multi-process: on rank 0; None elsewhere),
+        tensors no stage holds (a layer never called) included: ``Model().load_state_dict`` takes it."""
+        return self._whole_state()
+
+    def _whole_state(self) -> Optional[Dict[str, torch.Tensor]]:
+        gathered = self.runtime.gather_state()
+        if gathered is None:
+            return None
+        own = self.model.state_dict()
+        return {
+            k: gathered[k] if k in gathered else own[k].detach().cpu()
+            for k in own
+            if k in gathered or not own[k].is_meta
+        }
 
     def evaluate(self, inputs: Inputs, targets: torch.Tensor) -> float:
         """The mean per-sample loss of ``loss_fn`` over a batch of any size, through the pipeline with no
@@ -373,7 +385,7 @@ class PipelineDPTrainer:
     def save_pretrained(self, path: str) -> None:
         """Write a Hugging Face folder (for a PeftModel: the adapter folder) that
         ``from_pretrained`` loads as the trained model. Every rank calls it; rank 0 writes."""
-        save_pretrained(self.model, self.runtime.gather_state(), path)
+        save_pretrained(self.model, self._whole_state(), path)
 
     def check_budget(self, sampling: Optional[str] = None) -> None:
         """Raise PrivacyBudgetExceeded if one more step on a batch drawn by ``sampling`` (default

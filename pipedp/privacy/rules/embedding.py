@@ -14,6 +14,7 @@ from typing import Optional, Sequence
 import torch
 import torch.nn as nn
 
+from ...errors import UnsupportedModelError
 from .grams import gram
 from .registry import Grads, LayerRule, register
 
@@ -68,3 +69,54 @@ def _keeps_embedding_forward(unit: nn.Module) -> bool:
 EMBEDDING = LayerRule("embedding", grads, weight, norms)
 register(nn.Embedding, EMBEDDING)
 register(_keeps_embedding_forward, EMBEDDING)
+
+
+# ---- nn.EmbeddingBag over [n, bag] ids (each row one bag: one sample), mode "sum" or "mean" --------------
+def _bag_weights(unit: nn.EmbeddingBag, inputs: Sequence[torch.Tensor], dtype: torch.dtype):
+    """(ids [n, L], w [n, L]): each id's share of its bag's output (0 for padding_idx)."""
+    if len(inputs) != 1 or inputs[0].dim() != 2 or unit.mode not in ("sum", "mean"):
+        raise UnsupportedModelError(
+            f"nn.EmbeddingBag(mode={unit.mode!r}) called with {len(inputs)} argument(s) of shapes "
+            f"{[tuple(a.shape) for a in inputs]}: pipedp's per-sample rule takes one [batch, bag] tensor of ids "
+            "(each row one sample's bag) with mode 'sum' or 'mean' and no per_sample_weights; pad the bags to one "
+            "length (padding_idx), or use nn.Embedding and reduce in forward"
+        )
+    ids = inputs[0]
+    w = torch.ones(ids.shape, dtype=dtype, device=ids.device)
+    if unit.padding_idx is not None:
+        w = w * (ids != unit.padding_idx).to(dtype)
+    if unit.mode == "mean":
+        w = w / w.sum(1, keepdim=True).clamp(min=1)
+    return ids, w
+
+
+def bag_grads(unit: nn.Module, inputs: Sequence[torch.Tensor], backprops: torch.Tensor) -> Grads:
+    if not unit.weight.requires_grad:
+        return {}
+    ids, w = _bag_weights(unit, inputs, backprops.dtype)
+    n, length = ids.shape
+    out = torch.zeros((n, *unit.weight.shape), dtype=backprops.dtype, device=backprops.device)
+    rows = w.unsqueeze(-1) * backprops.unsqueeze(1)  # [n, L, d]
+    out.scatter_add_(1, ids.unsqueeze(-1).expand(n, length, backprops.shape[-1]), rows)
+    return {unit.weight: out}
+
+
+def bag_weight(unit: nn.Module, inputs: Sequence[torch.Tensor], scaled: torch.Tensor) -> Grads:
+    if not unit.weight.requires_grad:
+        return {}
+    ids, w = _bag_weights(unit, inputs, scaled.dtype)
+    rows = (w.unsqueeze(-1) * scaled.unsqueeze(1)).reshape(-1, scaled.shape[-1])
+    return {unit.weight: torch.zeros_like(unit.weight, dtype=scaled.dtype).index_add_(0, ids.reshape(-1), rows)}
+
+
+def bag_norms(unit: nn.Module, inputs: Sequence[torch.Tensor], backprops: torch.Tensor, grams=None) -> Optional[Grads]:
+    """||sum_t w_t e_{x_t} g^T||^2 = ||g||^2 sum_{t, t'} w_t w_t' [x_t == x_t']."""
+    if not unit.weight.requires_grad:
+        return {}
+    ids, w = _bag_weights(unit, inputs, backprops.dtype)
+    same = (ids[:, :, None] == ids[:, None, :]).to(backprops.dtype)
+    return {unit.weight: backprops.pow(2).sum(1) * torch.einsum("nt,nts,ns->n", w, same, w)}
+
+
+EMBEDDING_BAG = LayerRule("embedding_bag", bag_grads, bag_weight, bag_norms)
+register(nn.EmbeddingBag, EMBEDDING_BAG)
