@@ -232,11 +232,7 @@ class PrivacyConfig:
                 "rank and after a resume, which OS randomness cannot; use sampling='poisson' with secure_mode",
                 "sampling",
             )
-        if self.sampling == "shuffle" and self.dataset_size is None:
-            raise ConfigError(
-                "sampling='shuffle' needs dataset_size: an epoch is dataset_size / expected_batch_size steps",
-                "sampling",
-            )
+
         for name in ("target_epsilon", "max_epsilon", "epochs"):
             if getattr(self, name) is not None:
                 _finite(self, name, minimum=0.0, strict=True)

@@ -269,7 +269,13 @@ class PipelineDPTrainer:
             )
         per_epoch = 1
         if sampling == "shuffle":
-            assert privacy.dataset_size is not None and privacy.expected_batch_size is not None  # validate()
+            if privacy.dataset_size is None:
+                raise ConfigError(
+                    "sampling='shuffle' needs dataset_size: an epoch is dataset_size / expected_batch_size steps "
+                    "(fit() sets it from its data)",
+                    "sampling",
+                )
+            assert privacy.expected_batch_size is not None  # validate()
             per_epoch = math.ceil(privacy.dataset_size / privacy.expected_batch_size)
         rate = charged_rate(sampling, privacy.sample_rate, self.state.step, per_epoch)
         return None if rate is None else (privacy.noise_multiplier, rate)
