@@ -1,23 +1,14 @@
-"""Faults end cleanly and nothing runs that shouldn't: hostile checkpoint folders, NaN/inf data,
-non-finite updates, bad losses and arguments. The NaN update is checked against Opacus on the
-batch without the bad sample (the independent oracle)."""
-
-import hashlib
-import json
-import os
-import pickle
-import subprocess
-import sys
+"""Faults end cleanly and nothing runs that shouldn't: NaN/inf data, non-finite updates, bad losses
+and arguments (hostile checkpoint folders: test_checkpoint_attacks.py). The NaN update is checked
+against Opacus on the batch without the bad sample (the independent oracle)."""
 
 import pytest
 import torch
 import torch.nn.functional as F
 from oracles import max_relative_error, opacus_step
 
-from pipedp import BatchError, CheckpointError, ConfigError, NonFiniteError, PipeDPError, PipelineDPTrainer
+from pipedp import BatchError, ConfigError, NonFiniteError, PipeDPError, PipelineDPTrainer
 from pipedp.models import mlp
-
-MARKER = "pipedp-planted-pickle-ran"
 
 
 def class_loss(out, y):
@@ -46,110 +37,6 @@ def trainer(**kw):
     )
     args.update(kw)
     return PipelineDPTrainer(model(), class_loss, lambda p: torch.optim.SGD(p, lr=0.2), **args)
-
-
-def latest_folder(root):
-    return os.path.join(root, open(os.path.join(root, "latest")).read().strip())
-
-
-class Planted:
-    def __reduce__(self):  # what an attacker puts in a stage file
-        return (open, (os.path.join(os.environ["PIPEDP_MARKER_DIR"], MARKER), "w"))
-
-
-def test_a_planted_pickle_never_runs(tmp_path, monkeypatch):
-    monkeypatch.setenv("PIPEDP_MARKER_DIR", str(tmp_path))
-    root = str(tmp_path / "ckpt")
-    trainer().fit(data(), steps=2, checkpoint_dir=root)
-    folder = latest_folder(root)
-    evil = pickle.dumps({"params": Planted(), "optimizer": {}})
-    with open(os.path.join(folder, "stage-1.pt"), "wb") as f:
-        f.write(evil)
-    manifest = json.load(open(os.path.join(folder, "manifest.json")))
-    manifest["stage_sha256"][1] = hashlib.sha256(evil).hexdigest()  # whoever writes the folder fixes the hash
-    json.dump(manifest, open(os.path.join(folder, "manifest.json"), "w"))
-    with pytest.raises(CheckpointError, match="stage-1.pt.*other than tensors.*nothing in it was run"):
-        trainer().load_checkpoint(root)
-    assert not (tmp_path / MARKER).exists()
-
-
-def test_a_key_refuses_a_tampered_manifest_and_accepts_its_own(tmp_path):
-    root = str(tmp_path / "ckpt")
-    first = trainer()
-    first.fit(data(), steps=3, checkpoint_dir=root, checkpoint_key="secret")
-    resumed = trainer()
-    resumed.load_checkpoint(root, key="secret")
-    assert resumed.steps_taken == 3 and resumed.epsilon(1e-5) == first.epsilon(1e-5)
-    with pytest.raises(CheckpointError, match="not signed with this key"):
-        trainer().load_checkpoint(root, key="another")
-    path = os.path.join(latest_folder(root), "manifest.json")
-    manifest = json.load(open(path))
-    manifest["accountant"]["history"] = []  # would report a smaller epsilon
-    json.dump(manifest, open(path, "w"))
-    with pytest.raises(CheckpointError, match="not signed with this key"):
-        trainer().load_checkpoint(root, key="secret")
-    unkeyed = trainer()
-    unkeyed.load_checkpoint(root)  # without a key the folder is trusted, as documented
-    assert unkeyed.epsilon(1e-5) == 0.0
-
-
-def test_latest_and_step_folders_cannot_leave_the_checkpoint_folder(tmp_path):
-    root = tmp_path / "ckpt"
-    trainer().fit(data(), steps=1, checkpoint_dir=str(root))
-    outside = tmp_path / "elsewhere"
-    os.rename(latest_folder(str(root)), outside)
-    for pointer in ("../elsewhere", str(outside), "step-00000001/../../elsewhere"):
-        (root / "latest").write_text(pointer)
-        with pytest.raises(CheckpointError, match="not a step-NNNNNNNN folder"):
-            trainer().load_checkpoint(str(root))
-    os.symlink(outside, root / "step-00000001")
-    (root / "latest").write_text("step-00000001")
-    with pytest.raises(CheckpointError, match="is a link or lies outside"):
-        trainer().load_checkpoint(str(root))
-
-
-def test_a_planted_symlink_is_replaced_not_followed(tmp_path):
-    root = tmp_path / "ckpt"
-    root.mkdir()
-    victim = tmp_path / "victim.txt"
-    victim.write_text("precious")
-    os.symlink(victim, root / "latest")
-    trainer().fit(data(), steps=1, checkpoint_dir=str(root))
-    assert victim.read_text() == "precious"
-    assert not os.path.islink(root / "latest") and (root / "latest").read_text() == "step-00000001"
-
-
-def test_one_job_per_folder_stale_locks_and_temporaries(tmp_path):
-    root = tmp_path / "ckpt"
-    root.mkdir()
-    sleeper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
-    try:
-        import socket
-
-        (root / "lock").write_text(json.dumps({"pid": sleeper.pid, "host": socket.gethostname()}))
-        with pytest.raises(CheckpointError, match=f"in use by another job \\(pid {sleeper.pid}"):
-            trainer().fit(data(), steps=1, checkpoint_dir=str(root))
-    finally:
-        sleeper.kill()
-        sleeper.wait()
-    (root / "stage-0.pt.tmp-123-abcd").write_bytes(b"half a file")  # left by a killed job
-    trainer().fit(data(), steps=1, checkpoint_dir=str(root))  # the dead job's lock is taken over
-    assert not (root / "lock").exists() and not list(root.glob("*.tmp-*"))
-
-
-def test_keep_last_keeps_the_newest_checkpoints(tmp_path):
-    root = tmp_path / "ckpt"
-    trainer().fit(data(), steps=5, checkpoint_dir=str(root), checkpoint_every=1, keep_last=2)
-    assert sorted(p.name for p in root.glob("step-*")) == ["step-00000004", "step-00000005"]
-
-
-def test_an_unwritable_folder_is_found_before_training(tmp_path):
-    blocker = tmp_path / "file"
-    blocker.write_text("not a folder")
-    t = trainer()
-    with pytest.raises(CheckpointError, match="cannot create the checkpoint folder"):
-        t.fit(data(), steps=3, checkpoint_dir=str(blocker / "ckpt"))
-    assert t.steps_taken == 0
 
 
 @pytest.mark.parametrize("poison", [float("nan"), float("inf")])
@@ -254,13 +141,8 @@ def test_fit_refuses_mismatched_data_and_a_negative_cap():
     x, y = data(60)
     with pytest.raises(PipeDPError, match="60 inputs but 100 targets"):
         trainer().fit((x, torch.cat([y, y[:40]])), steps=1)
-    with pytest.raises(PipeDPError, match="max_logical_batch must be >= 1"):
+    with pytest.raises(PipeDPError, match="max_logical_batch: must be >= 1"):
         trainer().fit((x, y), steps=1, max_logical_batch=-3)
-
-
-def test_resume_without_a_checkpoint_says_so(tmp_path):
-    with pytest.warns(UserWarning, match="holds no checkpoint: starting from step 0"):
-        trainer().fit(data(), steps=1, checkpoint_dir=str(tmp_path / "empty"), resume=True)
 
 
 def test_huge_but_finite_parameters_whose_sum_overflows_are_not_refused():

@@ -1,0 +1,316 @@
+"""Save and load a TrainingState across ranks: what training changes, by parameter name.
+
+Each stage file holds the stage's trainable parameters (``p/NAME``) and its optimizer's tensor
+state (``o/NAME/KEY``); the manifest holds the rest: the step, the accountant, the param groups, the
+LR scheduler, a fingerprint of every frozen tensor (the base is not copied: resuming on other frozen
+weights is refused) and the names of tied aliases. Loading looks each parameter up by name, so a
+run saved on p stages (or r replicas) resumes on any other split: each stage reads the names it
+holds from whichever file holds them. Every rank checks its part before any rank changes anything,
+and all ranks raise together.
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+from typing import Any, Callable, Dict, List, Optional, Tuple
+
+import torch
+
+from ...errors import CheckpointError
+from ...runtime.protocols import Runtime
+from ..state import TrainingState
+from . import folder, optim, tensorfile
+from .format import FORMAT, Manifest, StageRecord, encode
+
+
+# ---- all ranks together ----------------------------------------------------------------------------
+def _together(runtime: Runtime, work: Callable[[], Any]) -> Any:
+    """``work()`` on every rank; if it failed on any, every rank raises (its own error as it is, the others
+    a CheckpointError naming the failed ranks), so that no rank waits for one that gave up."""
+    try:
+        result, problem, error = work(), None, None
+    except Exception as exc:  # noqa: BLE001 - re-raised below, once the other ranks know
+        result, problem, error = None, f"rank {runtime.rank}: {exc}", exc
+    problems = [p for p in runtime.all_gather(problem) if p is not None]
+    if error is not None:
+        raise error
+    if problems:
+        raise CheckpointError("\n".join(problems))
+    return result
+
+
+def _from_rank0(runtime: Runtime, work: Callable[[], Any]) -> Any:
+    """Rank 0's ``work()`` on every rank (the others do not run it), or every rank raises its error."""
+    outcome: Any = None
+    error: Optional[Exception] = None
+    if runtime.rank == 0:
+        try:
+            outcome = ("ok", work())
+        except Exception as exc:  # noqa: BLE001 - re-raised below, once the other ranks know
+            outcome, error = ("error", f"rank 0: {exc}"), exc
+    outcome = runtime.broadcast(outcome)
+    if error is not None:
+        raise error
+    if outcome[0] == "error":
+        raise CheckpointError(outcome[1])
+    return outcome[1]
+
+
+def _identity(t: torch.Tensor) -> Optional[Tuple[Any, ...]]:
+    """Which memory a tensor is (a detached view of a parameter is the parameter); None on meta."""
+    if t.is_meta:
+        return None
+    return (t.device, t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), t.stride(), t.dtype)
+
+
+def _trainable(runtime: Runtime) -> Dict[Any, str]:
+    """Every trainable parameter of this process's stages, by memory -> its name."""
+    out: Dict[Any, str] = {}
+    for stage in runtime.local_stages:
+        for p, name in zip(stage.parameters, stage.parameter_names()):
+            ident = _identity(p)
+            if ident is not None:
+                out.setdefault(ident, name)
+    return out
+
+
+# ---- save ------------------------------------------------------------------------------------------
+def save(
+    directory: str,
+    state: TrainingState,
+    runtime: Runtime,
+    identity: Dict[str, Any],
+    stages: int,
+    key: Optional[bytes] = None,
+    keep_last: Optional[int] = None,
+    job: Optional[str] = None,
+) -> str:
+    """Every rank calls this: replica 0 writes its stages' files into a temporary folder, rank 0 signs
+    the manifest and renames the folder into place. Returns the job id (drawn at a job's first save)."""
+
+    def prepare() -> Tuple[str, str, str]:
+        name = folder.next_name(directory, state.step)
+        return job or folder.new_job(), name, folder.make_temporary(directory, name)
+
+    this_job, name, temporary = _from_rank0(runtime, prepare)
+    try:
+        mine = _together(runtime, lambda: _write_stages(temporary, state, runtime) if runtime.replica == 0 else {})
+        merged: Dict[int, StageRecord] = {}
+        for part in runtime.all_gather(mine):  # also the barrier: every stage file is complete
+            merged.update(part)
+
+        def finish() -> int:
+            if sorted(merged) != list(range(stages)):
+                raise CheckpointError(f"the save gathered stages {sorted(merged)}, not 0..{stages - 1}")
+            accountant = state.accountant.state_dict()
+            manifest = Manifest(
+                format=FORMAT,
+                job=this_job,
+                step=state.step,
+                folder=name,
+                config=identity,
+                mechanism=str(accountant["mechanism"]),
+                history=[(float(s), float(q), int(n)) for s, q, n in accountant["history"]],
+                stages=[merged[s] for s in range(stages)],
+            )
+            same = folder.unchanged(directory, manifest, key)
+            if same is None:
+                folder.commit(directory, temporary, manifest, key)
+            else:  # byte for byte the save already there (its files' hashes included): keep that one
+                folder.remove_temporary(temporary)
+            return folder.prune(directory, same or name, this_job, keep_last, key)
+
+        foreign = _together(runtime, finish if runtime.rank == 0 else lambda: 0)
+    except BaseException:
+        if runtime.rank == 0 and os.path.isdir(temporary):
+            folder.remove_temporary(temporary)
+        raise
+    if foreign:
+        warnings.warn(
+            f"{directory!r} held {foreign} step folder(s) of another job (or unreadable ones): replaced by this "
+            "job's checkpoint",
+            stacklevel=3,
+        )
+    return this_job
+
+
+def _write_stages(temporary: str, state: TrainingState, runtime: Runtime) -> Dict[int, StageRecord]:
+    trainable = _trainable(runtime)
+    schedulers = list(state.schedulers) or [None] * len(state.optimizers)
+    out = {}
+    for stage, opt, scheduler in zip(runtime.local_stages, state.optimizers, schedulers):
+        names = stage.parameter_names()
+        if opt is None and names:
+            raise CheckpointError(f"stage {stage.index} trains {names[0]} but has no optimizer")
+        groups, states, optimizer_tensors = optim.export(opt, stage.parameters, names)
+        aliases, frozen = {}, {}
+        for tensor_name, t in stage.named_state().items():
+            owner = trainable.get(_identity(t))
+            if owner is None:
+                frozen[tensor_name] = tensorfile.fingerprint(t)
+            elif owner != tensor_name:
+                aliases[tensor_name] = owner  # a tie: the same tensor saved once, under the other name
+        params = {n: f"p/{n}" for n in names}
+        file = f"stage-{stage.index}.safetensors"
+        tensors = [(params[n], p) for n, p in zip(names, stage.parameters)] + optimizer_tensors
+        sha256, size = tensorfile.write(os.path.join(temporary, file), tensors)
+        sched = None
+        if scheduler is not None:
+            sched = encode(scheduler.state_dict(), f"the LR scheduler of stage {stage.index}")
+        out[stage.index] = StageRecord(stage.index, file, sha256, size, params, groups, states, sched, aliases, frozen)
+    return out
+
+
+# ---- load ------------------------------------------------------------------------------------------
+def load(
+    directory: str,
+    state: TrainingState,
+    runtime: Runtime,
+    identity: Dict[str, Any],
+    key: Optional[bytes] = None,
+) -> str:
+    """Restore parameters, optimizers, LR schedulers, accountant and step from the newest checkpoint
+    (see folder.newest for which one that is); return its job id."""
+    manifest: Manifest = _from_rank0(runtime, lambda: folder.newest(directory, key))
+    base = os.path.join(directory, manifest.folder)
+
+    def check() -> None:
+        check_compatible(manifest, identity)
+        if manifest.mechanism != state.accountant.mechanism():
+            raise CheckpointError(
+                f"the checkpoint's accountant is {manifest.mechanism!r}, this run's {state.accountant.mechanism()!r}"
+            )
+
+    _naming(base, check)
+    files: Dict[str, tensorfile.TensorFile] = {}
+    try:
+        plans = _together(runtime, lambda: _naming(base, lambda: _plan(manifest, base, state, runtime, files)))
+        _together(runtime, lambda: _apply(plans, state, files))
+    finally:
+        for f in files.values():
+            f.close()
+    state.accountant.load_state_dict({"mechanism": manifest.mechanism, "history": list(manifest.history)})
+    state.step = manifest.step
+    return manifest.job
+
+
+def _naming(base: str, work: Callable[[], Any]) -> Any:
+    """``work()``; a CheckpointError that names no file of the step folder is told which manifest it is about."""
+    try:
+        return work()
+    except CheckpointError as exc:
+        if base in str(exc):
+            raise
+        raise CheckpointError(f"checkpoint {os.path.join(base, folder.MANIFEST)!r}: {exc}") from exc
+
+
+def check_compatible(manifest: Manifest, config: Dict[str, Any]) -> None:
+    """The options that shape the update are those the checkpoint was trained with (an option one side
+    lacks differs too)."""
+    saved, absent = manifest.config, object()
+    names = list(config) + [k for k in saved if k not in config]
+    diffs = [
+        f"{k}: checkpoint {_shown(saved.get(k, absent), absent)}, now {_shown(config.get(k, absent), absent)}"
+        for k in names
+        if k not in saved or k not in config or saved[k] != config[k]
+    ]
+    if diffs:
+        raise CheckpointError("checkpoint was written by a different configuration:\n  " + "\n  ".join(diffs))
+
+
+def _shown(value: Any, absent: object) -> str:
+    return "(not set)" if value is absent else repr(value)
+
+
+class _StagePlan:
+    def __init__(self, params: List[Tuple[torch.nn.Parameter, StageRecord, str]], optimizer: Any, scheduler: Any):
+        self.params, self.optimizer, self.scheduler = params, optimizer, scheduler
+
+
+def _plan(
+    manifest: Manifest, base: str, state: TrainingState, runtime: Runtime, files: Dict[str, tensorfile.TensorFile]
+) -> List[_StagePlan]:
+    """Check everything this rank will load (names, shapes, files' hashes, frozen tensors, optimizer
+    groups) without changing anything."""
+    where, frozen = manifest.where(), manifest.frozen()
+    trainable = _trainable(runtime)
+
+    def open_file(record: StageRecord) -> tensorfile.TensorFile:
+        if record.file not in files:
+            files[record.file] = tensorfile.TensorFile(os.path.join(base, record.file), record.sha256, record.size)
+        return files[record.file]
+
+    schedulers = list(state.schedulers) or [None] * len(state.optimizers)
+    plans = []
+    for stage, opt, scheduler in zip(runtime.local_stages, state.optimizers, schedulers):
+        names = stage.parameter_names()
+        sources: Dict[str, Tuple[StageRecord, str]] = {}
+        params = []
+        for p, name in zip(stage.parameters, names):
+            if name not in where:
+                was = "frozen in the checkpoint, trainable now" if name in frozen else "not in the checkpoint"
+                raise CheckpointError(f"stage {stage.index}: parameter {name} is {was}: refused")
+            record, saved = where[name], manifest.canonical(name)
+            dtype, shape = open_file(record).meta(record.params[saved])
+            if (dtype, shape) != (p.dtype, tuple(p.shape)):
+                raise CheckpointError(
+                    f"parameter {name} is {p.dtype} {tuple(p.shape)} here but {dtype} {shape} in {record.file}"
+                )
+            sources[name] = (record, saved)
+            params.append((p, record, record.params[saved]))
+        for tensor_name, t in stage.named_state().items():
+            if trainable.get(_identity(t)) is not None:
+                continue
+            if tensor_name not in frozen:
+                was = "trained in the checkpoint, frozen now" if tensor_name in where else "not in the checkpoint"
+                raise CheckpointError(f"stage {stage.index}: tensor {tensor_name} is {was}: refused")
+            if not tensorfile.fingerprint(t).matches(frozen[tensor_name]):
+                raise CheckpointError(
+                    f"stage {stage.index}: the frozen tensor {tensor_name} is not the one the checkpoint was trained "
+                    "on (its fingerprint differs): resume on the same base weights"
+                )
+        optimizer = sched = None
+        if opt is not None:
+            saved_scheduler = any(rec.scheduler is not None for rec, _ in sources.values())
+            if saved_scheduler != (scheduler is not None):
+                has, hasnt = ("the checkpoint", "this run") if saved_scheduler else ("this run", "the checkpoint")
+                raise CheckpointError(
+                    f"{has} has an LR scheduler for stage {stage.index}'s parameters, {hasnt} none: build the "
+                    "trainer as the checkpointed run was (scheduler=...)"
+                )
+            optimizer, origins = optim.torch_state(
+                opt, stage.parameters, names, sources, lambda rec, k: _Deferred(open_file(rec), k)
+            )
+            if scheduler is not None:
+                sched = optim.scheduler_state(origins, stage.index, scheduler.state_dict())
+        plans.append(_StagePlan(params, optimizer, sched))
+    return plans
+
+
+class _Deferred:
+    """An optimizer-state tensor read when it is loaded, not when it is planned."""
+
+    def __init__(self, file: tensorfile.TensorFile, key: str):
+        self.file, self.key = file, key
+        file.meta(key)
+
+
+def _apply(plans: List[_StagePlan], state: TrainingState, files: Dict[str, tensorfile.TensorFile]) -> None:
+    schedulers = list(state.schedulers) or [None] * len(state.optimizers)
+    for plan, opt, scheduler in zip(plans, state.optimizers, schedulers):
+        with torch.no_grad():
+            for p, record, key in plan.params:
+                p.copy_(files[record.file].read(key))
+        if opt is not None:
+            optimizer = plan.optimizer
+            for values in optimizer["state"].values():
+                for k, v in values.items():
+                    if isinstance(v, _Deferred):
+                        values[k] = v.file.read(v.key)
+            opt.load_state_dict(optimizer)
+        if scheduler is not None:
+            scheduler.load_state_dict(plan.scheduler)
+
+
+__all__ = ["check_compatible", "load", "save"]
