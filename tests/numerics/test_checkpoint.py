@@ -24,7 +24,7 @@ def data(n=80, seed=0):
     return torch.randn(n, 6, generator=g, dtype=torch.float64), torch.randint(0, 3, (n,), generator=g)
 
 
-def model(frozen_seed=5):
+def model(frozen_seed=5, frozen="weight"):
     torch.manual_seed(1)
     net = nn.Sequential(
         nn.Linear(6, 12), nn.Tanh(), nn.Linear(12, 12), nn.Tanh(), nn.Linear(12, 12), nn.Tanh(), nn.Linear(12, 3)
@@ -32,7 +32,9 @@ def model(frozen_seed=5):
     with torch.no_grad():  # the frozen base: its own seed, so that a test can build a different one
         g = torch.Generator().manual_seed(frozen_seed)
         net[0].weight.copy_(torch.randn(12, 6, generator=g, dtype=torch.float64) * 0.4)
-    net[0].weight.requires_grad_(False)  # (its bias trains: every stage of every split has something to train)
+    net[0].weight.requires_grad_(False)
+    if frozen == "layer":  # on 3 stages the first stage is this layer alone: nothing to train there, no optimizer
+        net[0].bias.requires_grad_(False)
     return net
 
 
@@ -70,20 +72,22 @@ def lrs(t):
     return [g["lr"] for opt in t.state.optimizers if opt is not None for g in opt.param_groups if g["params"]]
 
 
+@pytest.mark.parametrize("frozen", ["weight", "layer"])
 @pytest.mark.parametrize("saved, resumed", [(2, 3), (3, 2)])
-def test_a_run_resumed_on_another_split_equals_the_uninterrupted_run(tmp_path, saved, resumed):
-    straight = trainer(saved)
+def test_a_run_resumed_on_another_split_equals_the_uninterrupted_run(tmp_path, saved, resumed, frozen):
+    straight = trainer(saved, model(frozen=frozen))
     straight.fit(data(), steps=6)
-    first = trainer(saved)
+    first = trainer(saved, model(frozen=frozen))
     first.fit(data(), steps=3, checkpoint_dir=str(tmp_path))
     del first  # the job "dies"; another one resumes it on another split
-    again = trainer(resumed)
+    again = trainer(resumed, model(frozen=frozen))
     result = again.fit(data(), steps=6, checkpoint_dir=str(tmp_path), resume=True)
     assert result.steps == 6
     want, got = straight.model.state_dict(), again.model.state_dict()
     assert max_relative_error(got, want) < 1e-10  # the norms are summed in another order: float64 rounding
     assert max_relative_error(got, model().state_dict()) > 1e-2  # it trained
     assert torch.equal(got["0.weight"], model()[0].weight)  # the frozen base is as it was
+    assert (frozen == "layer") == torch.equal(got["0.bias"], model()[0].bias)
     assert again.epsilon(1e-5) == straight.epsilon(1e-5)
     assert set(lrs(again)) == set(lrs(straight)) and len(set(lrs(again))) == 2  # the schedule went on
 
@@ -133,7 +137,7 @@ def test_other_frozen_weights_are_refused(tmp_path):
         other.load_checkpoint(str(tmp_path))
     nudged = model()
     with torch.no_grad():
-        nudged[0].weight[7, 3] += 1e-6  # one element of 72, off the fingerprint's sample grid is not needed
+        nudged[0].weight[7, 3] += 1e-6  # one element (of 72: every one is in the fingerprint's sample)
     with pytest.raises(CheckpointError, match="frozen tensor 0.weight"):
         trainer(2, nudged).load_checkpoint(str(tmp_path))
 
@@ -295,3 +299,25 @@ def test_saved_by_two_processes_resumed_in_one_on_three_stages_and_back(tmp_path
     trainer(3).fit(data(), steps=3, checkpoint_dir=str(tmp_path / "b"))
     state, resumed_eps = launch(_fit_on_ranks, 2, (str(tmp_path / "b"), 6, True), timeout_s=300)[0]
     assert max_relative_error(state, want) < 1e-10 and resumed_eps == eps
+
+
+def _load_on_ranks(rank, directory):
+    t = trainer(2)
+    try:
+        t.load_checkpoint(directory)
+    except CheckpointError as exc:
+        return str(exc)
+    return "loaded"
+
+
+@pytest.mark.dist
+def test_a_file_only_one_process_reads_is_refused_by_every_process(tmp_path):
+    """Rank 1 finds its stage file truncated; rank 0's is intact: both raise, neither waits for the other."""
+    from pipedp.runtime.launch import launch
+
+    trainer(2).fit(data(), steps=1, checkpoint_dir=str(tmp_path))
+    path = tmp_path / "step-00000001" / "stage-1.safetensors"
+    path.write_bytes(path.read_bytes()[:-8])
+    first, second = launch(_load_on_ranks, 2, (str(tmp_path),), timeout_s=300)
+    assert "rank 1:" in first and "stage-1.safetensors" in first and "truncated or corrupted" in first
+    assert "stage-1.safetensors" in second and "truncated or corrupted" in second

@@ -280,12 +280,8 @@ def _other_kind(value):
     return {} if isinstance(value, list) else []
 
 
-def test_every_manifest_field_removed_or_of_the_wrong_type_is_a_checkpoint_error(tmp_path):
-    """Each field of a real manifest in turn (no key, so nothing but the parser and the loader's checks
-    stand in the way): removed, then replaced by a value of another type. Loading must raise a
-    CheckpointError naming the manifest, or load a state that still trains: never a KeyError, TypeError..."""
-    root = tmp_path / "ckpt"
-    t = PipelineDPTrainer(
+def adam_trainer():
+    return PipelineDPTrainer(
         model(),
         class_loss,
         lambda p: torch.optim.Adam(p, lr=0.01),
@@ -298,28 +294,19 @@ def test_every_manifest_field_removed_or_of_the_wrong_type_is_a_checkpoint_error
         sample_rate=0.1,
         seed=11,
     )
-    t.fit(data(), steps=2, checkpoint_dir=str(root))
+
+
+def test_every_manifest_field_removed_or_of_the_wrong_type_is_a_checkpoint_error(tmp_path):
+    """Each field of a real manifest in turn (no key, so nothing but the parser and the loader's checks
+    stand in the way): removed, then replaced by a value of another type. Loading must raise a
+    CheckpointError naming the manifest, or load a state that still trains: never a KeyError, TypeError..."""
+    root = tmp_path / "ckpt"
+    adam_trainer().fit(data(), steps=2, checkpoint_dir=str(root))
     folder = newest(root)
     original = (folder / "manifest.json").read_text()
     paths = [p for p, _ in _paths(json.loads(original)) if p]
     assert len(paths) > 100
     x, y = data(20)
-
-    def fresh():
-        return PipelineDPTrainer(
-            model(),
-            class_loss,
-            lambda p: torch.optim.Adam(p, lr=0.01),
-            scheduler=lambda opt: torch.optim.lr_scheduler.StepLR(opt, 2, gamma=0.5),
-            stages=2,
-            microbatches=2,
-            noise_multiplier=0.8,
-            max_grad_norm=0.5,
-            expected_batch_size=10,
-            sample_rate=0.1,
-            seed=11,
-        )
-
     escaped, accepted = [], []
     for path in paths:
         for change in ("remove", "retype"):
@@ -332,7 +319,7 @@ def test_every_manifest_field_removed_or_of_the_wrong_type_is_a_checkpoint_error
             else:
                 parent[path[-1]] = _other_kind(parent[path[-1]])
             (folder / "manifest.json").write_text(json.dumps(manifest))
-            victim = fresh()
+            victim = adam_trainer()
             try:
                 victim.load_checkpoint(str(root))
             except CheckpointError as exc:
