@@ -175,6 +175,14 @@ class PrivacyConfig:
         "records (privacy units) in the training data: delta must be below 1/dataset_size; fit() sets it from its data",
         cli=False,
     )
+    unit_rows: int = option(
+        1,
+        "rows per privacy unit: the batch's rows come in consecutive groups of this size, each group one unit (e.g. "
+        "one user's records: user-level DP), sampled, clipped and counted as one; fill a unit with fewer records "
+        "with rows whose loss is zero (all labels -100). sample_rate, expected_batch_size and dataset_size count units",
+        cli=False,
+        resume=True,
+    )
     accountant: str = option("prv", "Opacus accountant", choices=ACCOUNTANTS, resume=True)
     delta: float = option(1e-5, "target delta of the (epsilon, delta) guarantee")
     target_epsilon: Optional[float] = option(
@@ -205,6 +213,7 @@ class PrivacyConfig:
                 raise ConfigError(f"max_grad_norm: must be > 0 and finite, got {self.max_grad_norm}", "max_grad_norm")
         _one_of(self, "clipping")
         _one_of(self, "accountant")
+        _at_least(self, "unit_rows", 1)
         if self.sample_rate is not None and not (math.isfinite(self.sample_rate) and 0 < self.sample_rate <= 1):
             raise ConfigError(f"sample_rate: must be in (0, 1], got {self.sample_rate}", "sample_rate")
         if not (math.isfinite(self.delta) and 0 < self.delta < 1):
@@ -220,12 +229,6 @@ class PrivacyConfig:
                     f"{_suggested_delta(self.dataset_size):g})",
                     "delta",
                 )
-        if self.sampling == "poisson" and self.sample_rate is None:
-            raise ConfigError(
-                "sampling='poisson' needs sample_rate (the probability each record is in a batch) to account the "
-                "steps: pass sample_rate = expected batch size / records",
-                "sampling",
-            )
         if self.sampling == "shuffle" and self.secure_mode:
             raise ConfigError(
                 "sampling='shuffle' with secure_mode: an epoch's permutation must be redrawn identically on every "
@@ -241,6 +244,12 @@ class PrivacyConfig:
         if self.max_epsilon is not None and self.sample_rate is None and self.sampling == "poisson":
             raise ConfigError(
                 "max_epsilon needs sample_rate (the Poisson rate) to account the privacy spent", "max_epsilon"
+            )
+        if self.sampling == "poisson" and self.sample_rate is None:
+            raise ConfigError(
+                "sampling='poisson' needs sample_rate (the probability each record is in a batch) to account the "
+                "steps: pass sample_rate = expected batch size / records",
+                "sampling",
             )
         if self.target_epsilon is not None:
             if self.target_epsilon > MAX_TARGET_EPSILON:
@@ -438,13 +447,13 @@ class DataConfig:
         if self.privacy_unit == "user":
             if not self.user_field:
                 raise ConfigError(
-                    "privacy_unit: 'user' needs user_field, the field that names each record's user", "user_field"
+                    "privacy_unit: 'user' needs user_field, the field that names each record's user", "privacy_unit"
                 )
             if self.max_records_per_user is None:
                 raise ConfigError(
                     "privacy_unit: 'user' needs max_records_per_user K: each user's unit is K rows (the user's first K "
                     "records, padded with empty rows), so that every unit has the same sensitivity",
-                    "max_records_per_user",
+                    "privacy_unit",
                 )
         elif self.user_field is not None or self.max_records_per_user is not None:
             name = "user_field" if self.user_field is not None else "max_records_per_user"

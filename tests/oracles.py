@@ -93,3 +93,24 @@ def max_relative_error(got: Dict[str, torch.Tensor], want: Dict[str, torch.Tenso
     assert set(got) == set(want), f"state dict keys differ: {set(got) ^ set(want)}"
     scale = max(float(v.abs().max()) for v in want.values())
     return max(float((got[k].to(want[k].dtype) - want[k]).abs().max()) for k in want) / scale
+
+
+def loop_unit_clipped_sum(
+    model: nn.Module, loss_fn: Callable, x, y: torch.Tensor, max_grad_norm: float, rows: int
+) -> Dict[str, torch.Tensor]:
+    """User-level DP: sum_u clip(grad of unit u alone), a unit being ``rows`` consecutive rows whose loss is
+    the sum of theirs; one backward pass per unit, on its rows only."""
+    params = dict(model.named_parameters())
+    total = {k: torch.zeros_like(p) for k, p in params.items()}
+    for u in range(len(y) // rows):
+        span = slice(u * rows, (u + 1) * rows)
+        model.zero_grad(set_to_none=True)
+        out = model(**{k: v[span] for k, v in x.items()}) if isinstance(x, dict) else model(x[span])
+        loss_fn(out, y[span]).sum().backward()
+        members = [k for k in params if params[k].grad is not None]
+        norm = torch.sqrt(sum((params[k].grad.double() ** 2).sum() for k in members))
+        factor = min(1.0, max_grad_norm / (float(norm) + 1e-6))
+        for k in members:
+            total[k] += factor * params[k].grad
+    model.zero_grad(set_to_none=True)
+    return total

@@ -26,6 +26,7 @@ __all__ = [
     "clipped_grad_sum",
     "keeps_per_sample_grads",
     "squared_norms",
+    "pools_positions",
     "KEEP_MEMORY_RATIO",
     "NORM_SAMPLERS",
 ]
@@ -50,6 +51,11 @@ def clipped_grad_sum(unit: nn.Module, inputs: Sequence[torch.Tensor], scaled_bac
     layer's weight gradient is linear in its output gradient, this is the layer's ordinary weight
     gradient for the scaled output gradient (no per-sample tensors, no backward through the pipeline)."""
     return rule_for(unit).weight(unit, inputs, scaled_backprops)
+
+
+def pools_positions(unit: nn.Module) -> bool:
+    """May a privacy unit's rows be folded into positions for this layer (see privacy/units.py)?"""
+    return rule_for(unit).pools_positions
 
 
 def squared_norms(per_sample: torch.Tensor) -> torch.Tensor:

@@ -11,6 +11,7 @@ from schedules import Schedule
 from ..config import PipelineConfig
 from ..errors import ConfigError
 from ..privacy.clipping import ClipRule
+from ..privacy.units import Units
 from ..split.blocks import Block
 from ..split.partition import Tie
 from .inprocess import InProcessRuntime
@@ -26,10 +27,14 @@ def is_distributed(transport: str) -> bool:
     )
 
 
-def stage_options(pipeline: PipelineConfig, clip: ClipRule) -> StageOptions:
+def stage_options(pipeline: PipelineConfig, clip: ClipRule, units: Units) -> StageOptions:
     """The stages' options, from the run's configuration: the one way every runtime builds a stage."""
     return StageOptions(
-        grad_mode=pipeline.grad_mode, precision=pipeline.precision, clip=clip, self_check=pipeline.self_check
+        grad_mode=pipeline.grad_mode,
+        precision=pipeline.precision,
+        clip=clip,
+        self_check=pipeline.self_check,
+        units=units,
     )
 
 
@@ -37,6 +42,7 @@ def create_runtime(
     pipeline: PipelineConfig,
     schedule: Schedule,
     clip: ClipRule,
+    units: Units,
     stage_blocks: List[List[Block]],
     loss_fn: Callable,
     description: Dict[str, Any],
@@ -45,7 +51,7 @@ def create_runtime(
 ) -> Runtime:
     """``description`` is what every rank must agree on; ``state_keys`` the model's state-dict order;
     ``tie``: an embedding on the first stage tied to the head on the last."""
-    options = stage_options(pipeline, clip)
+    options = stage_options(pipeline, clip, units)
     if is_distributed(pipeline.transport):
         from .distributed import DistributedRuntime  # torch.distributed's process groups only when used
 

@@ -101,8 +101,8 @@ class Executor:
         return self.position >= len(self.pass_actions)
 
     def totals(self) -> torch.Tensor:
-        """float64 [3]: the sum of the last pass's real-row losses, how many real rows were left out
-        because their gradient norm was not finite, and how many were clipped (clip factor < 1), all
+        """float64 [3]: the sum of the last pass's real-row losses, how many real privacy units were left
+        out because their gradient norm was not finite, and how many were clipped (clip factor < 1), all
         counted on the last stage only."""
         return torch.stack([self._pass.loss_sum, self._pass.dropped, self._pass.clipped])
 
@@ -179,10 +179,11 @@ class Executor:
         if self.reduce_norms and not self.stage.is_first:
             # every stage joined mb's reduction, the previous one after receiving our gradient of mb
             self.transport.release(Kind.SEND_B, mb)
-        clip = self.stage.clip
-        factors = clip.factors(total, mask)
+        clip, units = self.stage.clip, self.stage.units
+        unit_mask = units.mask(mask)
+        factors = clip.factors(total, unit_mask)
         if self.stage.is_last:
-            real, finite = mask > 0, ~clip.rows(~torch.isfinite(total))
+            real, finite = unit_mask > 0, ~clip.rows(~torch.isfinite(total))
             state.dropped += (real & ~finite).sum().to(torch.float64)
             state.clipped += (real & finite & clip.rows(factors < 1)).sum().to(torch.float64)
         self.stage.weight(mb, factors)

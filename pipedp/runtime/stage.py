@@ -33,8 +33,10 @@ from ..privacy.per_sample import (
     ghost_squared_norms,
     keeps_per_sample_grads,
     per_sample_grads,
+    pools_positions,
     squared_norms,
 )
+from ..privacy.units import Units
 from ..split.blocks import Block
 from . import self_check
 from .capture import ActivationCapture, LayerCall, block_layers
@@ -56,6 +58,7 @@ class StageOptions:
     # per-sample gradients kept from I to W while they take at most this times the captures they free;
     # None: grad_mode decides (keep: always; otherwise KEEP_MEMORY_RATIO); 0: never
     keep_ratio: Optional[float] = None
+    units: Units = Units()  # rows per privacy unit (a "sample" below is a unit)
 
     def __post_init__(self) -> None:
         if self.grad_mode not in GRAD_MODES:
@@ -72,7 +75,8 @@ class StageOptions:
 
 @dataclass
 class MicroBatchState:
-    size: int
+    size: int  # rows
+    units: int  # privacy units (rows / rows per unit)
     inputs: Tuple[torch.Tensor, ...] = ()  # the received floating-point tensors (gradients go back)
     tuple_input: bool = False  # received a tuple: the gradient message is a tuple too
     output: Any = None  # the stage's output (per-sample losses on the last stage)
@@ -103,7 +107,7 @@ class Stage:
         self.is_first, self.is_last = index == 0, index == num_stages - 1
         self.blocks = list(blocks)
         self.loss_fn = loss_fn
-        self.grad_mode, self.precision = options.grad_mode, options.precision
+        self.grad_mode, self.precision, self.units = options.grad_mode, options.precision, options.units
         self.layers = block_layers(self.blocks)
         _refuse_parameter_containers(index, self.layers)
         # every trainable parameter of the blocks (the self-check's reference), and those this stage steps
@@ -195,7 +199,7 @@ class Stage:
             x = tuple(_leaf(t) for t in x) if isinstance(x, tuple) else _leaf(x)
         first = tensors_of(x)[0]
         size = size if size is not None else int(first.shape[0])
-        state = MicroBatchState(size=size)
+        state = MicroBatchState(size=size, units=self.units.count(size))
         if not self.is_first:
             state.inputs = tuple(t for t in tensors_of(x) if t.is_floating_point())
             state.tuple_input = isinstance(x, tuple)
@@ -331,7 +335,7 @@ class Stage:
         if checking:
             assert probe is not None
             self._check(state, probe.rows, reference, per_param, summed)
-        return BackwardResult(message, self.clip.reduce(self._per_layer(per_param), state.size), tuple(probe_messages))
+        return BackwardResult(message, self.clip.reduce(self._per_layer(per_param), state.units), tuple(probe_messages))
 
     def _message(self, state: MicroBatchState, input_grads: Sequence[Optional[torch.Tensor]]) -> Activation:
         message = tuple(g if g is not None else torch.zeros_like(t) for g, t in zip(input_grads, state.inputs))
@@ -352,32 +356,42 @@ class Stage:
         return [t for t, _ in kept], [g for _, g in kept]
 
     def _per_parameter_norms(self, state: MicroBatchState) -> Dict[nn.Parameter, torch.Tensor]:
-        """{parameter: [n] float64}: each sample's squared gradient norm of each trainable parameter the
-        micro-batch's layer calls reach (kept, ghost or materialized, as the grad mode and the memory
-        rule choose)."""
+        """{parameter: [units] float64}: each privacy unit's squared gradient norm of each trainable
+        parameter the micro-batch's layer calls reach (kept, ghost or materialized, as the grad mode and
+        the memory rule choose)."""
         per_param: Dict[nn.Parameter, torch.Tensor] = {}
         materialized: Grads = {}
         grams = GramCache()  # layers reading one input share its Gram matrix
         for name, calls in state.calls.items():
             layer, backprops = self.layers[name], state.backprops[name]
             alone = len(calls) == 1 and name not in self._shares_params
+            folds = self.units.single or pools_positions(layer)  # else per-row gradients summed per unit
             with _naming(name, layer):
-                if alone and self._keep(name, calls[0].inputs, backprops[0]):
-                    state.kept[name] = per_sample_grads(layer, calls[0].inputs, backprops[0])
+                if folds:
+                    inputs, grads_out = self._folded(calls[0].inputs), self.units.fold(backprops[0])
+                if alone and folds and self._keep(name, inputs, grads_out):
+                    state.kept[name] = per_sample_grads(layer, inputs, grads_out)
                     per_param.update({p: squared_norms(g) for p, g in state.kept[name].items()})
                     continue
-                ghost = self.grad_mode != "materialize" and alone  # keep: ghost norms where it cannot keep
-                norms = ghost_squared_norms(layer, calls[0].inputs, backprops[0], grams) if ghost else None
+                ghost = self.grad_mode != "materialize" and alone and folds  # keep: ghost where it cannot keep
+                norms = ghost_squared_norms(layer, inputs, grads_out, grams) if ghost else None
                 if norms is not None:
-                    per_param.update({p: v.reshape(state.size) for p, v in norms.items()})
+                    per_param.update({p: v.reshape(state.units) for p, v in norms.items()})
                     continue
                 for call, bp in zip(calls, backprops):
-                    for p, g in per_sample_grads(layer, call.inputs, bp).items():
+                    if folds:
+                        one = per_sample_grads(layer, self._folded(call.inputs), self.units.fold(bp))
+                    else:
+                        one = {p: self.units.group_sum(g) for p, g in per_sample_grads(layer, call.inputs, bp).items()}
+                    for p, g in one.items():
                         materialized[p] = materialized[p] + g if p in materialized else g
         per_param.update({p: squared_norms(g) for p, g in materialized.items()})
         for name in state.kept:  # W needs only the kept gradients: free the captures
             del state.calls[name], state.backprops[name]
         return {p: v.to(torch.float64) for p, v in per_param.items()}
+
+    def _folded(self, inputs: Sequence[torch.Tensor]) -> Tuple[torch.Tensor, ...]:
+        return inputs if self.units.single else tuple(self.units.fold(a) for a in inputs)
 
     def _per_layer(self, per_param: Dict[nn.Parameter, torch.Tensor]) -> Dict[str, torch.Tensor]:
         """{layer: [n]}: the per-parameter norms summed per owning layer."""
@@ -404,7 +418,7 @@ class Stage:
         key = self_check.signature(inputs)
         if key in self.checked:
             return None
-        rows = self_check.rows_to_check(mask)
+        rows = self_check.rows_to_check(self.units.mask(mask))  # units, in fact
         return Probe(rows) if rows else None
 
     def _probe_backward(
@@ -418,9 +432,9 @@ class Stage:
             zeros = [self._message(state, [None] * len(state.inputs)) for _ in probe.rows]
             return [{} for _ in probe.rows], zeros if not self.is_first else []
         for k, row in enumerate(probe.rows):
-            if self.is_last:
+            if self.is_last:  # the loss of unit ``row`` alone: the sum of its rows' losses
                 seed = [torch.zeros_like(outputs[0])]
-                seed[0][row] = 1
+                seed[0][self.units.rows_of(row)] = 1
             else:
                 incoming = [t for t in tensors_of(probe.messages[k])]
                 floating = [t for t in tensors_of(state.output) if t.is_floating_point()]
@@ -452,8 +466,9 @@ class Stage:
             layer = self.layers[name]
             with _naming(name, layer):
                 for call, bp in zip(calls, state.backprops[name]):
-                    for k, r in enumerate(rows):  # W's own rule on the row alone (one-hot clip factors)
-                        one = clipped_grad_sum(layer, tuple(a[r : r + 1] for a in call.inputs), bp[r : r + 1])
+                    for k, r in enumerate(rows):  # W's own rule on the unit alone (one-hot clip factors)
+                        span = self.units.rows_of(r)
+                        one = clipped_grad_sum(layer, tuple(a[span] for a in call.inputs), bp[span])
                         for p, g in one.items():
                             got[k][p] = got[k][p] + g if p in got[k] else g
                     for p, g in clipped_grad_sum(layer, call.inputs, bp).items():
@@ -486,16 +501,18 @@ class Stage:
         any_dropped = bool((factors == 0).any())
         shaped: Dict[tuple, torch.Tensor] = {}
 
-        def factors_for(name: str, dtype: torch.dtype, dim: int) -> torch.Tensor:
-            """The layer's clip factors in ``dtype``, broadcastable to a [n, ...] tensor of ``dim`` dimensions
-            (converted once per call of weight, not once per tensor)."""
-            key = (dtype, dim, name if self.clip.per_layer else "")
+        def factors_for(name: str, dtype: torch.dtype, dim: int, rows: bool = True) -> torch.Tensor:
+            """The layer's clip factors in ``dtype``, broadcastable to a [n, ...] tensor of ``dim`` dimensions,
+            per row (captures) or per unit (kept gradients); converted once per call of weight."""
+            key = (dtype, dim, name if self.clip.per_layer else "", rows)
             if key not in shaped:
-                shaped[key] = self.clip.of_unit(factors, name).to(dtype).reshape((-1,) + (1,) * (dim - 1))
+                row = self.clip.of_unit(factors, name)
+                row = self.units.expand(row) if rows else row
+                shaped[key] = row.to(dtype).reshape((-1,) + (1,) * (dim - 1))
             return shaped[key]
 
         for name, calls in state.calls.items():
-            layer, dropped = self.layers[name], self.clip.of_unit(factors, name) == 0
+            layer, dropped = self.layers[name], self.units.expand(self.clip.of_unit(factors, name) == 0)
             with _naming(name, layer):
                 for call, bp in zip(calls, state.backprops[name]):
                     scaled, inputs = bp * factors_for(name, bp.dtype, bp.dim()), call.inputs
@@ -514,7 +531,7 @@ class Stage:
                     total = self.clipped_sum[p] = torch.zeros(p.shape, dtype=g.dtype, device=g.device)
                 # one in-place matrix-vector product: [P, n] @ [n] added to the running sum (a tensordot
                 # and an add cost three times as much at these sizes)
-                total.view(-1).addmv_(g.reshape(g.shape[0], -1).t(), factors_for(name, g.dtype, 1))
+                total.view(-1).addmv_(g.reshape(g.shape[0], -1).t(), factors_for(name, g.dtype, 1, rows=False))
 
     def _add_clipped(self, p: nn.Parameter, g: torch.Tensor) -> None:
         if p in self.clipped_sum:

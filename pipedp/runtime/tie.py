@@ -101,7 +101,7 @@ class StageTie:
         calls = state.calls.get(self.unit, [])
         if len(calls) != 1:
             raise UnsupportedModelError(f"the tied head {self.unit!r} must run once per micro-batch, ran {len(calls)}")
-        n = state.size
+        n = state.units  # a privacy unit's rows are folded into its positions (privacy/units.py)
         head_in = calls[0].inputs[0].reshape(n, -1, calls[0].inputs[0].shape[-1])
         grads = state.backprops[self.unit][0]
         grads = grads.reshape(n, -1, grads.shape[-1])
@@ -115,7 +115,7 @@ class StageTie:
         return torch.bmm(picked.transpose(1, 2), head_in.to(picked.dtype))
 
     def _cross(self, state, message: torch.Tensor, message_ids: torch.Tensor) -> torch.Tensor:
-        """<g_emb,i, g_head,i> per sample, [n] float64. ``message_ids``: the ids the partner built the
+        """<g_emb,i, g_head,i> per privacy unit, [units] float64. ``message_ids``: the ids the partner built the
         message from, which must be the ones the embedding read."""
         calls = state.calls.get(self.unit, [])
         ids = calls[0].inputs[0] if len(calls) == 1 else None
@@ -129,7 +129,7 @@ class StageTie:
         padding = getattr(self.module, "padding_idx", None)
         if padding is not None:  # autograd gives the padding row no gradient
             grads = grads * (ids != padding).unsqueeze(-1).to(grads.dtype)
-        g3 = grads.reshape(state.size, -1, grads.shape[-1]).double()
+        g3 = grads.reshape(state.units, -1, grads.shape[-1]).double()
         scale = float(getattr(self.module, "embed_scale", 1.0))  # a scaled embedding (Gemma): d out / d weight row
         return scale * (g3 * message.reshape(g3.shape).double()).sum((1, 2))
 

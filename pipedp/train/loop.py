@@ -16,6 +16,7 @@ import torch
 from ..config import FitConfig, PrivacyConfig
 from ..errors import CheckpointError, PipeDPError, PrivacyBudgetExceeded
 from ..privacy.sampling import poisson_indices, shuffled_indices, steps_per_epoch, truncate, truncation_probability
+from ..privacy.units import Units
 from ..runtime.microbatch import Inputs, rows, take
 from . import checkpoint
 
@@ -95,10 +96,10 @@ def fit(
     privacy = trainer.privacy
     sampling = privacy.sampling or "poisson"
     inputs, targets = _as_tensors(dataset)
-    n = rows(inputs)
-    if n != len(targets):
-        raise PipeDPError(f"fit() got {n} inputs but {len(targets)} targets: pass one target per input")
-    trainer.use_dataset(n)  # delta is checked against 1/n here
+    if rows(inputs) != len(targets):
+        raise PipeDPError(f"fit() got {rows(inputs)} inputs but {len(targets)} targets: pass one target per input")
+    units = Units(privacy.unit_rows)
+    trainer.use_dataset(units.count(rows(inputs)))  # delta is checked against 1/N (N privacy units) here
     if sampling == "poisson" and privacy.sample_rate is None:
         raise PipeDPError("fit() draws Poisson batches: give the trainer a sample_rate (expected batch / records)")
     if config.max_logical_batch is not None and sampling != "poisson":
@@ -155,7 +156,9 @@ def _draw(trainer: Trainable, n: int, step: int, sampling: str, cap: Optional[in
 
 
 def _train(trainer: Trainable, inputs, targets, total: int, config: FitConfig, sampling: str, callback):
-    privacy, n = trainer.privacy, rows(inputs)
+    privacy = trainer.privacy
+    units = Units(privacy.unit_rows)
+    n = units.count(rows(inputs))
     directory = config.checkpoint_dir
     if directory:
         checkpoint.resolve_key(config.checkpoint_key)  # an empty key is refused now, not at the first save
@@ -178,7 +181,7 @@ def _train(trainer: Trainable, inputs, targets, total: int, config: FitConfig, s
             )
     last_loss, stopped = math.nan, None
     while trainer.steps_taken < total:
-        index = _draw(trainer, n, trainer.steps_taken, sampling, cap)
+        index = units.row_index(_draw(trainer, n, trainer.steps_taken, sampling, cap))
         try:
             loss = trainer.step(take(inputs, index), targets[index], sampling=sampling)
         except PrivacyBudgetExceeded as exc:

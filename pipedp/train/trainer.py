@@ -14,7 +14,7 @@ import dataclasses
 import math
 import warnings
 import weakref
-from typing import Any, Callable, Dict, List, Optional, Tuple, Union
+from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple, Union
 
 import torch
 import torch.nn as nn
@@ -28,11 +28,13 @@ from ..errors import ConfigError, NonFiniteError, PrivacyBudgetExceeded, Unsuppo
 from ..privacy.accounting import BudgetGuard, calibrate_noise, charged_rate, spent_epsilon
 from ..privacy.clipping import ClipRule
 from ..privacy.noise import add_noise
+from ..privacy.units import Units
 from ..privacy.validation import validate_model
 from ..runtime.capture import block_layers
 from ..runtime.create import create_runtime
 from ..runtime.microbatch import (
     Inputs,
+    PassBatch,
     check_batch,
     make_pass,
     microbatch_size_for,
@@ -189,12 +191,20 @@ class PipelineDPTrainer:
         _refuse_duplicate_names(stage_blocks)
         layers = [name for stage in stage_blocks for name in block_layers(stage)]
         self.clip = ClipRule.make(privacy.clipping, privacy.max_grad_norm, pipeline.stages, layers)
+        self.units = Units(privacy.unit_rows)
+        if pipeline.microbatch_size is not None and pipeline.microbatch_size % self.units.rows:
+            raise ConfigError(
+                f"microbatch_size {pipeline.microbatch_size} is not a multiple of unit_rows {self.units.rows}: a "
+                "micro-batch holds whole privacy units",
+                "microbatch_size",
+            )
         tie = the_tie(find_ties(stage_blocks), self.clip.across_stages)
         self.partition_report = report(stage_blocks, costs, cost_unit(pipeline.balance))
         self.runtime: Runtime = create_runtime(
             pipeline,
             self.schedule,
             self.clip,
+            self.units,
             stage_blocks,
             loss_fn,
             self.run_config(),
@@ -221,19 +231,14 @@ class PipelineDPTrainer:
         this batch was drawn ("poisson" or "shuffle"; default ``PrivacyConfig.sampling``), which
         decides what the accountant charges (see pipedp.privacy.accounting). A step that raises
         leaves the trainer as it was before it: the next step is the one it would have been."""
-        n = check_batch(inputs, targets)
+        n = self.units.count(check_batch(inputs, targets))  # privacy units (rows, by default)
         charge = self._charge(sampling if sampling is not None else self.privacy.sampling)
         self.last_batch_size = n
         self._check_budget(charge)
         self.runtime.check_same_batch(inputs, targets)
-        pipeline = self.pipeline
-        mine = replica_rows(n, pipeline.replicas, self.runtime.replica)
-        inputs, targets = take(inputs, mine), targets[mine]
-        totals = torch.zeros(3, dtype=torch.float64)  # loss sum, samples left out (non-finite norm), clipped
+        totals = torch.zeros(3, dtype=torch.float64)  # loss sum, units left out (non-finite norm), clipped
         try:
-            for part in plan_passes(batch_rows(inputs), pipeline.microbatches, pipeline.microbatch_size):
-                size = microbatch_size_for(part.stop - part.start, pipeline.microbatches, pipeline.microbatch_size)
-                batch = make_pass(take(inputs, part), targets[part], pipeline.microbatches, size)
+            for batch in self._passes(inputs, targets):
                 totals = totals + self.runtime.run_pass(batch)
             self._apply_update()
         except BaseException as exc:
@@ -253,6 +258,20 @@ class PipelineDPTrainer:
                 stacklevel=2,
             )
         return loss_sum / n if n else math.nan
+
+    def _passes(self, inputs: Inputs, targets: torch.Tensor) -> Iterator[PassBatch]:
+        """This replica's share of a logical batch, as pipeline passes of static micro-batches holding
+        whole privacy units (a larger batch than one pass: several passes, one update)."""
+        pipeline, size_of = self.pipeline, self.units.rows
+        n = self.units.count(batch_rows(inputs))
+        mine = replica_rows(n, pipeline.replicas, self.runtime.replica)  # in units
+        rows = slice(mine.start * size_of, mine.stop * size_of)
+        inputs, targets = take(inputs, rows), targets[rows]
+        static = pipeline.microbatch_size // size_of if pipeline.microbatch_size is not None else None
+        for part in plan_passes(mine.stop - mine.start, pipeline.microbatches, static):
+            size = microbatch_size_for(part.stop - part.start, pipeline.microbatches, static) * size_of
+            span = slice(part.start * size_of, part.stop * size_of)
+            yield make_pass(take(inputs, span), targets[span], pipeline.microbatches, size)
 
     def _charge(self, sampling: Optional[str]) -> Optional[Tuple[float, float]]:
         """(noise multiplier, sample rate) the accountant records for the next step, or None."""
@@ -366,23 +385,17 @@ class PipelineDPTrainer:
         }
 
     def evaluate(self, inputs: Inputs, targets: torch.Tensor) -> float:
-        """The mean per-sample loss of ``loss_fn`` over a batch of any size, through the pipeline with no
+        """The mean loss of ``loss_fn`` per privacy unit over a batch of any size, through the pipeline with no
         per-sample machinery and no gradient: no privacy is spent by the computation itself, but the
         number it returns is not private if the batch is (see docs/privacy.md)."""
-        n = check_batch(inputs, targets)
+        n = self.units.count(check_batch(inputs, targets))
         if n == 0:
             return math.nan
         self.runtime.check_same_batch(inputs, targets)
-        pipeline = self.pipeline
-        mine = replica_rows(n, pipeline.replicas, self.runtime.replica)
-        inputs, targets = take(inputs, mine), targets[mine]
         total = torch.zeros(3, dtype=torch.float64)
         try:
-            for part in plan_passes(batch_rows(inputs), pipeline.microbatches, pipeline.microbatch_size):
-                size = microbatch_size_for(part.stop - part.start, pipeline.microbatches, pipeline.microbatch_size)
-                total = total + self.runtime.run_eval(
-                    make_pass(take(inputs, part), targets[part], pipeline.microbatches, size)
-                )
+            for batch in self._passes(inputs, targets):
+                total = total + self.runtime.run_eval(batch)
         except BaseException as exc:
             self.runtime.abort_step(exc)
             raise

@@ -66,7 +66,7 @@ def _keeps_embedding_forward(unit: nn.Module) -> bool:
     return isinstance(unit, nn.Embedding) and type(unit).forward is nn.Embedding.forward
 
 
-EMBEDDING = LayerRule("embedding", grads, weight, norms)
+EMBEDDING = LayerRule("embedding", grads, weight, norms, pools_positions=True)
 register(nn.Embedding, EMBEDDING)
 register(_keeps_embedding_forward, EMBEDDING)
 

@@ -38,5 +38,5 @@ def keepable(unit: nn.Module, inputs: Sequence[torch.Tensor], backprops: torch.T
     return True
 
 
-LAYER_NORM = LayerRule("layer_norm", grads, weight, None, keepable)
+LAYER_NORM = LayerRule("layer_norm", grads, weight, None, keepable, pools_positions=True)
 register(nn.LayerNorm, LAYER_NORM)

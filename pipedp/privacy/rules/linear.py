@@ -73,6 +73,6 @@ def keepable(unit: nn.Module, inputs: Sequence[torch.Tensor], backprops: torch.T
     return backprops.reshape(backprops.shape[0], -1, backprops.shape[-1]).shape[1] >= 2
 
 
-LINEAR = LayerRule("linear", grads, weight, norms, keepable)
+LINEAR = LayerRule("linear", grads, weight, norms, keepable, pools_positions=True)
 register(nn.Linear, LINEAR)
 register(_is_conv1d, LINEAR)

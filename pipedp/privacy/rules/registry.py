@@ -18,6 +18,9 @@ class LayerRule:
     weight: Callable[[nn.Module, Sequence[torch.Tensor], torch.Tensor], Grads]
     norms: Optional[Callable[..., Optional[Grads]]] = None  # (layer, inputs, backprops, grams) -> {param: [n]}
     keepable: Optional[Callable[[nn.Module, Sequence[torch.Tensor], torch.Tensor], bool]] = None
+    # the math sums over every dimension between the first (the sample) and the features: the rows of a
+    # privacy unit may be folded into positions (privacy/units.py)
+    pools_positions: bool = False
 
 
 RULES: Dict[type, LayerRule] = {}
