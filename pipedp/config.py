@@ -89,6 +89,19 @@ class PipelineConfig:
         choices=PRECISIONS,
         resume=True,
     )
+    activation_checkpointing: bool = option(
+        False,
+        "recompute each block's intermediate activations in the backward (torch.utils.checkpoint, non-reentrant): "
+        "less memory per in-flight micro-batch for one more forward per block; the inputs of layers with trainable "
+        "parameters are kept either way (per-sample gradients need them)",
+    )
+    devices: Optional[Tuple[str, ...]] = option(
+        None,
+        "in one process, each stage's device (e.g. ('cuda:0', 'cuda:1'): a micro-batched split across GPUs, as a "
+        "device_map split but pipelined); its blocks are moved there and its micro-batches and messages follow. "
+        "Across processes each rank uses its backend's device",
+        cli=False,
+    )
     balance: Balance = option(
         "params",
         "how blocks are grouped into stages: 'params', 'uniform', a list of "
@@ -133,6 +146,8 @@ class PipelineConfig:
             )
         _one_of(self, "grad_mode")
         _one_of(self, "transport")
+        if self.devices is not None and len(self.devices) != self.stages:
+            raise ConfigError(f"devices: one per stage ({self.stages}), got {list(self.devices)}", "devices")
         _one_of(self, "precision")
         _finite(self, "timeout", minimum=0.0, strict=True)
         return self

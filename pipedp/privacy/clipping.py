@@ -70,48 +70,48 @@ class ClipRule:
             return math.sqrt(sum(c * c for _, c in self.layer_thresholds))
         return math.sqrt(sum(c * c for c in self.stage_thresholds))
 
-    def for_stage(self, index: int, units: Sequence[str]) -> "StageClip":
+    def for_stage(self, index: int, layers: Sequence[str]) -> "StageClip":
         if self.mode == "per_layer":
-            layer = dict(self.layer_thresholds)
-            thresholds = torch.tensor([[layer[name]] for name in units], dtype=torch.float64)
-            return StageClip(self, tuple(units), thresholds)
+            threshold = dict(self.layer_thresholds)
+            thresholds = torch.tensor([[threshold[name]] for name in layers], dtype=torch.float64)
+            return StageClip(self, tuple(layers), thresholds)
         threshold = self.stage_thresholds[index if self.mode == "per_stage" else 0]  # flat: one C for all
-        return StageClip(self, tuple(units), torch.tensor(threshold, dtype=torch.float64))
+        return StageClip(self, tuple(layers), torch.tensor(threshold, dtype=torch.float64))
 
 
 @dataclass(frozen=True)
 class StageClip:
-    """The clip rule as one stage applies it: its units (in order) and thresholds."""
+    """The clip rule as one stage applies it: its layers (in order) and thresholds."""
 
     rule: ClipRule
-    units: Tuple[str, ...]
-    thresholds: torch.Tensor  # scalar, or [units, 1] under per_layer
+    layers: Tuple[str, ...]
+    thresholds: torch.Tensor  # scalar, or [layers, 1] under per_layer
 
     @property
     def per_layer(self) -> bool:
         return self.rule.mode == "per_layer"
 
-    def reduce(self, per_unit: Dict[str, torch.Tensor], n: int) -> torch.Tensor:
-        """This stage's part of the norms to clip by, from each unit's per-sample squared norms
-        ({unit: [n] float64}): their sum [n], or one row per unit [units, n] (zeros for a unit this
+    def reduce(self, per_layer: Dict[str, torch.Tensor], n: int, device=None) -> torch.Tensor:
+        """This stage's part of the norms to clip by, from each layer's per-sample squared norms
+        ({layer: [n] float64}): their sum [n], or one row per layer [layers, n] (zeros for a layer this
         micro-batch did not call)."""
+        zero = torch.zeros(n, dtype=torch.float64, device=device)
         if self.per_layer:
-            zero = torch.zeros(n, dtype=torch.float64)
-            return torch.stack([per_unit[name] if name in per_unit else zero for name in self.units])
-        if not per_unit:
-            return torch.zeros(n, dtype=torch.float64)
-        return torch.stack(list(per_unit.values())).sum(0)
+            return torch.stack([per_layer[name] if name in per_layer else zero for name in self.layers])
+        if not per_layer:
+            return zero
+        return torch.stack(list(per_layer.values())).sum(0)
 
     def factors(self, reduced: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-        """Clip factors for the reduced norms (see clip_factors): [n], or [units, n]."""
+        """Clip factors for the reduced norms (see clip_factors): [n], or [layers, n]."""
         return clip_factors(reduced, self.thresholds.to(reduced.device), mask)
 
-    def of_unit(self, factors: torch.Tensor, unit: str) -> torch.Tensor:
-        """The [n] factors that apply to ``unit``'s gradients."""
-        return factors[self.units.index(unit)] if self.per_layer else factors
+    def of_layer(self, factors: torch.Tensor, layer: str) -> torch.Tensor:
+        """The [n] factors that apply to ``layer``'s gradients."""
+        return factors[self.layers.index(layer)] if self.per_layer else factors
 
     def rows(self, flags: torch.Tensor) -> torch.Tensor:
-        """[n] per-sample flags from [n] or [units, n] ones (per_layer: any layer)."""
+        """[n] per-sample flags from [n] or [layers, n] ones (per_layer: any layer)."""
         return flags.any(0) if flags.dim() == 2 else flags
 
 

@@ -35,6 +35,7 @@ def stage_options(pipeline: PipelineConfig, clip: ClipRule, units: Units) -> Sta
         clip=clip,
         self_check=pipeline.self_check,
         units=units,
+        checkpointing=pipeline.activation_checkpointing,
     )
 
 
@@ -55,12 +56,28 @@ def create_runtime(
     if is_distributed(pipeline.transport):
         from .distributed import DistributedRuntime  # torch.distributed's process groups only when used
 
+        if pipeline.devices is not None:
+            raise ConfigError(
+                "devices places stages in one process; across processes each rank uses its backend's device "
+                "(NCCL: cuda:LOCAL_RANK): drop devices",
+                "devices",
+            )
         return DistributedRuntime.create(
             pipeline, schedule, options, stage_blocks, loss_fn, description, state_keys, tie
         )
     if pipeline.replicas != 1:
         raise ConfigError("replicas > 1 needs one process per (stage, replica): launch with torchrun", "replicas")
     p = len(stage_blocks)
+    if tie is not None and pipeline.devices is not None and len(set(pipeline.devices[:: max(1, p - 1)])) > 1:
+        raise ConfigError(
+            f"the input embedding is tied to the head, one tensor on stages 0 and {p - 1}, which devices puts on "
+            f"{pipeline.devices[0]} and {pipeline.devices[-1]}: give the head its own copy (untie_weights=True) or "
+            "put both stages on one device",
+            "devices",
+        )
+    for device, blocks in zip(pipeline.devices or (), stage_blocks):
+        for b in blocks:  # each stage's blocks on its own device (ties: the owner's stage moves the tensor)
+            b.module.to(device)
     stages = [
         Stage(i, p, blocks, loss_fn, options, TieRole.for_stage(i, p, tie, own_copy=False))
         for i, blocks in enumerate(stage_blocks)

@@ -218,14 +218,14 @@ class DistributedRuntime:
             )
 
     def run_pass(self, batch: PassBatch) -> torch.Tensor:
-        self.executor.start_pass(batch.to(self.device))
+        self.executor.start_pass(batch)
         self.executor.run()
         self.executor.end_pass()
         return self.executor.totals().cpu()
 
     def run_eval(self, batch: PassBatch) -> torch.Tensor:
         actions = forward_only(self.mesh.stages, len(batch.masks)).for_stage(self.mesh.stage)
-        self.executor.start_pass(batch.to(self.device), actions)
+        self.executor.start_pass(batch, actions)
         self.executor.run()
         return self.executor.totals().cpu()
 

@@ -82,9 +82,9 @@ class Executor:
 
     def start_pass(self, batch: PassBatch, actions: Optional[List[Action]] = None) -> None:
         """``actions``: another action list for this pass only (evaluation's forward-only one)."""
-        device = batch.masks[0].device
-        zero = torch.zeros((), dtype=torch.float64, device=device)
+        zero = torch.zeros((), dtype=torch.float64, device=self.stage.device)
         evaluating = actions is not None
+        batch = batch.to(self.stage.device)  # in one process, stages may sit on several devices
         probe = None if evaluating else self.stage.check_plan(batch.inputs[0], batch.masks[0])
         self.state = PassState(batch, zero, zero.clone(), zero.clone(), evaluating=evaluating, probe=probe)
         self.pass_actions = actions if actions is not None else self.actions
@@ -124,6 +124,10 @@ class Executor:
             if self.done:
                 self.transport.finish_pass()
         return True
+
+    def _here(self, message: Activation) -> Activation:
+        """A message from a stage on another device (one process), on this stage's device."""
+        return _moved(message, self.stage.device)
 
     # ---- handlers --------------------------------------------------------------------------
     def _forward(self, mb: int) -> None:
@@ -192,7 +196,7 @@ class Executor:
         self.transport.send(Kind.SEND_F, mb, self._pass.outgoing.pop(mb))
 
     def _recv_forward(self, mb: int) -> None:
-        self._pass.received[mb] = self.transport.recv(Kind.RECV_F, mb)
+        self._pass.received[mb] = self._here(self.transport.recv(Kind.RECV_F, mb))
 
     def _send_backward(self, mb: int) -> None:
         state = self._pass
@@ -205,13 +209,19 @@ class Executor:
 
     def _recv_backward(self, mb: int) -> None:
         state = self._pass
-        state.grads_in[mb] = self.transport.recv(Kind.RECV_B, mb)
+        state.grads_in[mb] = self._here(self.transport.recv(Kind.RECV_B, mb))
         if self.tie is not None:  # sent right behind the gradient, so it is there too
-            state.tie_in[mb] = self.transport.recv(Kind.RECV_B, mb)
+            state.tie_in[mb] = self._here(self.transport.recv(Kind.RECV_B, mb))
         if mb == 0 and state.probe is not None:
-            state.probes_in = tuple(self.transport.recv(Kind.RECV_B, mb) for _ in state.probe.rows)
+            state.probes_in = tuple(self._here(self.transport.recv(Kind.RECV_B, mb)) for _ in state.probe.rows)
         # the next stage computed this gradient from our activation of mb: it has received it
         self.transport.release(Kind.SEND_F, mb)
+
+
+def _moved(value: Activation, device: torch.device) -> Activation:
+    if isinstance(value, tuple):
+        return tuple(t.to(device) for t in value)
+    return value.to(device)
 
 
 def _token_ids(inputs) -> torch.Tensor:

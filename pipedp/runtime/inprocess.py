@@ -43,14 +43,14 @@ class InProcessRuntime:
         self.hub.end_pass()
         for e in self.executors:
             e.end_pass()
-        return self.executors[-1].totals()
+        return self.executors[-1].totals().cpu()
 
     def run_eval(self, batch: PassBatch) -> torch.Tensor:
         for e, actions in zip(self.executors, self.eval_actions):
             e.start_pass(batch, actions)
         run_in_process(self.executors)
         self.hub.end_pass()
-        return self.executors[-1].totals()
+        return self.executors[-1].totals().cpu()
 
     def sum_over_replicas(self, grads: List[torch.Tensor]) -> List[torch.Tensor]:
         return grads
@@ -59,7 +59,9 @@ class InProcessRuntime:
         """The owner adds the head's clipped part of the shared tensor (the partner does not step it)."""
         if stage.tie is None:
             return grads
-        return stage.tie.combine_in_process(grads, stage.parameters, self._stages[-1].take_tied_part)
+        partner = self._stages[-1]
+        device = stage.device
+        return stage.tie.combine_in_process(grads, stage.parameters, lambda: partner.take_tied_part().to(device))
 
     def total(self, value: torch.Tensor) -> torch.Tensor:
         return value

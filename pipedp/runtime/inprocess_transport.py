@@ -51,7 +51,8 @@ class InProcessReduction:
         parts = self.hub.reductions[self.mb]
         if len(parts) < self.hub.stages:
             raise WouldBlock
-        return sum(parts[s] for s in range(self.hub.stages))
+        device = parts[0].device  # stages may sit on several devices
+        return sum(parts[s].to(device) for s in range(self.hub.stages))
 
 
 class InProcessTransport:

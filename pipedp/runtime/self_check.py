@@ -104,13 +104,13 @@ def compare(
         scale = float(sum(float(g.double().pow(2).sum()) for g in want_k.values())) ** 0.5
         for p, name in names.items():
             want = want_k.get(p)
-            want = want.double() if want is not None else torch.zeros(p.shape, dtype=torch.float64)
+            want = want.double() if want is not None else torch.zeros(p.shape, dtype=torch.float64, device=p.device)
             have = got_k.get(p)
             have = have.double().reshape(want.shape) if have is not None else torch.zeros_like(want)
             size = float(want.norm())
             allowed = rtol * size + floor * scale + 1e-300
             grad_error = float((have - want).norm())
-            norm = float(got_norms[p][r].clamp(min=0).sqrt()) if p in got_norms else 0.0
+            norm = float(got_norms[p][r].detach().clamp(min=0).sqrt()) if p in got_norms else 0.0
             norm_error = abs(norm - size)
             worst = max(grad_error, norm_error)
             if worst > allowed:

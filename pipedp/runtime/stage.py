@@ -59,6 +59,7 @@ class StageOptions:
     # None: grad_mode decides (keep: always; otherwise KEEP_MEMORY_RATIO); 0: never
     keep_ratio: Optional[float] = None
     units: Units = Units()  # rows per privacy unit (a "sample" below is a unit)
+    checkpointing: bool = False  # recompute each block's intermediate activations in the backward
 
     def __post_init__(self) -> None:
         if self.grad_mode not in GRAD_MODES:
@@ -134,6 +135,9 @@ class Stage:
         }
         self._keeps: Dict[tuple, bool] = {}  # (layer, input and output-grad shapes) -> the choice
         self.checked: set = set()  # input signatures the self-check has passed
+        self.device = next(
+            (t.device for b in self.blocks for t in _tensors(b.module) if not t.is_meta), torch.device("cpu")
+        )
         self.capture = ActivationCapture(self.layers)
         self.pending: Dict[int, MicroBatchState] = {}
         self.clipped_sum: Dict[nn.Parameter, torch.Tensor] = {}
@@ -286,8 +290,14 @@ class Stage:
                     f"the model's forward takes {list(block.input_names)} (arguments with a default keep it): "
                     f"pass the inputs as a dict with exactly those keys, got {given}"
                 )
-            return block.module(*(value[n] for n in block.input_names), **kwargs)
-        return block.module(*value, **kwargs) if isinstance(value, tuple) else block.module(value, **kwargs)
+            args = tuple(value[n] for n in block.input_names)
+        else:
+            args = value if isinstance(value, tuple) else (value,)
+        if self.options.checkpointing and torch.is_grad_enabled():
+            # non-reentrant: the graph is recorded as usual (the captures' outputs stay in it), only the
+            # tensors autograd saves are dropped and recomputed when the backward needs them
+            return torch.utils.checkpoint.checkpoint(block.module, *args, use_reentrant=False, **kwargs)
+        return block.module(*args, **kwargs)
 
     # ---- I -------------------------------------------------------------------------------
     def backward_input(self, mb: int, grad_output, probe: Optional[Probe] = None) -> BackwardResult:
@@ -335,7 +345,8 @@ class Stage:
         if checking:
             assert probe is not None
             self._check(state, probe.rows, reference, per_param, summed)
-        return BackwardResult(message, self.clip.reduce(self._per_layer(per_param), state.units), tuple(probe_messages))
+        norms = self.clip.reduce(self._per_layer(per_param), state.units, self.device)
+        return BackwardResult(message, norms, tuple(probe_messages))
 
     def _message(self, state: MicroBatchState, input_grads: Sequence[Optional[torch.Tensor]]) -> Activation:
         message = tuple(g if g is not None else torch.zeros_like(t) for g, t in zip(input_grads, state.inputs))
@@ -506,13 +517,13 @@ class Stage:
             per row (captures) or per unit (kept gradients); converted once per call of weight."""
             key = (dtype, dim, name if self.clip.per_layer else "", rows)
             if key not in shaped:
-                row = self.clip.of_unit(factors, name)
+                row = self.clip.of_layer(factors, name)
                 row = self.units.expand(row) if rows else row
                 shaped[key] = row.to(dtype).reshape((-1,) + (1,) * (dim - 1))
             return shaped[key]
 
         for name, calls in state.calls.items():
-            layer, dropped = self.layers[name], self.units.expand(self.clip.of_unit(factors, name) == 0)
+            layer, dropped = self.layers[name], self.units.expand(self.clip.of_layer(factors, name) == 0)
             with _naming(name, layer):
                 for call, bp in zip(calls, state.backprops[name]):
                     scaled, inputs = bp * factors_for(name, bp.dtype, bp.dim()), call.inputs
@@ -522,7 +533,7 @@ class Stage:
                     for p, g in clipped_grad_sum(layer, inputs, scaled).items():
                         self._add_clipped(p, g)
         for name, grads in state.kept.items():  # sum_i c_i g_i of the kept per-sample gradients
-            dropped = self.clip.of_unit(factors, name) == 0
+            dropped = self.clip.of_layer(factors, name) == 0
             for p, g in grads.items():
                 if any_dropped:
                     g = _zero_rows(g, dropped)
@@ -585,6 +596,11 @@ def _refuse_parameter_containers(index: int, layers: Dict[str, nn.Module]) -> No
         )
 
 
+def _tensors(module: nn.Module):
+    yield from module.parameters()
+    yield from module.buffers()
+
+
 def _leaf(t: torch.Tensor) -> torch.Tensor:
     return t.detach().requires_grad_(True) if t.is_floating_point() else t
 
@@ -596,7 +612,8 @@ def _widened(t: torch.Tensor) -> torch.Tensor:
 
 def _zero_rows(t: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
     """``t`` with the samples in ``rows`` (bool [n]) set to 0, NaN and inf included."""
-    return torch.where(rows.reshape((-1,) + (1,) * (t.dim() - 1)), torch.zeros((), dtype=t.dtype), t)
+    zero = torch.zeros((), dtype=t.dtype, device=t.device)
+    return torch.where(rows.reshape((-1,) + (1,) * (t.dim() - 1)).to(t.device), zero, t)
 
 
 def _unique(params) -> List[nn.Parameter]:

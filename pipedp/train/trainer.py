@@ -80,6 +80,14 @@ def _check_finite(stage: Any, values: List[torch.Tensor], step: int, what: str) 
         )
 
 
+def _float32_masters(model: nn.Module) -> None:
+    """bf16-mixed: trainable parameters held (and stepped, with their optimizer state) in float32 whatever
+    dtype the model was loaded in; the forward runs under bf16 autocast; frozen weights stay as they are."""
+    for p in model.parameters():
+        if p.requires_grad and p.dtype in (torch.bfloat16, torch.float16):
+            p.data = p.data.float()
+
+
 def _refuse_duplicate_names(stage_blocks: List[List[Any]]) -> None:
     """The noise of each parameter is drawn from the stream of its name: two tensors of one name would get
     the same noise (correlated, and the guarantee assumes independent noise)."""
@@ -178,6 +186,8 @@ class PipelineDPTrainer:
         validate_model(model)
         if pipeline.precision == "bf16-true":
             model.to(torch.bfloat16)  # the user's model itself: its weights train in bf16
+        if pipeline.precision == "bf16-mixed":
+            _float32_masters(model)
         self.model = model
         self.last_batch_size = 0
         self.last_dropped_samples = 0  # samples of the last step left out for a non-finite gradient norm
