@@ -1,20 +1,28 @@
-"""The ``pipedp`` command: ``pipedp train`` and ``pipedp schedule show``.
+"""The ``pipedp`` command: ``pipedp train``, ``pipedp audit`` and ``pipedp schedule show``.
 
-Parsing imports no torch; ``train`` loads the training stack only when it runs.
+Parsing imports no torch (``--help`` and flag errors answer at once); ``train`` loads the
+training stack only once its flags are known to be valid.
 """
 
 from __future__ import annotations
 
 import argparse
 import math
-import os
 import sys
 from typing import List, Optional
 
+from ..config import DataConfig, FitConfig, OptimizerConfig, PipelineConfig, PrivacyConfig
 from ..errors import ConfigError, PipeDPError
-from .flags import DEFAULT_STEPS, add_config_flags, flag_name
+from .flags import CLI_DEFAULTS, JOB_CLASSES, add_config_flags, flag_name
 
-DEFAULT_CHECKPOINTS = os.path.join("runs", "pipedp-train")
+SECTIONS = {  # --help groups and config.toml tables
+    PipelineConfig: "pipeline",
+    PrivacyConfig: "privacy",
+    FitConfig: "fit",
+    DataConfig: "data",
+    OptimizerConfig: "optimizer",
+}
+REPORT_TO = ("none", "tensorboard")
 
 
 def _positive_int(text: str) -> int:
@@ -32,9 +40,75 @@ def _positive_float(text: str) -> float:
 
 
 class _Parser(argparse.ArgumentParser):
+    def __init__(self, *args, **kwargs):
+        kwargs.setdefault("allow_abbrev", False)  # a flag is its whole name (config files rely on it)
+        super().__init__(*args, **kwargs)
+
     def error(self, message):  # one clear line, no usage dump
         print(f"pipedp: error: {message} (see '{self.prog} --help')", file=sys.stderr)
         sys.exit(2)
+
+
+def add_train_flags(t: argparse.ArgumentParser) -> None:
+    t.add_argument(
+        "--config",
+        default=None,
+        help="a TOML file with any of these flags as keys (e.g. seq-len = 128, in any [table]); flags given here "
+        "override it. Each run writes its own to RUN/config.toml",
+    )
+    groups = {cls: t.add_argument_group(f"{name} options") for cls, name in SECTIONS.items()}
+    add_config_flags(t, JOB_CLASSES, CLI_DEFAULTS, groups=groups)
+    job = t.add_argument_group("job options")
+    job.add_argument("--model", default="tiny-gpt", help="'tiny-gpt' (built in) or a local Hugging Face model folder")
+    rate = job.add_mutually_exclusive_group()
+    rate.add_argument("--sample-rate", type=_positive_float, default=None, help="Poisson sampling rate q")
+    rate.add_argument(
+        "--batch-size", type=_positive_int, default=32, help="expected logical batch size in privacy units (q = B / N)"
+    )
+    job.add_argument(
+        "--export",
+        default=None,
+        help="after training, write the Hugging Face model (config + safetensors + tokenizer) to this folder",
+    )
+    job.add_argument(
+        "--lora-r",
+        type=_positive_int,
+        default=None,
+        help="train PEFT LoRA adapters of this rank (base weights frozen); needs a Hugging Face --model",
+    )
+    job.add_argument(
+        "--lora-targets", default="q_proj,v_proj", help="comma-separated module names LoRA adapts (GPT-2: c_attn)"
+    )
+    job.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="start afresh in a --checkpoint-dir that holds another run: that run is moved aside to DIR.previous-TIME",
+    )
+    job.add_argument(
+        "--no-checkpoint",
+        action="store_true",
+        help="save no checkpoints (the run cannot be resumed); the run's config, metrics and plot still go to "
+        "--checkpoint-dir",
+    )
+    job.add_argument(
+        "--report-to",
+        default="none",
+        choices=REPORT_TO,
+        help="also log the metrics to TensorBoard (RUN/tensorboard; needs the tensorboard package)",
+    )
+    job.add_argument(
+        "--epsilon-every",
+        type=_positive_int,
+        default=None,
+        help="steps between epsilon evaluations in the log and the progress bar (default: about 20 per run, and "
+        "always the last step; the prv accountant takes ~0.1 s each)",
+    )
+    job.add_argument(
+        "--eval-batch-size", type=_positive_int, default=None, help="rows per evaluation batch (default --batch-size)"
+    )
+    job.add_argument("--inprocess", action="store_true", help="run every stage in this one process (debugging)")
+    job.add_argument("--threads", type=_positive_int, default=1, help="torch threads per process")
+    job.add_argument("--no-progress", action="store_true", help="no progress bars")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -42,44 +116,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
 
     t = sub.add_parser("train", help="DP training with pipeline stages (default: a tiny GPT on a generated corpus)")
-    add_config_flags(t)  # --stages, --microbatches, --schedule, --noise-multiplier, ... from the config fields
-    t.add_argument("--model", default="tiny-gpt", help="'tiny-gpt' (built in) or a local Hugging Face model folder")
-    t.add_argument("--data", default=None, help="local .txt or .jsonl ('text' field) file; default: generated corpus")
-    rate = t.add_mutually_exclusive_group()
-    rate.add_argument("--sample-rate", type=_positive_float, default=None, help="Poisson sampling rate q")
-    rate.add_argument("--batch-size", type=_positive_int, default=32, help="expected logical batch size (q = B / N)")
-    length = t.add_mutually_exclusive_group()
-    length.add_argument("--steps", type=_positive_int, default=None, help=f"total DP steps (default {DEFAULT_STEPS})")
-    length.add_argument("--epochs", type=_positive_float, default=None, help="epochs: ceil(epochs / q) steps")
-    t.add_argument("--lr", type=_positive_float, default=3e-3, help="Adam learning rate")
-    t.add_argument("--seq-len", type=_positive_int, default=32)
-    t.add_argument("--checkpoint-dir", default=DEFAULT_CHECKPOINTS)
-    t.add_argument("--checkpoint-every", type=_positive_int, default=50)
-    t.add_argument(
-        "--export",
-        default=None,
-        help="after training, write the Hugging Face model (config + safetensors + tokenizer) to this folder",
-    )
-    t.add_argument(
-        "--lora-r",
-        type=_positive_int,
-        default=None,
-        help="train PEFT LoRA adapters of this rank (base weights frozen); needs a Hugging Face --model",
-    )
-    t.add_argument(
-        "--lora-targets", default="q_proj,v_proj", help="comma-separated module names LoRA adapts (GPT-2: c_attn)"
-    )
-    t.add_argument("--keep-last", type=_positive_int, default=3, help="keep only the newest N checkpoints")
-    t.add_argument(
-        "--checkpoint-key",
-        default=None,
-        help="HMAC key that signs checkpoints and refuses unsigned or altered ones on --resume "
-        "(visible to other users in the process list: prefer the PIPEDP_CHECKPOINT_KEY variable)",
-    )
-    t.add_argument("--resume", action="store_true", help="continue from the newest checkpoint in --checkpoint-dir")
-    t.add_argument("--inprocess", action="store_true", help="run every stage in this one process (debugging)")
-    t.add_argument("--threads", type=_positive_int, default=1, help="torch threads per process")
-    t.add_argument("--no-progress", action="store_true")
+    add_train_flags(t)
 
     a = sub.add_parser("audit", help="one-run privacy audit: empirical epsilon lower bound vs the accountant")
     a.add_argument(
@@ -114,30 +151,59 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def main(argv: Optional[List[str]] = None) -> int:
-    args = build_parser().parse_args(argv)
+def train_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    return parser._subparsers._group_actions[0].choices["train"]  # type: ignore[union-attr]
+
+
+def parse(argv: Optional[List[str]] = None) -> argparse.Namespace:
+    """The parsed command line; for ``train --config FILE``, the file's keys under the command line's flags."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.command != "train" or args.config is None:
+        return args
+    from .configfile import ConfigFileError, tokens
+
+    at = argv.index("train")
     try:
-        if args.command == "schedule":
-            from .schedule_view import show
+        from_file = tokens(train_parser(parser), args.config, argv[at + 1 :])
+    except ConfigFileError as exc:
+        parser.error(str(exc))
+    return parser.parse_args(argv[: at + 1] + from_file + argv[at + 1 :])
 
-            print(show(args.name, args.stages, args.microbatches, args.costs, args.png))
-            return 0
-        if args.command == "audit":
-            from .audit import run as run_audit_command
 
-            return run_audit_command(args)
-        from .job import run
+def main(argv: Optional[List[str]] = None) -> int:
+    args = parse(argv)
+    from .signals import Terminated, exit_code, raising, signal_name
 
-        return run(args)
+    try:
+        with raising():  # SIGTERM stops like SIGINT: through the normal finally paths
+            if args.command == "schedule":
+                from .schedule_view import show
+
+                print(show(args.name, args.stages, args.microbatches, args.costs, args.png))
+                return 0
+            if args.command == "audit":
+                from .audit import run as run_audit_command
+
+                return run_audit_command(args)
+            from .job import run
+
+            return run(args)
     except (PipeDPError, ValueError, FileNotFoundError, ImportError) as exc:
-        print(f"pipedp: error: {_message(exc)}", file=sys.stderr)
+        print(f"pipedp: error: {message(exc)}", file=sys.stderr)
         return 2
-    except KeyboardInterrupt:
-        print("pipedp: interrupted", file=sys.stderr)
-        return 130
+    except KeyboardInterrupt as exc:
+        how = signal_name(exc)
+        stopped = "stopped" if isinstance(exc, Terminated) else "interrupted"
+        print(
+            f"pipedp: {stopped} ({how}): the newest complete checkpoint, if any, is kept; continue with --resume",
+            file=sys.stderr,
+        )
+        return exit_code(exc)
 
 
-def _message(exc: Exception) -> str:
+def message(exc: BaseException) -> str:
     """The whole message (every line), with a config field named as its flag."""
     text = str(exc).strip() or type(exc).__name__
     if isinstance(exc, ConfigError) and exc.field and text.startswith(exc.field + ":"):

@@ -1,0 +1,338 @@
+"""Every check that needs no rank, before any process starts: ``resolve(args) -> Job``.
+
+In order of cost: the flags (no torch: a bad value answers in well under a second), the run folder
+(another run's checkpoint, a lock held by a live job), the model (built on the meta device from its
+config.json and split by pipedp's adapter: an unsupported family or more stages than blocks is refused
+here), the data (read, tokenised once into the cache, grouped into privacy units), the privacy
+(delta < 1/N for N units, the sample rate, the steps, the noise calibration with its progress), and on
+--resume the previous run's configuration (what changed, and whether the update allows it).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+import os
+import time
+from dataclasses import replace
+from typing import Callable, List, Tuple
+
+from ..config import DataConfig, FitConfig, OptimizerConfig, PipelineConfig, PrivacyConfig, steps_for_epochs
+from ..errors import ConfigError, PipeDPError
+from .flags import DEFAULT_STEPS, config_from_args
+from .record import RunFolder
+from .spec import TINY_GPT, TINY_GPT_SHAPE, Job, Model
+
+Say = Callable[[str], None]
+
+
+# ---- 1. the flags: no torch ------------------------------------------------------------------------
+def check_flags(args) -> Tuple[PipelineConfig, PrivacyConfig, FitConfig, DataConfig, OptimizerConfig]:
+    pipeline = config_from_args(PipelineConfig, args, transport="inprocess" if args.inprocess else "auto").validate()
+    data = config_from_args(DataConfig, args).validate()
+    optim = config_from_args(OptimizerConfig, args).validate()
+    privacy = config_from_args(PrivacyConfig, args, expected_batch_size=1)
+    # the privacy fields' own checks; sample rate and steps come from the data, later
+    replace(
+        privacy,
+        sample_rate=args.sample_rate or 1.0,
+        total_steps=1 if privacy.target_epsilon is not None else None,
+        sampling=privacy.sampling if privacy.sampling != "shuffle" else None,
+    ).validate()
+    if args.checkpoint_dir == "":
+        raise ConfigError(
+            "checkpoint_dir: give a folder (the run folder); --no-checkpoint saves no checkpoints", "checkpoint_dir"
+        )
+    fit = config_from_args(
+        FitConfig,
+        args,
+        steps=args.steps if args.steps or args.epochs else DEFAULT_STEPS,
+        checkpoint_dir=None if args.no_checkpoint else args.checkpoint_dir,
+        resume=False,  # the CLI loads the checkpoint itself, to say what changed
+    ).validate()
+    if args.resume and args.overwrite:
+        raise ConfigError("--resume continues the run in --checkpoint-dir and --overwrite replaces it: pick one")
+    if args.resume and args.no_checkpoint:
+        raise ConfigError("--resume continues a checkpoint: drop --no-checkpoint")
+    if privacy.sampling == "shuffle" and fit.max_logical_batch is not None:
+        raise ConfigError(
+            "max_logical_batch: caps Poisson batches; shuffled batches have a fixed size", "max_logical_batch"
+        )
+    _check_model_flags(args)
+    for path in (data.data, data.eval_data):
+        if path is not None:
+            from ..data.sources import check_source
+
+            check_source(path)
+    if args.report_to == "tensorboard" and importlib.util.find_spec("tensorboard") is None:
+        raise ImportError("--report-to tensorboard needs the tensorboard package: pip install tensorboard")
+    if data.privacy_unit == "user" and pipeline.microbatch_size is not None:
+        if pipeline.microbatch_size % data.max_records_per_user:
+            raise ConfigError(
+                f"microbatch_size: {pipeline.microbatch_size} is not a multiple of --max-records-per-user "
+                f"{data.max_records_per_user}: a micro-batch holds whole users",
+                "microbatch_size",
+            )
+    return pipeline, privacy, fit, data, optim
+
+
+def _check_model_flags(args) -> None:
+    if args.model == TINY_GPT:
+        if args.lora_r is not None:
+            raise ValueError("--lora-r adds PEFT LoRA adapters to a Hugging Face model: give --model a model folder")
+        if args.export is not None:
+            raise ValueError(
+                "--export writes a Hugging Face folder: it needs --model pointing at a Hugging Face model "
+                "folder (the built-in tiny-gpt is saved in the checkpoints)"
+            )
+        return
+    if not os.path.isdir(args.model):
+        raise FileNotFoundError(
+            f"model {args.model!r} is neither 'tiny-gpt' nor a local folder: pass a Hugging Face model folder "
+            "(with config.json and weights)"
+        )
+    names = os.listdir(args.model)
+    if "config.json" not in names:
+        raise FileNotFoundError(f"model folder {args.model!r} has no config.json: save it with save_pretrained")
+    if not any(n.endswith(".safetensors") or n == "model.safetensors.index.json" for n in names):
+        raise FileNotFoundError(
+            f"model folder {args.model!r} has no safetensors weights (each rank reads its own stage from them): "
+            "save it with save_pretrained(..., safe_serialization=True)"
+        )
+
+
+# ---- 2. the run folder ------------------------------------------------------------------------------
+def check_folder(args, say: Say) -> RunFolder:
+    folder = RunFolder(args.checkpoint_dir)
+    held = folder.holds_checkpoint()
+    if held and not (args.resume or args.overwrite):
+        raise PipeDPError(
+            f"{folder.path!r} already holds the checkpoint of a run: pass --resume to continue it, --overwrite to "
+            "start afresh (the old run is moved aside), or give another --checkpoint-dir"
+        )
+    folder.check_free()
+    if held and args.overwrite:
+        say(f"--overwrite: the previous run in {folder.path} moved to {folder.move_aside()}")
+    if args.resume and not held:
+        say(f"--resume: no checkpoint in {folder.path}: starting from step 0")
+    return folder
+
+
+# ---- 3. the model, on the meta device ---------------------------------------------------------------
+def check_model(args, pipeline: PipelineConfig) -> Model:
+    """The model's blocks and vocabulary, from its structure alone (no weights read)."""
+    import torch
+
+    from ..split.adapters import model_blocks
+    from ..split.partition import block_costs, partition
+
+    if args.model == TINY_GPT:
+        from ..models import GPTConfig, tiny_gpt
+
+        with torch.device("meta"):
+            model = tiny_gpt(GPTConfig(vocab_size=256, seq_len=args.seq_len, **TINY_GPT_SHAPE))
+    else:
+        from ..split.hf_loading import build_on_meta
+
+        try:
+            model = build_on_meta(args.model)
+        except (ValueError, KeyError, OSError) as exc:  # an architecture transformers does not know, a bad config
+            raise PipeDPError(f"model folder {args.model!r} cannot be built: {str(exc).strip()[:400]}") from exc
+    blocks = model_blocks(model, pipeline.untie_weights)  # an unsupported family is refused here, by name
+    if pipeline.stages > len(blocks):
+        names = ", ".join(b.name or "(root)" for b in blocks)
+        raise ConfigError(
+            f"stages: {pipeline.stages} stages for a model of {len(blocks)} blocks ({names}): use --stages "
+            f"{len(blocks)} or fewer",
+            "stages",
+        )
+    partition(blocks, pipeline.stages, "params", block_costs(blocks, "params"))
+    if args.lora_r is not None:
+        from .build import with_lora
+
+        try:
+            lora = with_lora(model, args.lora_r, tuple(t for t in args.lora_targets.split(",") if t), seed=0)
+        except (ValueError, KeyError) as exc:  # e.g. target modules not found
+            raise ConfigError(f"lora_targets: {str(exc).strip()[:400]}", "lora_targets") from exc
+        model_blocks(lora, pipeline.untie_weights)
+    embedding = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else model[0].tok
+    return Model(args.model, vocab_size=int(embedding.num_embeddings), blocks=len(blocks))
+
+
+# ---- 4. the data ------------------------------------------------------------------------------------
+def prepare_data(args, data: DataConfig, folder: RunFolder, seed: int, model: Model, say: Say):
+    """Tokenise (or read from the cache) the training and evaluation sources; group the units."""
+    from ..data import describe_counts, hold_out, load_tokenizer, record_units, tokenized, user_units
+
+    tokenizer = load_tokenizer(args.model)
+    cache = data.cache_dir or folder.cache_dir()
+    progress = _progress_bar(not args.no_progress)
+
+    def rows(path):
+        start = time.monotonic()
+        t, file, hit = tokenized(
+            path, tokenizer, data.seq_len, data.format, data.text_field, data.user_field, cache, seed, progress
+        )
+        name = path or "the generated corpus"
+        how = "from the cache" if hit else f"tokenised in {time.monotonic() - start:.1f}s, cached"
+        say(describe_counts(t, name, data.seq_len) + f" ({how}: {file})")
+        top = max(int(t.input_ids.max()), int(t.labels.max()))
+        if top >= model.vocab_size:
+            raise ConfigError(
+                f"data: {name} has token id {top}, but the model's vocabulary has {model.vocab_size} entries: "
+                "the tokenizer does not match the model",
+                "data",
+            )
+        return t, file
+
+    train, train_file = rows(data.data)
+    units = user_units(train, data.max_records_per_user) if data.privacy_unit == "user" else record_units(train)
+    if data.privacy_unit == "user":
+        c = units.counts
+        say(
+            f"privacy unit: user ({data.user_field!r}): {c['units']} users of {units.per_unit} rows each; "
+            f"{c['users capped']} users had more records ({c['records cut']} cut), {c['padding rows']} padding rows"
+        )
+    train_units, held = hold_out(len(units), data.eval_fraction, seed)
+    eval_file = None
+    if data.eval_data is not None:
+        _, eval_file = rows(data.eval_data)
+    if held:
+        say(
+            f"eval: {len(held)} of {len(units)} privacy units held out (--eval-fraction {data.eval_fraction:g}); "
+            "their loss and perplexity are computed from private records without noise: not differentially private"
+        )
+    elif eval_file is not None:
+        say("eval: --eval-data; its loss and perplexity carry no DP guarantee unless those records are public")
+    return train_file, eval_file, len(train_units), units.per_unit
+
+
+def _progress_bar(enabled: bool):
+    if not enabled or os.environ.get("RANK", "0") != "0":
+        return lambda it, total: it
+
+    def bar(it, total):
+        from tqdm import tqdm
+
+        # shown only once tokenising takes more than 2 s (a big dataset): small ones say nothing
+        return tqdm(it, total=total, desc="tokenising", unit="record", dynamic_ncols=True, mininterval=0.5, delay=2.0)
+
+    return bar
+
+
+# ---- 5. the privacy -----------------------------------------------------------------------------------
+def resolve_privacy(args, privacy: PrivacyConfig, fit: FitConfig, units: int, per_unit: int, say: Say):
+    """(privacy with its sample rate, batch, N and noise multiplier; the total steps). Everything counts
+    privacy units: records, or users of ``per_unit`` rows each."""
+    from ..privacy.sampling import steps_per_epoch
+
+    if args.sample_rate is not None:
+        sample_rate = args.sample_rate
+        batch = max(1, round(sample_rate * units))
+    else:
+        batch = args.batch_size
+        if batch > units:
+            raise ConfigError(
+                f"batch_size: --batch-size {batch} is larger than the data ({units} privacy units): lower it",
+                "batch_size",
+            )
+        sample_rate = batch / units
+    shuffle = privacy.sampling == "shuffle"
+    if args.steps:
+        steps = args.steps
+    elif args.epochs:
+        steps = (
+            max(1, math.ceil(args.epochs * steps_per_epoch(units, batch)))
+            if shuffle
+            else steps_for_epochs(args.epochs, sample_rate)
+        )
+    else:
+        steps = DEFAULT_STEPS
+    privacy = replace(
+        privacy,
+        sample_rate=sample_rate,
+        expected_batch_size=batch,
+        dataset_size=units,
+        unit_rows=per_unit,
+        total_steps=steps if privacy.target_epsilon is not None else None,
+    ).validate()  # delta < 1/N is checked here
+    if privacy.target_epsilon is not None:  # calibrate once here, so every rank gets the same sigma
+        from ..privacy.accounting import calibrate_noise
+
+        # shuffled epochs are charged once each at rate 1 (pipedp.privacy.accounting): calibrate for that
+        rate, charged = (1.0, math.ceil(steps / steps_per_epoch(units, batch))) if shuffle else (sample_rate, steps)
+        say(
+            f"calibrating the noise for epsilon {privacy.target_epsilon:g} at delta {privacy.delta:g} over {steps} steps"
+        )
+        sigma = calibrate_noise(
+            privacy.target_epsilon,
+            privacy.delta,
+            rate,
+            charged,
+            privacy.accountant,
+            progress=lambda line: say("  " + line),
+        )
+        privacy = replace(privacy, noise_multiplier=sigma, target_epsilon=None, total_steps=None)
+    if privacy.max_epsilon is not None and not shuffle and privacy.noise_multiplier > 0:
+        from ..privacy.accounting import steps_within_budget
+
+        allowed = steps_within_budget(
+            privacy.max_epsilon,
+            privacy.delta,
+            privacy.noise_multiplier,
+            sample_rate,
+            privacy.accountant,
+            limit=steps + 1,
+        )
+        if allowed == 0:
+            raise ConfigError(
+                f"max_epsilon: {privacy.max_epsilon:g} is spent by the first step (noise multiplier "
+                f"{privacy.noise_multiplier:.4g}, sample rate {sample_rate:.4g}): raise it, or add noise",
+                "max_epsilon",
+            )
+        if allowed < steps:
+            say(f"budget: --max-epsilon {privacy.max_epsilon:g} stops the run after step {allowed} of {steps}")
+    return privacy, replace(fit, steps=steps, epochs=None)
+
+
+# ---- all of it --------------------------------------------------------------------------------------------
+def resolve(args, say: Say = print) -> Job:
+    pipeline, privacy, fit, data, optim = check_flags(args)
+    folder = check_folder(args, say)
+    model = check_model(args, pipeline)
+    train_file, eval_file, units, per_unit = prepare_data(args, data, folder, privacy.seed, model, say)
+    privacy, fit = resolve_privacy(args, privacy, fit, units, per_unit, say)
+    job = Job(
+        pipeline=pipeline,
+        privacy=privacy,
+        fit=fit,
+        data=data,
+        optim=optim,
+        model=model,
+        run_dir=folder.path,
+        resume=args.resume,
+        overwrite=args.overwrite,
+        train_rows=train_file,
+        eval_rows=eval_file,
+        rows_per_unit=per_unit,
+        export=args.export,
+        lora_r=args.lora_r,
+        lora_targets=tuple(t for t in args.lora_targets.split(",") if t),
+        report_to=args.report_to,
+        epsilon_every=args.epsilon_every or max(1, fit.steps // 20),
+        eval_batch_size=args.eval_batch_size or args.batch_size,
+        threads=args.threads,
+        progress=not args.no_progress,
+        inprocess=args.inprocess,
+    )
+    if args.resume and folder.holds_checkpoint():
+        notes = folder.compare(args, job)  # refuses what the update does not allow
+        job = replace(job, resume_notes=tuple(notes))
+    return job
+
+
+def flags_of(args) -> dict:
+    return {k: v for k, v in vars(args).items() if k != "command"}
+
+
+__all__: List[str] = ["resolve", "check_flags", "flags_of"]

@@ -1,0 +1,196 @@
+"""The run folder (``--checkpoint-dir``): what a run leaves there beside its checkpoints, and the checks
+a new run makes against it.
+
+    RUN/config.toml      the run's flags (``pipedp train --config RUN/config.toml`` runs it again)
+    RUN/config.json      the flags and the resolved job (noise multiplier, sample rate, units, steps, data)
+    RUN/metrics.jsonl    one line per step (and one per evaluation)
+    RUN/summary.json     the end of the run
+    RUN/training.png     loss and epsilon against steps (with matplotlib)
+    RUN/tensorboard/     with --report-to tensorboard
+    RUN/data-cache/      the tokenised rows (a copy of the data: keep the folder private)
+    RUN/step-*/, lock    the checkpoints (pipedp.train.checkpoint)
+
+On --resume, the previous run's config.json says what changed: options that do not alter the update
+(micro-batches, schedule, stages, the length, evaluation, logging) are accepted and listed; the
+learning rate and its schedule apply from the resumed step on; the model, the data, the privacy unit
+and every option that shapes the mechanism (the checkpoint's own check compares those too) are refused
+before any process starts.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import time
+from dataclasses import fields
+from typing import Any, Dict, List, Optional
+
+from ..config import DataConfig, FitConfig, OptimizerConfig, PipelineConfig, PrivacyConfig, describe
+from ..errors import ConfigError
+from .configfile import NOT_SAVED, dumps
+from .flags import cli_fields, flag_name
+
+CONFIG_TOML, CONFIG_JSON = "config.toml", "config.json"
+METRICS, SUMMARY, PLOT, TENSORBOARD, CACHE = (
+    "metrics.jsonl",
+    "summary.json",
+    "training.png",
+    "tensorboard",
+    "data-cache",
+)
+RECORD_FILES = (CONFIG_TOML, CONFIG_JSON, METRICS, SUMMARY, PLOT, TENSORBOARD)
+
+# flags that decide which records are trained on, and how: a resumed run must keep them
+SAME_DATA = {f.name for f in fields(DataConfig)} - {"eval_data", "eval_every", "cache_dir"} | {
+    "model",
+    "lora_r",
+    "lora_targets",
+    "optimizer",
+}
+# flags whose change alters the updates from the resumed step on, but not the privacy accounting
+FROM_HERE_ON = {f.name for f in fields(OptimizerConfig)} - {"optimizer"}
+IGNORED = set(NOT_SAVED) | {"no_progress", "command"}
+JOB_FLAGS = ("model", "sample_rate", "batch_size", "export", "lora_r", "lora_targets", "no_checkpoint")
+RUN_FLAGS = ("report_to", "epsilon_every", "eval_batch_size", "inprocess", "threads", "no_progress")
+
+
+class RunFolder:
+    def __init__(self, path: str):
+        self.path = path
+
+    def file(self, name: str) -> str:
+        return os.path.join(self.path, name)
+
+    def cache_dir(self) -> str:
+        return self.file(CACHE)
+
+    # ---- the checks --------------------------------------------------------------------------------
+    def holds_checkpoint(self) -> bool:
+        from ..train import checkpoint
+
+        return checkpoint.exists(self.path)
+
+    def check_free(self) -> None:
+        """Refuse a folder another live job holds (its lock); a dead job's lock is free."""
+        if not os.path.isdir(self.path):
+            return
+        from ..train.checkpoint import FolderLock
+
+        lock = FolderLock(self.path)
+        lock.acquire()
+        lock.release()
+
+    def move_aside(self) -> str:
+        """--overwrite: move the previous run to DIR.previous-TIME (nothing is deleted); keep the data cache."""
+        aside = f"{self.path.rstrip(os.sep)}.previous-{time.strftime('%Y%m%d-%H%M%S')}"
+        os.rename(self.path, aside)
+        os.makedirs(self.path)
+        if os.path.isdir(os.path.join(aside, CACHE)):
+            os.rename(os.path.join(aside, CACHE), self.cache_dir())
+        return aside
+
+    # ---- the record -----------------------------------------------------------------------------------
+    def write_config(self, flags: Dict[str, Any], job) -> None:
+        os.makedirs(self.path, exist_ok=True)
+        with open(self.file(CONFIG_TOML), "w") as f:
+            f.write(dumps(sections(flags)))
+        resolved = {
+            "pipeline": describe(job.pipeline),
+            "privacy": describe(job.privacy),
+            "fit": {k: v for k, v in describe(job.fit).items() if k != "checkpoint_key"},
+            "units": job.privacy.dataset_size,
+            "rows_per_unit": job.rows_per_unit,
+            "train_rows": os.path.basename(job.train_rows) if job.train_rows else None,
+            "eval_rows": os.path.basename(job.eval_rows) if job.eval_rows else None,
+        }
+        saved = {k: v for k, v in flags.items() if k not in IGNORED}
+        with open(self.file(CONFIG_JSON), "w") as f:
+            json.dump({"flags": saved, "resolved": resolved}, f, indent=1)
+
+    def previous(self) -> Optional[dict]:
+        try:
+            with open(self.file(CONFIG_JSON)) as f:
+                return json.load(f)
+        except (OSError, ValueError):
+            return None
+
+    def compare(self, args, job) -> List[str]:
+        """The changes since the run being resumed, as notes; refuse those the resumed run cannot take."""
+        before = self.previous()
+        if before is None:
+            return [f"{self.path} has no readable {CONFIG_JSON}: only the checkpoint's own check compares the options"]
+        now = {k: v for k, v in vars(args).items() if k not in IGNORED}
+        was = before.get("flags", {})
+        notes, refused = [], []
+        for key in sorted(set(now) | set(was)):
+            if key in IGNORED or now.get(key) == was.get(key):
+                continue
+            change = f"{flag_name(key)}: {was.get(key)!r} -> {now.get(key)!r}"
+            if key in SAME_DATA:
+                refused.append(f"{change} (the resumed run must train the same model on the same records)")
+            elif key in FROM_HERE_ON:
+                notes.append(f"{change} (applies from the resumed step on; the privacy accounting is unaffected)")
+            else:
+                notes.append(f"{change} (does not change the update)")
+        resolved = before.get("resolved", {})
+        for name, config in (("pipeline", job.pipeline), ("privacy", job.privacy)):
+            shaping = describe(config, only_resume=True)
+            for field, value in shaping.items():
+                old = resolved.get(name, {}).get(field, value)
+                if old != value:
+                    refused.append(
+                        f"{field.replace('_', ' ')}: checkpoint {old!r}, now {value!r} (it shapes the update)"
+                    )
+        for key, what in (("train_rows", "training rows"), ("rows_per_unit", "rows per unit"), ("units", "units")):
+            new = {
+                "train_rows": os.path.basename(job.train_rows) if job.train_rows else None,
+                "rows_per_unit": job.rows_per_unit,
+                "units": job.privacy.dataset_size,
+            }[key]
+            if key in resolved and resolved[key] != new and not refused:
+                refused.append(
+                    f"the {what} differ from the checkpoint's ({resolved[key]!r}, now {new!r}): the data, the "
+                    "tokenizer or the options that make rows changed"
+                )
+        if refused:
+            raise ConfigError(
+                f"cannot resume the run in {self.path}: it was started with other options:\n  "
+                + "\n  ".join(refused)
+                + "\nresume with the run's own options (pipedp train --config "
+                + self.file(CONFIG_TOML)
+                + " --resume), or start afresh with --overwrite"
+            )
+        return notes
+
+    def clear_record(self) -> None:
+        """A fresh run's record replaces what an unfinished earlier run left (there was no checkpoint)."""
+        for name in RECORD_FILES:
+            path = self.file(name)
+            if os.path.isdir(path):
+                shutil.rmtree(path, ignore_errors=True)
+            elif os.path.exists(path):
+                os.unlink(path)
+
+
+def sections(flags: Dict[str, Any]) -> Dict[str, Dict[str, Any]]:
+    """The flags grouped as config.toml's tables."""
+    out: Dict[str, Dict[str, Any]] = {}
+    classes = (
+        ("pipeline", PipelineConfig),
+        ("privacy", PrivacyConfig),
+        ("data", DataConfig),
+        ("optimizer", OptimizerConfig),
+    )
+    placed: set = set()
+    for name, cls in classes:
+        out[name] = {f.name: flags[f.name] for f in cli_fields(cls) if f.name in flags and f.name not in placed}
+        placed |= set(out[name])
+    out["fit"] = {f.name: flags[f.name] for f in cli_fields(FitConfig) if f.name in flags and f.name not in placed}
+    out["job"] = {k: flags[k] for k in JOB_FLAGS if k in flags}
+    out["run"] = {k: flags[k] for k in RUN_FLAGS if k in flags}
+    placed |= set(out["fit"]) | set(out["job"]) | set(out["run"])
+    rest = {k: v for k, v in flags.items() if k not in placed and k not in IGNORED}
+    if rest:
+        out["other"] = rest
+    return out

@@ -1,0 +1,54 @@
+"""What a resolved ``pipedp train`` job is: the configs and paths every rank receives (picklable)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional, Tuple
+
+from ..config import DataConfig, FitConfig, OptimizerConfig, PipelineConfig, PrivacyConfig
+
+TINY_GPT = "tiny-gpt"  # the built-in model: a GPT of this shape over UTF-8 bytes (vocabulary 256)
+TINY_GPT_SHAPE = dict(d_model=64, n_heads=4, n_layers=4)
+
+
+@dataclass(frozen=True)
+class Model:
+    """What the preflight learnt of the model from its structure."""
+
+    name: str  # "tiny-gpt" or a local Hugging Face folder
+    vocab_size: int
+    blocks: int
+
+
+@dataclass(frozen=True)
+class Job:
+    """Everything a rank needs, resolved and validated before any process starts: the run's configs
+    (the same objects the trainer and fit take) and what only the command line's job knows."""
+
+    pipeline: PipelineConfig
+    privacy: PrivacyConfig  # resolved: sample rate, expected batch, dataset size, the calibrated noise
+    fit: FitConfig  # resolved: total steps; checkpoint_dir None with --no-checkpoint
+    data: DataConfig
+    optim: OptimizerConfig
+    model: Model
+    run_dir: str
+    resume: bool
+    overwrite: bool
+    train_rows: Optional[str]  # the cache file of the tokenised training rows
+    eval_rows: Optional[str]  # of the --eval-data rows
+    rows_per_unit: int
+    export: Optional[str]
+    lora_r: Optional[int]
+    lora_targets: Tuple[str, ...]
+    report_to: str
+    epsilon_every: int
+    eval_batch_size: int
+    threads: int
+    progress: bool
+    inprocess: bool
+    resume_notes: Tuple[str, ...] = ()
+
+    @property
+    def steps(self) -> int:
+        assert self.fit.steps is not None
+        return self.fit.steps

@@ -1,0 +1,120 @@
+"""What ``pipedp train`` says at the start (the resolved job) and at the end (the summary, summary.json and
+the loss / epsilon plot)."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from typing import Optional
+
+from .monitor import Monitor, rate_text
+from .record import CONFIG_TOML, METRICS, PLOT, SUMMARY
+from .spec import Job
+
+
+def describe_job(job: Job) -> str:
+    p, q, d, o, f = job.pipeline, job.privacy, job.data, job.optim, job.fit
+    sampling = q.sampling or "poisson"
+    if o.lr_schedule == "constant" and not o.warmup(job.steps):
+        schedule = "constant"
+    else:
+        schedule = f"{o.lr_schedule}, {o.warmup(job.steps)} warmup steps"
+    decay = f"weight decay {o.weight_decay:g}" + (
+        f" (not on {', '.join(o.no_decay_kinds())})" if o.weight_decay and o.no_decay_kinds() else ""
+    )
+    unit = "record" if d.privacy_unit == "record" else f"user ({d.user_field}, {job.rows_per_unit} rows each)"
+    checkpoints = (
+        f"checkpoints every {f.checkpoint_every} steps, keep {f.keep_last}" if f.checkpoint_dir else "no checkpoints"
+    )
+    return "\n".join(
+        [
+            f"model: {job.model.name} ({job.model.blocks} blocks"
+            + (f", LoRA r={job.lora_r} on {','.join(job.lora_targets)}" if job.lora_r else "")
+            + f") | {p.stages} stages x {p.replicas} replica(s), {p.schedule}, {p.microbatches} micro-batches, "
+            f"grad mode {p.grad_mode}, precision {p.precision}",
+            f"privacy: unit {unit}, N = {q.dataset_size}, {sampling} sampling at rate {q.sample_rate:.4g} (expected "
+            f"batch {q.expected_batch_size}), noise multiplier {q.noise_multiplier:.4g}, max grad norm "
+            f"{q.max_grad_norm} ({q.clipping}), {q.accountant} accountant, delta {q.delta:g}, {job.steps} steps"
+            + (f", budget {q.max_epsilon:g}" if q.max_epsilon is not None else ""),
+            f"optimizer: {o.optimizer}, lr {o.lr:g} ({schedule}), {decay}",
+            f"run folder: {job.run_dir} ({CONFIG_TOML}, {METRICS}, ...); {checkpoints}",
+        ]
+    )
+
+
+def plot(job: Job, monitor: Monitor) -> Optional[str]:
+    """RUN/training.png: loss (and evaluation loss) and epsilon against steps; None without matplotlib."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    h = monitor.history
+    fig, (left, right) = plt.subplots(1, 2, figsize=(10, 3.6))
+    steps = [s for s, v in zip(h["step"], h["loss"]) if v is not None]
+    left.plot(steps, [v for v in h["loss"] if v is not None], lw=0.8, label="training loss (per step)")
+    if h["eval"]:
+        left.plot([s for s, _ in h["eval"]], [v for _, v in h["eval"]], "o-", label="eval loss")
+    left.set_xlabel("step")
+    left.set_ylabel("loss")
+    left.legend()
+    right.plot(h["eps_step"], h["epsilon"], "o-", ms=3)
+    right.set_xlabel("step")
+    right.set_ylabel(f"epsilon at delta {job.privacy.delta:g}")
+    fig.tight_layout()
+    path = os.path.join(job.run_dir, PLOT)
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path
+
+
+def summarise(job: Job, trainer, result, monitor: Monitor, lead: bool) -> dict:
+    privacy = job.privacy
+    summary = {
+        "steps": result.steps,
+        "epsilon": result.epsilon,
+        "delta": privacy.delta,
+        "loss": result.loss,
+        "first_loss": monitor.first_loss,
+        "seconds": monitor.train_s,
+        "samples_per_s": monitor.samples / max(monitor.train_s, 1e-9),
+        "noise_multiplier": privacy.noise_multiplier,
+        "sample_rate": privacy.sample_rate,
+        "units": privacy.dataset_size,
+        "stopped_by_budget": result.stopped_by_budget,
+        "truncation_delta": result.truncation_delta,
+        "first_nonfinite_step": monitor.first_nonfinite,
+        "eval_loss": monitor.last_eval["eval_loss"] if monitor.last_eval else None,
+        "eval_perplexity": monitor.last_eval["eval_perplexity"] if monitor.last_eval else None,
+    }
+    if not lead:
+        return summary
+    with open(os.path.join(job.run_dir, SUMMARY), "w") as f:
+        json.dump({k: (v if not isinstance(v, float) or math.isfinite(v) else None) for k, v in summary.items()}, f)
+    drawn = plot(job, monitor)
+    first = summary["first_loss"] if summary["first_loss"] is not None else float("nan")
+    lines = [
+        f"done: {result.steps} steps in {monitor.train_s:.1f}s, {rate_text(summary['samples_per_s'])} samples/s | "
+        f"loss {first:.3f} -> {result.loss:.3f} | epsilon {result.epsilon:.3f} at delta {privacy.delta:g} (noise "
+        f"multiplier {privacy.noise_multiplier:.3f}, sample rate {privacy.sample_rate:.4f}, {privacy.accountant})"
+    ]
+    if monitor.last_eval:
+        lines.append(
+            f"eval: loss {monitor.last_eval['eval_loss']:.4f}, perplexity {monitor.last_eval['eval_perplexity']:.4g} "
+            f"on {monitor.last_eval['eval_rows']} rows (not differentially private unless those records are public)"
+        )
+    if job.fit.checkpoint_dir:
+        lines.append(f"checkpoint: {job.fit.checkpoint_dir}")
+    lines.append(
+        f"record: {os.path.join(job.run_dir, METRICS)}, {os.path.join(job.run_dir, SUMMARY)}, "
+        + (drawn if drawn else "no plot (pip install matplotlib)")
+    )
+    if result.stopped_by_budget:
+        lines.append(f"stopped: {result.stopped_by_budget}")
+    if monitor.first_nonfinite is not None:
+        lines.append(f"non-finite losses from step {monitor.first_nonfinite} on (NaN/inf in the data or the model)")
+    print("\n".join(lines), flush=True)
+    return summary
