@@ -58,15 +58,17 @@ def run(args) -> int:
     from .preflight import flags_of, resolve
     from .record import RunFolder
 
-    job = resolve(args)
-    folder = RunFolder(job.run_dir)
-    if not job.resume:
-        folder.clear_record()
-    folder.write_config(flags_of(args), job)
-    _print_job(job)
+    under_torchrun = "RANK" in os.environ and "WORLD_SIZE" in os.environ and not args.inprocess
+    lead = not under_torchrun or os.environ["RANK"] == "0"  # under torchrun every rank resolves; rank 0 speaks
+    job = resolve(args, say=print if lead else lambda line: None, lead=lead)
+    if lead:
+        folder = RunFolder(job.run_dir)
+        if not job.resume:
+            folder.clear_record()
+        folder.write_config(flags_of(args), job)
+        _print_job(job)
     stages, replicas = job.pipeline.stages, job.pipeline.replicas
     world = stages * replicas
-    under_torchrun = "RANK" in os.environ and "WORLD_SIZE" in os.environ and not job.inprocess
     if under_torchrun:
         from ..runtime.launch import init_from_env
 

@@ -52,6 +52,11 @@ def check_flags(args) -> Tuple[PipelineConfig, PrivacyConfig, FitConfig, DataCon
     ).validate()
     if args.resume and args.overwrite:
         raise ConfigError("--resume continues the run in --checkpoint-dir and --overwrite replaces it: pick one")
+    if args.overwrite and "RANK" in os.environ and "WORLD_SIZE" in os.environ and not args.inprocess:
+        raise ConfigError(
+            "--overwrite under torchrun: every rank would move the folder at once; move or remove it yourself, or "
+            "give another --checkpoint-dir"
+        )
     if args.resume and args.no_checkpoint:
         raise ConfigError("--resume continues a checkpoint: drop --no-checkpoint")
     if privacy.sampling == "shuffle" and fit.max_logical_batch is not None:
@@ -102,7 +107,8 @@ def _check_model_flags(args) -> None:
 
 
 # ---- 2. the run folder ------------------------------------------------------------------------------
-def check_folder(args, say: Say) -> RunFolder:
+def check_folder(args, say: Say, lead: bool = True) -> RunFolder:
+    """``lead``: the process that may touch the folder (under torchrun, rank 0: the others only look)."""
     folder = RunFolder(args.checkpoint_dir)
     held = folder.holds_checkpoint()
     if held and not (args.resume or args.overwrite):
@@ -110,7 +116,8 @@ def check_folder(args, say: Say) -> RunFolder:
             f"{folder.path!r} already holds the checkpoint of a run: pass --resume to continue it, --overwrite to "
             "start afresh (the old run is moved aside), or give another --checkpoint-dir"
         )
-    folder.check_free()
+    if lead:
+        folder.check_free()  # (not on every rank at once: two probes of the lock would collide)
     if held and args.overwrite:
         say(f"--overwrite: the previous run in {folder.path} moved to {folder.move_aside()}")
     if args.resume and not held:
@@ -296,9 +303,9 @@ def resolve_privacy(args, privacy: PrivacyConfig, fit: FitConfig, units: int, pe
 
 
 # ---- all of it --------------------------------------------------------------------------------------------
-def resolve(args, say: Say = print) -> Job:
+def resolve(args, say: Say = print, lead: bool = True) -> Job:
     pipeline, privacy, fit, data, optim = check_flags(args)
-    folder = check_folder(args, say)
+    folder = check_folder(args, say, lead)
     model = check_model(args, pipeline)
     train_file, eval_file, units, per_unit = prepare_data(args, data, folder, privacy.seed, model, say)
     privacy, fit = resolve_privacy(args, privacy, fit, units, per_unit, say)
