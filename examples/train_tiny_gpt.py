@@ -3,7 +3,9 @@
     torchrun --nproc_per_node 2 examples/train_tiny_gpt.py --steps 100
 
 Each of the 2 processes builds the same model (same seed) and keeps only its stage.
-Rank 0 prints the loss and the privacy spent.
+Rank 0 prints the loss and the privacy spent. One record (a short generated sentence) is one
+row, right-padded to 36 UTF-8 bytes with targets -100 on the padding: the privacy unit is a
+record, as in ``pipedp train``.
 """
 
 import argparse
@@ -11,7 +13,7 @@ import argparse
 import torch
 
 from pipedp import PipelineDPTrainer, init_from_env
-from pipedp.data import CharTokenizer, generated_corpus, windows
+from pipedp.data import ByteTokenizer, Records, generated_records, to_rows
 from pipedp.models import GPTConfig, tiny_gpt, token_loss
 
 
@@ -27,11 +29,11 @@ def main():
     import torch.distributed as dist
 
     torch.set_num_threads(1)
-    text = generated_corpus()
-    tokenizer = CharTokenizer.fit(text)
-    x, y = windows(tokenizer.encode(text), seq_len=32)
+    tokenizer = ByteTokenizer()  # a vocabulary fixed in advance: it reveals nothing of the data
+    rows = to_rows(Records("generated", generated_records()), tokenizer, seq_len=36)
+    x, y = rows.input_ids.long(), rows.labels.long()
     torch.manual_seed(0)  # the same weights on every rank
-    model = tiny_gpt(GPTConfig(vocab_size=tokenizer.vocab_size, seq_len=32, d_model=64, n_heads=4, n_layers=4))
+    model = tiny_gpt(GPTConfig(vocab_size=tokenizer.vocab_size, seq_len=36, d_model=64, n_heads=4, n_layers=4))
     trainer = PipelineDPTrainer(
         model,
         token_loss,

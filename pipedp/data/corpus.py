@@ -64,7 +64,8 @@ class ByteTokenizer:
     eos_id = None
     fingerprint = "utf-8 bytes"
 
-    def encode(self, text: str) -> List[int]:
+    def encode(self, text: str, special: bool = True) -> List[int]:
+        """The text's UTF-8 bytes (``special``: begin-of-text tokens, of which bytes have none)."""
         return list(text.encode("utf-8"))
 
     def decode(self, ids: List[int]) -> str:

@@ -23,9 +23,6 @@ class Bytes(ByteTokenizer):
 
     chat_template = None
 
-    def encode(self, text: str, special: bool = True) -> List[int]:
-        return super().encode(text)
-
     def render_chat(self, messages, add_generation_prompt: bool = False) -> str:
         raise ConfigError(
             "chat records need a tokenizer with a chat template: the built-in model reads bytes and has none; "
