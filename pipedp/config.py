@@ -19,7 +19,7 @@ import schedules
 
 from .errors import ConfigError
 
-GRAD_MODES = ("ghost", "materialize", "keep")
+GRAD_MODES = ("auto", "ghost", "materialize", "keep")
 CLIPPING_MODES = ("flat", "per_stage", "per_layer")
 ACCOUNTANTS = ("prv", "rdp", "gdp")
 TRANSPORTS = ("auto", "inprocess", "distributed")
@@ -74,11 +74,17 @@ class PipelineConfig:
         None, "static micro-batch size; a larger logical batch runs as several passes (virtual steps)"
     )
     grad_mode: str = option(
-        "ghost",
-        "per-sample norms: ghost (Gram matrices where cheaper), materialize, or keep (every Linear's and "
-        "LayerNorm's per-sample gradients computed once in I and held until W: fastest, and micro-batch size x "
+        "auto",
+        "how each layer gets its per-sample norms and clipped sum: auto (each layer the way a cost model of "
+        "multiply-adds and memory traffic says is cheapest), ghost (Gram matrices where cheaper), materialize, or keep (every "
+        "Linear's and LayerNorm's per-sample gradients computed once in I and held until W: micro-batch size x "
         "those parameters of memory per micro-batch between I and W)",
         choices=GRAD_MODES,
+    )
+    keep_memory_ratio: float = option(
+        1.0,
+        "auto, ghost, materialize: keep a layer's per-sample gradients from I to W only while they take at most "
+        "this many times the memory of the captures they free (1: never more memory; 0: never keep)",
     )
     replicas: int = option(1, "data-parallel replicas (world size = stages x replicas)")
     precision: str = option(
@@ -150,6 +156,7 @@ class PipelineConfig:
             raise ConfigError(f"devices: one per stage ({self.stages}), got {list(self.devices)}", "devices")
         _one_of(self, "precision")
         _finite(self, "timeout", minimum=0.0, strict=True)
+        _finite(self, "keep_memory_ratio", minimum=0.0)
         return self
 
 

@@ -36,6 +36,7 @@ def stage_options(pipeline: PipelineConfig, clip: ClipRule, units: Units) -> Sta
         self_check=pipeline.self_check,
         units=units,
         checkpointing=pipeline.activation_checkpointing,
+        keep_ratio=None if pipeline.grad_mode == "keep" else pipeline.keep_memory_ratio,
     )
 
 

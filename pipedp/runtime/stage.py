@@ -31,14 +31,13 @@ from ..privacy.per_sample import (
     GramCache,
     clipped_grad_sum,
     ghost_squared_norms,
-    keeps_per_sample_grads,
     per_sample_grads,
     pools_positions,
     squared_norms,
 )
 from ..privacy.units import Units
 from ..split.blocks import Block
-from . import self_check
+from . import grad_modes, self_check
 from .capture import ActivationCapture, LayerCall, block_layers
 from .microbatch import Activation, tensors_of
 from .self_check import Probe
@@ -51,7 +50,7 @@ Grads = Dict[nn.Parameter, torch.Tensor]
 class StageOptions:
     """How a stage computes: the one options value every runtime builds its stages from."""
 
-    grad_mode: str = "ghost"
+    grad_mode: str = "auto"
     precision: str = "32"
     clip: ClipRule = field(default_factory=lambda: ClipRule("flat", (1.0,)))
     self_check: bool = True
@@ -133,7 +132,7 @@ class Stage:
         self._side_blocks = {
             id(b) for b in self.blocks if "side_inputs" in inspect.signature(b.module.forward).parameters
         }
-        self._keeps: Dict[tuple, bool] = {}  # (layer, input and output-grad shapes) -> the choice
+        self._ways: Dict[tuple, str] = {}  # (layer, input and output-grad shapes) -> keep / ghost / materialize
         self.checked: set = set()  # input signatures the self-check has passed
         self.device = next(
             (t.device for b in self.blocks for t in _tensors(b.module) if not t.is_meta), torch.device("cpu")
@@ -378,14 +377,15 @@ class Stage:
             alone = len(calls) == 1 and name not in self._shares_params
             folds = self.units.single or pools_positions(layer)  # else per-row gradients summed per unit
             with _naming(name, layer):
-                if folds:
+                way = "materialize"
+                if alone and folds:
                     inputs, grads_out = self._folded(calls[0].inputs), self.units.fold(backprops[0])
-                if alone and folds and self._keep(name, inputs, grads_out):
+                    way = self._way(name, inputs, grads_out)
+                if way == "keep":
                     state.kept[name] = per_sample_grads(layer, inputs, grads_out)
                     per_param.update({p: squared_norms(g) for p, g in state.kept[name].items()})
                     continue
-                ghost = self.grad_mode != "materialize" and alone and folds  # keep: ghost where it cannot keep
-                norms = ghost_squared_norms(layer, inputs, grads_out, grams) if ghost else None
+                norms = ghost_squared_norms(layer, inputs, grads_out, grams) if way == "ghost" else None
                 if norms is not None:
                     per_param.update({p: v.reshape(state.units) for p, v in norms.items()})
                     continue
@@ -412,14 +412,25 @@ class Stage:
             out[name] = out[name] + v if name in out else v
         return out
 
-    def _keep(self, name: str, inputs, backprops: torch.Tensor) -> bool:
-        ratio = self.options.memory_ratio
-        if ratio == 0 or (self.tie is not None and name == self.tie.unit):  # the tie reads its captures after I
-            return False
+    def _way(self, name: str, inputs, backprops: torch.Tensor) -> str:
+        """keep, ghost or materialize for this call (grad_modes.py), decided once per layer and shape."""
         key = (name, backprops.shape, tuple(a.shape for a in inputs))
-        if key not in self._keeps:
-            self._keeps[key] = keeps_per_sample_grads(self.layers[name], inputs, backprops, ratio)
-        return self._keeps[key]
+        if key not in self._ways:
+            layer = self.layers[name]
+            ratio = self.options.memory_ratio
+            if self.tie is not None and name == self.tie.unit:  # the tie reads its captures after I
+                ratio = 0.0
+            ways = grad_modes.allowed(self.grad_mode, layer, inputs, backprops, ratio)
+            if self.grad_mode == "auto":
+                self._ways[key] = grad_modes.cheapest(layer, inputs, backprops, ways)
+            else:
+                self._ways[key] = ways[0]
+        return self._ways[key]
+
+    @property
+    def ways(self) -> Dict[str, str]:
+        """{layer: the way its per-sample norms and clipped sum are computed} (the latest shape's)."""
+        return {key[0]: way for key, way in self._ways.items()}
 
     # ---- the self-check (see self_check.py) -------------------------------------------------
     def check_plan(self, inputs, mask: torch.Tensor) -> Optional[Probe]:

@@ -6,8 +6,8 @@ a stage, which is the runtime's.)
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import List, Sequence
+from dataclasses import dataclass, field
+from typing import Dict, List, Sequence
 
 from .blocks import Block
 
@@ -17,6 +17,9 @@ class PartitionReport:
     stage_costs: List[float]
     blocks_per_stage: List[int]
     unit: str = "cost"  # what a cost counts: "parameters", "blocks", "seconds" or "cost"
+    # {layer: keep / ghost / materialize}: how each layer's per-sample norms are computed (known after
+    # the first step: grad_mode="auto" times the ways then); this process's stages only
+    ways: Dict[str, str] = field(default_factory=dict)
 
     @property
     def imbalance(self) -> float:
@@ -26,10 +29,14 @@ class PartitionReport:
 
     def __str__(self) -> str:
         parts = ", ".join(f"{c:.3g}" for c in self.stage_costs)
-        return (
+        text = (
             f"blocks per stage {self.blocks_per_stage}, stage costs [{parts}] ({self.unit}), "
             f"imbalance {self.imbalance:.2f}x"
         )
+        if self.ways:
+            counts = {w: sum(1 for v in self.ways.values() if v == w) for w in sorted(set(self.ways.values()))}
+            text += ", per-sample ways " + ", ".join(f"{w} {c}" for w, c in counts.items())
+        return text
 
 
 def report(

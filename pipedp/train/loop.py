@@ -180,6 +180,7 @@ def _train(trainer: Trainable, inputs, targets, total: int, config: FitConfig, s
                 stacklevel=4,
             )
     last_loss, stopped = math.nan, None
+    saved = trainer.steps_taken if config.resume and checkpoint.exists(directory or "") else -1
     while trainer.steps_taken < total:
         index = units.row_index(_draw(trainer, n, trainer.steps_taken, sampling, cap))
         try:
@@ -195,7 +196,8 @@ def _train(trainer: Trainable, inputs, targets, total: int, config: FitConfig, s
         every = config.checkpoint_every
         if directory and every and trainer.steps_taken % every == 0:
             trainer.save_checkpoint(directory, config.checkpoint_key, config.keep_last)
-    if directory:
+            saved = trainer.steps_taken
+    if directory and saved != trainer.steps_taken:  # (a checkpoint of this very step is there already)
         trainer.save_checkpoint(directory, config.checkpoint_key, config.keep_last)
     return trunc, last_loss, stopped
 

@@ -80,6 +80,24 @@ def _check_finite(stage: Any, values: List[torch.Tensor], step: int, what: str) 
         )
 
 
+def _planned_charges(privacy: PrivacyConfig) -> Tuple[float, int]:
+    """(sample rate, number of charges) the planned steps will be accounted with, as they are declared:
+    Poisson steps at q; a shuffled epoch once at rate 1; undeclared steps each at rate 1."""
+    steps = privacy.planned_steps()
+    assert steps is not None  # validate() requires total_steps or epochs with target_epsilon
+    if privacy.sampling == "poisson" or privacy.sampling is None and privacy.sample_rate is not None:
+        # (undeclared with a sample rate: fit()'s Poisson sampler is the path that calibrates for a rate)
+        assert privacy.sample_rate is not None
+        return privacy.sample_rate, steps
+    if privacy.sampling == "shuffle":
+        if privacy.dataset_size is None or privacy.expected_batch_size is None:
+            raise ConfigError(
+                "target_epsilon with sampling='shuffle' needs dataset_size (an epoch is charged once)", "sampling"
+            )
+        return 1.0, math.ceil(steps / math.ceil(privacy.dataset_size / privacy.expected_batch_size))
+    return 1.0, steps
+
+
 def _float32_masters(model: nn.Module) -> None:
     """bf16-mixed: trainable parameters held (and stepped, with their optimizer state) in float32 whatever
     dtype the model was loaded in; the forward runs under bf16 autocast; frozen weights stay as they are."""
@@ -173,9 +191,8 @@ class PipelineDPTrainer:
         pipeline = dataclasses.replace(pipeline or PipelineConfig(), **pipeline_options).validate()
         privacy = dataclasses.replace(privacy or PrivacyConfig(), **privacy_options).validate()
         if privacy.target_epsilon is not None:
-            sample_rate, steps = privacy.sample_rate, privacy.planned_steps()
-            assert sample_rate is not None and steps is not None  # validate() requires both
-            sigma = calibrate_noise(privacy.target_epsilon, privacy.delta, sample_rate, steps, privacy.accountant)
+            rate, charges = _planned_charges(privacy)
+            sigma = calibrate_noise(privacy.target_epsilon, privacy.delta, rate, charges, privacy.accountant)
             privacy = dataclasses.replace(privacy, noise_multiplier=sigma)
         self.pipeline, self.privacy = pipeline, privacy
         action_costs = (
@@ -256,6 +273,8 @@ class PipelineDPTrainer:
             raise
         if charge is not None:
             self.state.accountant.step(noise_multiplier=charge[0], sample_rate=charge[1])
+        for stage in self.runtime.local_stages:
+            self.partition_report.ways.update(stage.ways)
         self.state.step += 1
         loss_sum, dropped, clipped = (float(v) for v in self.runtime.total(totals))
         self.last_dropped_samples = int(dropped)
