@@ -7,12 +7,15 @@ shards, tokenizer files).
 from __future__ import annotations
 
 import os
-from typing import List
+from collections.abc import Mapping
+from typing import Dict, Iterator, List
 
 import torch
 import torch.nn as nn
 
-from .stage_loading import load_stage, resident_parameter_bytes  # noqa: F401 (re-exported)
+from ..errors import CheckpointError
+from .hf_buffers import compute_buffers
+from .stage_loading import load_stage, resident_parameter_bytes, weight_map  # noqa: F401 (re-exported)
 
 
 def _require_transformers():
@@ -22,29 +25,43 @@ def _require_transformers():
         raise ImportError("Hugging Face models need transformers: pip install 'pipedp[hf]'") from exc
 
 
+def _auto_class(config):
+    """AutoModelForSequenceClassification for a classifier's folder, else AutoModelForCausalLM."""
+    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
+
+    names = getattr(config, "architectures", None) or []
+    return (
+        AutoModelForSequenceClassification
+        if any(n.endswith("ForSequenceClassification") for n in names)
+        else (AutoModelForCausalLM)
+    )
+
+
 def load_local_model(path: str, attn_implementation: str = "sdpa", device: str = "cpu") -> nn.Module:
     """The whole model from a local folder (nothing is downloaded)."""
     _require_transformers()
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoConfig
 
     if not os.path.isdir(path):
         raise FileNotFoundError(f"model folder {path!r} does not exist")
-    return AutoModelForCausalLM.from_pretrained(
-        path, local_files_only=True, attn_implementation=attn_implementation
-    ).to(device)
+    auto = _auto_class(AutoConfig.from_pretrained(path, local_files_only=True))
+    return auto.from_pretrained(path, local_files_only=True, attn_implementation=attn_implementation).to(device)
 
 
-def build_on_meta(path_or_config, attn_implementation: str = "sdpa") -> nn.Module:
-    """The model's structure with no memory behind its parameters."""
+def build_on_meta(path_or_config, attn_implementation: str = "sdpa", device="cpu") -> nn.Module:
+    """The model's structure with no memory behind its parameters; its buffers that checkpoints do not
+    hold (rotary frequencies, embedding scales) computed on ``device``, as from_pretrained computes them."""
     _require_transformers()
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoConfig
 
     config = path_or_config
     if isinstance(path_or_config, str):
         config = AutoConfig.from_pretrained(path_or_config, local_files_only=True)
     config._attn_implementation = attn_implementation
     with torch.device("meta"):
-        return AutoModelForCausalLM.from_config(config, attn_implementation=attn_implementation)
+        model = _auto_class(config).from_config(config, attn_implementation=attn_implementation)
+    compute_buffers(model, model.modules(), device)
+    return model
 
 
 def tokenize_for_model(path: str, text: str) -> List[int]:
@@ -74,4 +91,49 @@ def load_pipeline_stage(
     tensors from the (possibly sharded) safetensors checkpoint, so no rank ever holds the
     whole model.
     """
-    return load_stage(build_on_meta(folder, attn_implementation), folder, stages, stage, balance, device, untie_weights)
+    model = build_on_meta(folder, attn_implementation, device)
+    return load_stage(model, checkpoint_tensors(model, folder), stages, stage, balance, device, untie_weights)
+
+
+class _Renamed(Mapping):
+    """A checkpoint's tensors under the model's names, read lazily: transformers renames some of them
+    when loading (GPT-NeoX saves its head as ``embed_out``, loads it as ``lm_head``)."""
+
+    def __init__(self, stored: Dict[str, str], names: Dict[str, str]):
+        self.stored, self.names = stored, names  # model name -> checkpoint name; checkpoint name -> file
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        from safetensors import safe_open
+
+        key = self.stored[name]
+        with safe_open(self.names[key], framework="pt") as f:
+            return f.get_tensor(key)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.stored)
+
+    def __len__(self) -> int:
+        return len(self.stored)
+
+
+def checkpoint_tensors(model: nn.Module, folder: str):
+    """``folder``, or its tensors under the model's names when transformers renames any of them; a
+    checkpoint whose tensors transformers converts on loading (split, merged, transposed) is refused."""
+    from transformers.conversion_mapping import get_model_conversion_mapping
+    from transformers.core_model_loading import WeightRenaming, rename_source_key
+
+    transforms = get_model_conversion_mapping(model)
+    renamings = [t for t in transforms if isinstance(t, WeightRenaming)]
+    converters = [t for t in transforms if not isinstance(t, WeightRenaming)]
+    files = weight_map(folder)
+    if any(rename_source_key(key, [], converters)[1] is not None for key in files):
+        raise CheckpointError(
+            f"{type(model).__name__}: the checkpoint at {folder!r} holds tensors that transformers converts when "
+            "loading (merged or split), which pipedp cannot read stage by stage: load the whole model with "
+            "load_local_model"
+        )
+    own = model.state_dict()
+    stored = {rename_source_key(key, renamings, [], model.base_model_prefix, own)[0]: key for key in files}
+    if all(name == key for name, key in stored.items()):
+        return folder
+    return _Renamed(stored, files)

@@ -1,0 +1,189 @@
+"""Making the calls inside a Hugging Face decoder layer capturable per sample, without changing what
+they compute. Per-sample capture (runtime/capture.py) needs every module owning parameters to get
+batch-first inputs and its output left as it returned it; two families' layers do otherwise:
+
+- flattened inputs: OPT's layer runs its feed-forward on [batch * seq, hidden]. The module gets
+  [batch, seq, hidden] instead and its output is flattened back for the layer (the same values);
+- an output changed in place: Falcon adds the attention output into the MLP's output (``+=``), the
+  output of its last Linear. The container returning that output (the MLP) returns a copy instead.
+
+Which modules need this is found at construction by running one layer of each class on a tiny
+batch (zeros for its weights), which also refuses what cannot be made capturable: a module called
+with keyword arguments, a trainable parameter read outside its module's call (LFM2's convolution
+weight). The hooks are installed around each call of the layer only, so that the flattening hook
+runs after the capture's own hook (which records the unflattened output).
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Dict, Iterator, List, Tuple
+
+import torch
+import torch.nn as nn
+
+from ..errors import UnsupportedModelError
+from .hf_runs import read_outside_calls, standing_in, trainable_of
+
+
+@dataclass(frozen=True)
+class LayerFixes:
+    flattened: Tuple[str, ...] = ()  # modules (paths in the layer) called with [batch * seq, ...] inputs
+    copied: Tuple[str, ...] = ()  # modules whose output is a parameter owner's output changed in place later
+
+    def __bool__(self) -> bool:
+        return bool(self.flattened or self.copied)
+
+
+def find_fixes(
+    where: str, layer: nn.Module, args: tuple, kwargs: dict, rows: int, length: int, width: int
+) -> LayerFixes:
+    """Run ``layer`` once on [rows, length, width] zeros with its recorded arguments; refuse what the
+    fixes cannot cover, naming the module."""
+    seen = _run(layer, args, kwargs, rows, length, width, LayerFixes())
+    if seen.outside:
+        raise UnsupportedModelError(
+            f"{where}: {', '.join(seen.outside[:4])} is read outside the call of the module that owns it (e.g. "
+            "F.conv1d(x, self.conv.weight)), where per-sample gradient capture cannot see it: freeze it, or give the "
+            "model a pipeline_blocks() method"
+        )
+    for path, keys in seen.keywords.items():
+        raise UnsupportedModelError(
+            f"{where}.{path} is called with keyword arguments {keys}, which per-sample capture cannot replay: freeze "
+            "it, or give the model a pipeline_blocks() method"
+        )
+    flattened = tuple(p for p, first in seen.first_dims.items() if first == rows * length)
+    for path, first in seen.first_dims.items():
+        if first not in (rows, rows * length):
+            raise UnsupportedModelError(
+                f"{where}.{path} gets inputs whose first dimension is neither the batch nor batch x sequence, so its "
+                "per-sample gradients cannot be captured: freeze it, or give the model a pipeline_blocks() method"
+            )
+    copied = []
+    for path in seen.changed:
+        owner = next((c for c in _ancestors(path) if seen.outputs.get(c) is seen.unit_outputs[path]), None)
+        if owner is None:
+            raise UnsupportedModelError(
+                f"{where}.{path}: its output is changed in place by the module that called it, so its gradient "
+                "cannot be captured exactly: freeze it, or give the model a pipeline_blocks() method"
+            )
+        copied.append(owner)
+    fixes = LayerFixes(flattened, tuple(dict.fromkeys(copied)))
+    if fixes:
+        again = _run(layer, args, kwargs, rows, length, width, fixes)
+        left = [p for p in again.first_dims if again.first_dims[p] != rows] + again.changed
+        if left:
+            raise UnsupportedModelError(f"{where}: {left} cannot be made capturable per sample: freeze them")
+    return fixes
+
+
+@contextmanager
+def capturable(layer: nn.Module, fixes: LayerFixes, rows: int, length: int) -> Iterator[None]:
+    """The fixes installed for one call of ``layer`` (after the capture's hooks, which are older)."""
+    handles = []
+    for path in fixes.copied:
+        handles.append(layer.get_submodule(path).register_forward_hook(_copy_output))
+    if length > 1:
+        for path in fixes.flattened:
+            module = layer.get_submodule(path)
+            handles.append(module.register_forward_pre_hook(_unflatten(rows, length)))
+            handles.append(module.register_forward_hook(_flatten(rows, length)))
+    try:
+        yield
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
+def _copy_output(module, args, output):
+    if isinstance(output, tuple):
+        return (output[0].clone(), *output[1:])
+    return output.clone()
+
+
+def _unflatten(rows: int, length: int):
+    def hook(module, args):
+        first = args[0]
+        if first.shape[0] != rows * length:
+            return None
+        return (first.reshape(rows, length, *first.shape[1:]), *args[1:])
+
+    return hook
+
+
+def _flatten(rows: int, length: int):
+    def hook(module, args, output):
+        if output.dim() < 2 or tuple(output.shape[:2]) != (rows, length):
+            return None
+        return output.reshape(rows * length, *output.shape[2:])
+
+    return hook
+
+
+class _Seen:
+    def __init__(self):
+        self.first_dims: Dict[str, int] = {}  # trainable parameter owner -> first dimension of its first input
+        self.unit_outputs: Dict[str, torch.Tensor] = {}
+        self.versions: Dict[str, int] = {}
+        self.outputs: Dict[str, object] = {}  # every module -> its output (a tuple's first element)
+        self.changed: List[str] = []
+        self.keywords: Dict[str, List[str]] = {}  # parameter owners called with keyword arguments
+        self.outside: List[str] = []  # trainable parameters read outside their module's call
+
+
+def _run(layer, args, kwargs, rows, length, width, fixes: LayerFixes) -> _Seen:
+    seen = _Seen()
+    modules = dict(layer.named_modules())
+    trainable = trainable_of(modules)
+    handles = []
+    for path, module in modules.items():
+        if any((id(module), n) in trainable for n in module._parameters):  # what per-sample capture records
+            handles.append(module.register_forward_hook(_record_unit(seen, path), with_kwargs=True))
+        handles.append(module.register_forward_hook(_record_output(seen, path)))
+    hidden = torch.zeros(rows, length, width, dtype=_dtype(layer), device=_device(args, kwargs))
+    try:
+        with torch.enable_grad(), standing_in([layer], hidden.device, real_too=True):
+            with capturable(layer, fixes, rows, length):
+                out = layer(hidden, *args, **kwargs)
+            called = {id(modules[p]) for p in seen.first_dims}
+            seen.outside = read_outside_calls(out[0] if isinstance(out, tuple) else out, modules, called, trainable)
+    finally:
+        for handle in handles:
+            handle.remove()
+    seen.changed = [p for p, t in seen.unit_outputs.items() if t._version != seen.versions[p]]
+    return seen
+
+
+def _record_unit(seen: _Seen, path: str):
+    def hook(module, args, kwargs, output):
+        seen.first_dims.setdefault(path, 0)
+        if kwargs:
+            seen.keywords.setdefault(path, sorted(kwargs))
+        if args and isinstance(args[0], torch.Tensor) and args[0].dim():
+            seen.first_dims[path] = int(args[0].shape[0])
+        if isinstance(output, torch.Tensor):
+            seen.unit_outputs[path], seen.versions[path] = output, output._version
+
+    return hook
+
+
+def _record_output(seen: _Seen, path: str):
+    def hook(module, args, output):
+        seen.outputs[path] = output[0] if isinstance(output, tuple) and output else output
+
+    return hook
+
+
+def _ancestors(path: str) -> List[str]:
+    parts = path.split(".")
+    return [".".join(parts[:k]) for k in range(len(parts) - 1, -1, -1)]
+
+
+def _dtype(layer: nn.Module) -> torch.dtype:
+    return next((p.dtype for p in layer.parameters() if p.is_floating_point()), torch.float32)
+
+
+def _device(args, kwargs) -> torch.device:
+    tensors = [t for t in list(args) + list(kwargs.values()) if isinstance(t, torch.Tensor)]
+    return tensors[0].device if tensors else torch.device("cpu")

@@ -1,0 +1,183 @@
+"""The dry run: a Hugging Face model's own forward, run once at construction on a tiny batch (2 x 3
+tokens, one row left-padded) with every decoder layer stubbed and every weight replaced by zeros (so
+it costs nothing, on a real model or on meta). It tells each part's side (before the layers: the
+first stage's; after: the last's) and how a layer's output reaches the next (as it is, or as the
+first element of a tuple), and checks what the adapter relies on:
+- the layers are called once each, in order, each given the previous one's output unchanged;
+- what the forward gives a layer besides the hidden state depends on no trainable parameter nor on
+  an earlier layer (every stage recomputes it from its micro-batch's inputs);
+- a part owning parameters runs on one side of the layers only, called in a way the blocks can make
+  positional (hf_runs.positional), and no trainable parameter is read outside its module's call.
+"""
+
+from __future__ import annotations
+
+from typing import Dict, List, Set, Tuple
+
+import torch
+import torch.nn as nn
+
+from ..errors import UnsupportedModelError
+from .hf_runs import call_forward, layers_replaced, positional, read_outside_calls, standing_in, trainable_of
+
+WAY_OUT = (
+    "give the model a pipeline_blocks() method returning [(name, module), ...], or mark split points with "
+    "pipe_split() and wrap it in pipedp.SplitModel"
+)
+ROWS, LENGTH = 2, 3
+
+
+def dry_run(s, parts: Dict[str, nn.Module]) -> Tuple[Dict[str, Set[str]], bool, list]:
+    """Run ``s.model``'s forward (``s``: hf_structure.Structure) once with stubs returning tensors and
+    once 1-tuples: the one under which each layer's output reaches the next layer unchanged is the
+    forward's. Returns where each part ran ("pre" / "post"), that choice, and what each layer was given
+    (its hidden state's shape, its other arguments)."""
+    errors = []
+    for tuple_output in (False, True):
+        run = _DryRun(s, parts, tuple_output)
+        try:
+            run.run()
+            return run.sides, tuple_output, [c[:3] for c in run.calls]
+        except _Mismatch as exc:
+            errors.append(str(exc))
+    raise UnsupportedModelError(
+        f"{type(s.model).__name__}: its forward does not pass each decoder layer's output on to the next layer "
+        f"unchanged ({errors[0]}); pipedp runs the layers on their own, so it would miss what happens between "
+        f"them: {WAY_OUT}"
+    )
+
+
+class _Mismatch(Exception):
+    pass
+
+
+class _DryRun:
+    def __init__(self, s, parts: Dict[str, nn.Module], tuple_output: bool):
+        self.s, self.parts, self.tuple_output = s, parts, tuple_output
+        self.name, self.count = type(s.model).__name__, len(s.layers)
+        self.device = next((t.device for t in s.model.parameters() if not t.is_meta), torch.device("cpu"))
+        self.owns = {p: next(part.parameters(), None) is not None for p, part in parts.items()}
+        self.modules = {f"{p}.{n}" if n else p: m for p, part in parts.items() for n, m in part.named_modules()}
+        self.sides: Dict[str, Set[str]] = {}  # part -> where it ran: "pre", "post" (or "between", no parameters)
+        self.called: set = set()  # ids of the modules owning parameters that ran
+        self.handed: List[object] = []  # what each stub returned, to find as the next layer's input
+        self.calls: list = []  # (hidden shape, args, kwargs, hidden) per layer
+
+    def inputs(self) -> Dict[str, torch.Tensor]:
+        pad = getattr(self.s.model.config.get_text_config(), "pad_token_id", None)
+        ids = torch.full((ROWS, LENGTH), 1 if pad != 1 else 2, dtype=torch.long, device=self.device)
+        mask = torch.ones(ROWS, LENGTH, dtype=torch.long, device=self.device)
+        mask[0, 0] = 0  # a left-padded row: positions computed from the mask differ from 0..T-1
+        return {"input_ids": ids, "attention_mask": mask}
+
+    def run(self) -> None:
+        handles = [
+            m.register_forward_pre_hook(self.part_hook(path), with_kwargs=True)
+            for path, part in self.parts.items()
+            for m in part.modules()
+            if m is part or next(m.parameters(recurse=False), None) is not None
+        ]
+        trainable = trainable_of(self.modules)
+        everything = list(self.parts.values())
+        try:
+            with layers_replaced(self.s.body, self.s.layers_name, self.layer), torch.enable_grad():
+                with standing_in(everything, self.device, real_too=True):
+                    out = call_forward(self.s.model, self.inputs())
+                    logits = out.logits if hasattr(out, "logits") else out[0]
+                    # the hidden state given to layer 0, and the logits, may depend only on parameters their module read
+                    first = self.calls[0][3] if self.calls else None
+                    outside = read_outside_calls(first, self.modules, self.called, trainable)
+                    outside += read_outside_calls(logits, self.modules, self.called, trainable)
+        except (UnsupportedModelError, _Mismatch):
+            raise
+        except Exception as exc:  # the model's own forward failed on a plain batch with the layers stubbed
+            raise UnsupportedModelError(
+                f"{self.name}: pipedp could not run the model's own forward with its decoder layers stood in for "
+                f"({type(exc).__name__}: {exc}): {WAY_OUT}"
+            ) from exc
+        finally:
+            for handle in handles:
+                handle.remove()
+        if len(self.handed) != self.count:
+            raise UnsupportedModelError(
+                f"{self.name}: its forward called {len(self.handed)} of its {self.count} decoder layers: {WAY_OUT}"
+            )
+        if outside:
+            raise UnsupportedModelError(
+                f"{self.name}: {', '.join(outside[:4])} is read outside the call of the module that owns it (e.g. "
+                f"F.linear(x, self.embed.weight)), where per-sample gradient capture cannot see it: {WAY_OUT}"
+            )
+
+    def layer(self, i: int, args: tuple, kwargs: dict):
+        """Stub of decoder layer i: checks what it is given, returns a fresh hidden state."""
+        if i != len(self.handed):
+            raise UnsupportedModelError(
+                f"{self.name}: its forward calls decoder layer {i} after {len(self.handed)} layers (pipedp needs each "
+                f"layer called once, in order): {WAY_OUT}"
+            )
+        hidden = args[0] if args else None
+        if i and hidden is not _first(self.handed[-1]):
+            raise _Mismatch(f"layer {i} did not get layer {i - 1}'s output as its first argument")
+        if not isinstance(hidden, torch.Tensor) or tuple(hidden.shape[:2]) != (ROWS, LENGTH):
+            shape = tuple(hidden.shape) if isinstance(hidden, torch.Tensor) else type(hidden).__name__
+            raise UnsupportedModelError(
+                f"{self.name}: decoder layer {i} gets {shape} as its first argument, not the hidden state "
+                f"[batch, seq, hidden]: {WAY_OUT}"
+            )
+        for key, value in _tensors(args[1:], kwargs):
+            if value.requires_grad:
+                raise UnsupportedModelError(
+                    f"{self.name}: its forward gives decoder layer {i} the argument {key!r} computed from trainable "
+                    "parameters or from an earlier layer; pipedp recomputes a layer's arguments on its stage from "
+                    f"the micro-batch's inputs, so it cannot pass this one: {WAY_OUT}"
+                )
+        self.calls.append((tuple(hidden.shape), args[1:], kwargs, hidden))
+        out = torch.zeros_like(hidden).requires_grad_(True)
+        self.handed.append((out,) if self.tuple_output else out)
+        return self.handed[-1]
+
+    def part_hook(self, path: str):
+        def hook(module, args, kwargs):
+            side = "pre" if not self.handed else "post" if len(self.handed) == self.count else "between"
+            sides = self.sides.setdefault(path, set())
+            if not self.owns[path]:  # a part without parameters (rotary embeddings, a norm) may run anywhere
+                sides.add(side)
+            elif side == "between" or sides | {side} != {side}:
+                when = "between decoder layers" if side == "between" else "both before and after the decoder layers"
+                raise UnsupportedModelError(
+                    f"{self.name}: {path} ({type(module).__name__}) runs {when}; pipedp puts each part of the model "
+                    f"on one stage: {WAY_OUT}"
+                )
+            sides.add(side)
+            if next(module.parameters(recurse=False), None) is not None:  # as the blocks will call it
+                self.called.add(id(module))
+                positional(f"{self.name}: {path}", module, args, kwargs, ROWS, _random_like(module, self.device))
+
+        return hook
+
+
+def _random_like(module: nn.Module, device) -> Dict[str, torch.Tensor]:
+    """Random values for a module's own parameters: a call that reads other rows of a table than the
+    model's own call shows as another output (zeros would hide it)."""
+    g = torch.Generator(device=device).manual_seed(0)
+    return {
+        k: torch.randn(p.shape, generator=g, device=device).to(p.dtype) if p.is_floating_point() else p
+        for k, p in module._parameters.items()
+        if p is not None
+    }
+
+
+def _first(value):
+    return value[0] if isinstance(value, tuple) else value
+
+
+def _tensors(args, kwargs):
+    stack = [(f"argument {k + 1}", a) for k, a in enumerate(args)] + list(kwargs.items())
+    while stack:
+        key, value = stack.pop()
+        if isinstance(value, torch.Tensor):
+            yield key, value
+        elif isinstance(value, (tuple, list)):
+            stack.extend((key, v) for v in value)
+        elif isinstance(value, dict):
+            stack.extend((key, v) for v in value.values())

@@ -1,0 +1,188 @@
+"""Running a Hugging Face model's own forward with its decoder layers stood in for: the one mechanism
+behind every block of the Hugging Face adapter (hf_blocks.py).
+
+Before its first decoder layer the model's forward computes the embeddings (with the family's own
+scaling, position embeddings, dropout), the position ids, the attention mask of every layer type
+(transformers' own mask functions for the model's config and attention implementation, alibi where
+the family uses it) and the rotary embeddings; after its last layer, the final norm, the head and
+the family's output transforms (logit scaling, soft-capping, a classifier's pooling). Rather than
+re-implement any of it, the adapter runs that forward with the layer list swapped for stubs, which
+record what the forward gives each layer and return or stop as the run needs.
+
+Two helpers keep those runs compatible with per-sample capture (runtime/capture.py):
+- ``standing_in``: a part a run computes only to throw away (the embeddings, on a stage that does not
+  own them) may be on the meta device (a model loaded stage by stage): its tensors are replaced by
+  zeros that take no memory (stride 0) for the run;
+- ``positional_calls``: a part called with keyword arguments or with a batch-shared tensor (GPT-2's
+  position table reads ids of shape [1, T]) is called instead with its leading tensor arguments,
+  expanded to the micro-batch, after checking that this gives exactly the model's own output.
+"""
+
+from __future__ import annotations
+
+import inspect
+from contextlib import contextmanager
+from typing import Callable, Dict, Iterator, List, Sequence, Tuple
+
+import torch
+import torch.nn as nn
+
+from ..errors import UnsupportedModelError
+
+LayerCall = Tuple[tuple, dict]  # what the forward gives a layer besides the hidden state: (args, kwargs)
+
+
+class Stop(Exception):
+    """Ends a run at a decoder layer, carrying a value out of the model's forward."""
+
+    def __init__(self, value=None):
+        super().__init__("run stopped at a decoder layer")
+        self.value = value
+
+
+class LayerStub(nn.Module):
+    """Stands in for decoder layer ``index`` during a run; attributes the forward reads from its
+    layers (``attention_type``, ``self_attn`` ...) are the real layer's."""
+
+    def __init__(self, index: int, layer: nn.Module, on_call: Callable):
+        super().__init__()
+        self.__dict__["_layer"], self.__dict__["_index"], self.__dict__["_on_call"] = layer, index, on_call
+
+    def __getattr__(self, name):
+        return getattr(self.__dict__["_layer"], name)
+
+    def forward(self, *args, **kwargs):
+        return self.__dict__["_on_call"](self.__dict__["_index"], args, kwargs)
+
+
+@contextmanager
+def layers_replaced(body: nn.Module, name: str, on_call: Callable) -> Iterator[None]:
+    """``body.<name>`` (the decoder layer list) swapped for stubs calling ``on_call(i, args, kwargs)``."""
+    real = body._modules[name]
+    body._modules[name] = nn.ModuleList(LayerStub(i, layer, on_call) for i, layer in enumerate(real))
+    try:
+        yield
+    finally:
+        body._modules[name] = real
+
+
+@contextmanager
+def standing_in(parts: Sequence[nn.Module], device, real_too: bool = False) -> Iterator[None]:
+    """Every meta tensor of ``parts`` (``real_too``: every tensor) replaced by zeros of its shape and
+    dtype on ``device`` that take no memory, for a run that discards what these parts compute. With
+    ``real_too`` (the dry run) the parameters' zeros require gradients, so that what is computed from
+    a parameter can be told apart whether the model is real or on meta."""
+    swapped: List[Tuple[dict, str, torch.Tensor]] = []
+    try:
+        for part in parts:
+            for module in part.modules():
+                for table in (module._parameters, module._buffers):
+                    for key, tensor in table.items():
+                        if tensor is None or not (real_too or tensor.is_meta):
+                            continue
+                        grad = real_too and table is module._parameters and tensor.is_floating_point()
+                        zero = torch.zeros((), dtype=tensor.dtype, device=device, requires_grad=grad)
+                        swapped.append((table, key, tensor))
+                        table[key] = zero.expand(tensor.shape)
+        yield
+    finally:
+        for table, key, tensor in reversed(swapped):
+            table[key] = tensor
+
+
+@contextmanager
+def positional_calls(parts: Dict[str, nn.Module], rows: int) -> Iterator[None]:
+    """While the forward runs, every call of a module owning parameters in ``parts`` (path -> module)
+    is made positionally with batch-first tensors, as per-sample capture needs (see _positional)."""
+    handles = []
+    for path, part in parts.items():
+        for name, module in part.named_modules():
+            if next(module.parameters(recurse=False), None) is not None:
+                where = f"{path}.{name}" if name else path
+                hook = _positional_hook(where, rows)
+                handles.append(module.register_forward_pre_hook(hook, with_kwargs=True))
+    try:
+        yield
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
+def _positional_hook(where: str, rows: int):
+    def hook(module, args, kwargs):
+        if not torch.is_grad_enabled():  # nothing is captured
+            return None
+        return positional(where, module, args, kwargs, rows)
+
+    return hook
+
+
+def positional(where: str, module: nn.Module, args: tuple, kwargs: dict, rows: int, weights=None):
+    """None when the call already is positional and batch-first; else (leading tensors, {}) — each
+    tensor with one row expanded to ``rows`` — once checked to give exactly the model's own output
+    (e.g. OPT's position embedding, called with the mask and the position ids it computes from it).
+    ``weights``: other values for the module's own parameters to check with (the dry run's)."""
+    bound = inspect.signature(module.forward).bind(*args, **kwargs).arguments
+    lead = []
+    for value in bound.values():  # in the order of the forward's parameters
+        if not isinstance(value, torch.Tensor):
+            break
+        shared = rows > 1 and value.dim() and value.shape[0] == 1  # one row for the whole batch
+        lead.append(value.expand(rows, *value.shape[1:]) if shared else value)
+    if not kwargs and len(lead) == len(args) and all(a is b for a, b in zip(lead, args)):
+        return None
+    if lead and all(t.dim() and t.shape[0] == rows for t in lead):
+        with torch.no_grad(), _parameters_set(module, weights or {}):
+            want, got = module.forward(*args, **kwargs), module.forward(*lead)
+        if isinstance(want, torch.Tensor) and isinstance(got, torch.Tensor) and _broadcast_equal(got, want):
+            return tuple(lead), {}
+    raise UnsupportedModelError(
+        f"{where} ({type(module).__name__}) is called by the model's forward in a way per-sample gradients cannot "
+        f"replay (arguments {list(bound)}), and called with its leading tensor arguments alone it gives another "
+        "output: give the model a pipeline_blocks() method, or freeze this module"
+    )
+
+
+@contextmanager
+def _parameters_set(module: nn.Module, values: Dict[str, torch.Tensor]) -> Iterator[None]:
+    old = {k: module._parameters[k] for k in values}
+    module._parameters.update(values)
+    try:
+        yield
+    finally:
+        module._parameters.update(old)
+
+
+def _broadcast_equal(got: torch.Tensor, want: torch.Tensor) -> bool:
+    try:
+        return got.shape == torch.broadcast_shapes(got.shape, want.shape) and torch.equal(got, want.expand_as(got))
+    except RuntimeError:
+        return False
+
+
+def call_forward(module: nn.Module, inputs: Dict[str, torch.Tensor]):
+    """``module(**inputs)`` with no key/value cache: the layers run one call at a time, and a cache
+    would carry one call's keys and values into the next."""
+    extra = {"use_cache": False} if "use_cache" in inspect.signature(module.forward).parameters else {}
+    return module(**inputs, **extra)
+
+
+def trainable_of(modules: Dict[str, nn.Module]) -> set:
+    """(module id, parameter name) of every trainable parameter (taken before standing_in replaces them)."""
+    return {(id(m), n) for m in modules.values() for n, p in m._parameters.items() if p is not None and p.requires_grad}
+
+
+def read_outside_calls(output, modules: Dict[str, nn.Module], called: set, trainable: set) -> List[str]:
+    """The trainable parameters of ``modules`` (path -> module) that ``output`` depends on although
+    their module never ran (``called``: ids of the modules that did): read functionally, e.g.
+    ``F.conv1d(x, self.conv.weight)``, where per-sample capture cannot see them."""
+    owners = [(p, n, m) for p, m in modules.items() for n, t in m._parameters.items() if (id(m), n) in trainable]
+    tensors = [m._parameters[n] for _, n, m in owners]
+    if not tensors or not isinstance(output, torch.Tensor) or not output.requires_grad:
+        return []
+    grads = torch.autograd.grad(output.sum(), tensors, allow_unused=True, retain_graph=True)
+    return [
+        f"{f'{p}.{n}' if p else n} (in a {type(m).__name__})"  # e.g. a ParameterDict: PEFT's LoRA on an embedding
+        for (p, n, m), g in zip(owners, grads)
+        if g is not None and id(m) not in called
+    ]

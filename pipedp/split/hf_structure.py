@@ -1,0 +1,183 @@
+"""What a Hugging Face decoder is made of, found from its structure and one dry run of its own forward.
+
+A ``*ForCausalLM`` / ``*LMHeadModel`` / ``*ForSequenceClassification`` is taken when its base model
+holds one list of decoder layers that is not a mixture of experts, and its forward, run once with
+every layer stubbed (hf_dry_run.py), computes the input embedding before the first layer and a final
+norm and the head after the last. One layer of each class is then run alone (hf_capturable.py).
+Anything the adapter cannot drive exactly is refused here, at construction, naming the model, the
+part and the way out.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from typing import Dict, List, Optional, Set, Tuple
+
+import torch.nn as nn
+
+from ..errors import UnsupportedModelError
+from .hf_capturable import LayerFixes, find_fixes
+from .hf_dry_run import WAY_OUT, dry_run
+
+SUPPORTED_ATTENTION = ("eager", "sdpa")
+KINDS = {"ForCausalLM": "causal", "LMHeadModel": "causal", "ForSequenceClassification": "classification"}
+# a mixture-of-experts block's class (Mixtral's SparseMoeBlock, JetMoe's MoE, a Router), not e.g. Qwen2MoeAttention
+_ROUTING = re.compile(r"expert|router|sparse_?moe|moe(block|layer|mlp)?$", re.IGNORECASE)
+
+
+@dataclass
+class Structure:
+    model: nn.Module  # the *ForCausalLM / *ForSequenceClassification
+    kind: str  # "causal" or "classification"
+    base: nn.Module  # model.base_model: its forward is run up to and from the layers
+    body: nn.Module  # the module holding the layer list (the base, or e.g. OPT's base.decoder)
+    layers_name: str  # the layer list's attribute on the body
+    layers_path: str  # ... and its path in the model ("model.layers")
+    pre: Dict[str, nn.Module] = field(default_factory=dict)  # parts with parameters run before the layers
+    post: Dict[str, nn.Module] = field(default_factory=dict)  # ... and after them (final norm, head)
+    context: Dict[str, nn.Module] = field(default_factory=dict)  # parts with buffers only (rotary embeddings)
+    tuple_output: bool = False  # the forward takes a layer's output as the first element of a tuple
+    fixes: List[LayerFixes] = field(default_factory=list)  # per layer: what makes its calls capturable
+
+    @property
+    def layers(self) -> nn.ModuleList:
+        return getattr(self.body, self.layers_name)
+
+
+def model_kind(model: nn.Module) -> Optional[str]:
+    name = type(model).__name__
+    return next((kind for suffix, kind in KINDS.items() if name.endswith(suffix)), None)
+
+
+def find_structure(model: nn.Module) -> Structure:
+    """The model's parts, checked; UnsupportedModelError naming what is missing otherwise."""
+    name = type(model).__name__
+    kind = model_kind(model)
+    config = model.config
+    impl = getattr(config, "_attn_implementation", None) or "eager"
+    if impl not in SUPPORTED_ATTENTION:
+        raise UnsupportedModelError(
+            f"{name}: attention implementation {impl!r} is not supported for pipelining (pipedp drives the model's "
+            f"own forward for {list(SUPPORTED_ATTENTION)} only): load the model with attn_implementation='sdpa' "
+            "or 'eager'"
+        )
+    base = getattr(model, "base_model", model)
+    if base is model:
+        raise UnsupportedModelError(f"{name} has no base model under its head: {WAY_OUT}")
+    layers_path, body, layers_name = _layer_list(model, base)
+    structure = Structure(model, kind, base, body, layers_name, layers_path)
+    _refuse_routing(structure)
+    _refuse_layer_parameters(structure)
+    parts = _parts(model, base, body, layers_name)
+    sides, structure.tuple_output, calls = dry_run(structure, parts)
+    structure.fixes = _layer_fixes(structure, calls)
+    owning = {p: m for p, m in parts.items() if next(m.parameters(), None) is not None}
+    structure.pre = {p: m for p, m in owning.items() if "pre" in sides.get(p, ())}
+    # parts the forward never calls (e.g. an unused projection) go with the head, so that every tensor has a stage
+    structure.post = {p: m for p, m in owning.items() if p not in structure.pre}
+    structure.context = {p: m for p, m in parts.items() if p not in owning and next(m.buffers(), None) is not None}
+    _require_parts(structure, sides)
+    return structure
+
+
+def _layer_list(model: nn.Module, base: nn.Module) -> Tuple[str, nn.Module, str]:
+    count = getattr(model.config.get_text_config(), "num_hidden_layers", None)
+    found = [
+        (path, m)
+        for path, m in base.named_modules()
+        if isinstance(m, nn.ModuleList)
+        and len(m) > 0
+        and (count is None or len(m) == count)
+        and all(next(layer.parameters(), None) is not None for layer in m)
+    ]
+    if len(found) != 1:
+        what = "no list" if not found else f"{len(found)} lists ({[p for p, _ in found]})"
+        raise UnsupportedModelError(
+            f"{type(model).__name__}: found {what} of {count} decoder layers in its base model "
+            f"{type(base).__name__}, where pipedp needs exactly one: {WAY_OUT}"
+        )
+    path, _ = found[0]
+    parent, _, attr = path.rpartition(".")
+    body = base.get_submodule(parent) if parent else base
+    prefix = _path_of(model, base)
+    return f"{prefix}.{path}" if prefix else path, body, attr
+
+
+def _path_of(model: nn.Module, target: nn.Module) -> str:
+    return next(p for p, m in model.named_modules() if m is target)
+
+
+def _parts(model: nn.Module, base: nn.Module, body: nn.Module, layers_name: str) -> Dict[str, nn.Module]:
+    """The children of every module from the model down to the body, but the path itself and the
+    layers (e.g. lm_head, model.embed_tokens, model.rotary_emb, model.norm), by path in the model."""
+    chain = [m for m in _chain(model, body)]
+    parts = {}
+    for module in chain:
+        prefix = _path_of(model, module)
+        for name, child in module.named_children():
+            if child in chain or (module is body and name == layers_name):
+                continue
+            parts[f"{prefix}.{name}" if prefix else name] = child
+    return parts
+
+
+def _chain(model: nn.Module, body: nn.Module) -> List[nn.Module]:
+    path = _path_of(model, body)
+    chain = [model]
+    for name in path.split(".") if path else []:
+        chain.append(getattr(chain[-1], name))
+    return chain
+
+
+def _refuse_routing(s: Structure) -> None:
+    for i, layer in enumerate(s.layers):
+        modules = list(layer.named_modules())[1:]  # the layer's own class name may say MoE
+        found = [(n, m) for n, m in modules if hasattr(m, "experts")] or [
+            (n, m) for n, m in modules if _ROUTING.search(type(m).__name__)
+        ]
+        for name, module in found[:1]:
+            raise UnsupportedModelError(
+                f"{type(s.model).__name__}: {s.layers_path}.{i}.{name} ({type(module).__name__}) is a mixture of "
+                "experts: its router gathers the tokens of several samples into each expert, so pipedp's "
+                "per-sample gradient capture cannot attribute an expert's gradients to samples (refused for the "
+                "routing, whatever is trainable). Use a dense model"
+            )
+
+
+def _refuse_layer_parameters(s: Structure) -> None:
+    for i, layer in enumerate(s.layers):
+        own = [n for n, p in layer.named_parameters(recurse=False) if p.requires_grad]
+        if own:
+            raise UnsupportedModelError(
+                f"{type(s.model).__name__}: decoder layer {s.layers_path}.{i} owns trainable parameters {own} itself, "
+                "and is called with keyword arguments, which per-sample gradient capture cannot replay: freeze them, "
+                f"or {WAY_OUT}"
+            )
+
+
+def _layer_fixes(s: Structure, calls: list) -> List[LayerFixes]:
+    """One layer of each class run on its own (hf_capturable.py): the same fixes for its class."""
+    found: Dict[type, LayerFixes] = {}
+    for i, (layer, (shape, args, kwargs)) in enumerate(zip(s.layers, calls)):
+        if type(layer) not in found:
+            where = f"{type(s.model).__name__}: {s.layers_path}.{i}"
+            found[type(layer)] = find_fixes(where, layer, args, kwargs, shape[0], shape[1], shape[-1])
+    return [found[type(layer)] for layer in s.layers]
+
+
+def _require_parts(s: Structure, sides: Dict[str, Set[str]]) -> None:
+    embedding = s.model.get_input_embeddings()
+    body = _path_of(s.model, s.body)
+    missing = []
+    if not any(any(embedding is c for c in m.modules()) for m in s.pre.values()):
+        missing.append("input embedding run before the decoder layers")
+    if not any(p.startswith(f"{body}.") and "post" in ran for p, ran in sides.items()):
+        missing.append(f"final norm after the decoder layers (in {type(s.body).__name__})")
+    if not any(not p.startswith(f"{body}.") and "post" in ran for p, ran in sides.items()):
+        missing.append("head after the decoder layers")
+    if missing:
+        raise UnsupportedModelError(
+            f"{type(s.model).__name__}: pipedp splits a decoder made of embeddings, a list of decoder layers, a final "
+            f"norm and a head; it found no {', no '.join(missing)}: {WAY_OUT}"
+        )

@@ -1,0 +1,270 @@
+"""The Hugging Face families pipedp is tested on, as data: one row per family (or variant), from which
+tests/numerics/test_hf_families.py builds its tests and docs/models.md's table is generated.
+
+Every model is built from a tiny config (hidden 16, 2-4 layers, vocabulary 40) with random weights:
+nothing is downloaded. ``python tests/hf_families.py`` prints the table.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Dict, Optional, Tuple
+
+VOCAB = 40
+ROUTING = "refused: mixture of experts (routing mixes samples)"
+
+
+@dataclass(frozen=True)
+class Family:
+    model_type: str
+    variant: str = ""  # what the row's config exercises, when a family has several rows
+    config: Dict[str, object] = field(default_factory=dict)  # overrides of the tiny config
+    attention: Tuple[str, ...] = ("sdpa", "eager")  # the implementations the family supports
+    classification: bool = True  # has a *ForSequenceClassification
+    status: str = "exact"  # "exact", or "refused: <why>"
+    refusal: str = ""  # the refusal's message must match this (refused rows)
+    # eager attention gives NaN where a query sees no key (a left-padded position): the model's own
+    # output and gradients are NaN there, so an eager-only family is trained on right padding only
+    eager_only: bool = False
+    float32_inside: bool = False  # the family computes its norms in float32 even in a float64 model
+
+    @property
+    def tolerance(self) -> float:
+        """Largest relative difference from the loop oracle: float64 rounding, or the family's own float32."""
+        return 1e-7 if self.float32_inside else 1e-12
+
+    @property
+    def name(self) -> str:
+        return f"{self.model_type} ({self.variant})" if self.variant else self.model_type
+
+    @property
+    def exact(self) -> bool:
+        return self.status == "exact"
+
+
+HEAD_DIM_8 = {"head_dim": 8}
+SLIDING = {"sliding_window": 4}  # shorter than the test sequences (8): the window matters
+
+FAMILIES = [
+    # the families pipedp split before (by name)
+    Family("gpt2"),
+    Family("llama"),
+    Family("mistral", "sliding window 4", SLIDING),
+    Family(
+        "qwen2", "sliding window 4 on the last layer", {"use_sliding_window": True, **SLIDING, "max_window_layers": 2}
+    ),
+    Family("qwen3", config=HEAD_DIM_8),
+    Family("phi3"),
+    Family("gemma", config=HEAD_DIM_8, float32_inside=True),
+    Family("gpt_neox"),
+    # the families issue #24 names
+    Family("starcoder2"),
+    Family("stablelm"),
+    Family("phi", "partial rotary"),
+    Family("falcon", "new decoder architecture", {"new_decoder_architecture": True, "num_kv_heads": 1}),
+    Family("falcon", "parallel attention, alibi", {"parallel_attn": True, "alibi": True}),
+    Family("gpt_bigcode", "multi-query", {"multi_query": True}),
+    Family("opt"),
+    Family(
+        "gemma2",
+        "sliding window 6, soft-capping",
+        {**HEAD_DIM_8, "sliding_window": 6, "final_logit_softcapping": 3.0, "attn_logit_softcapping": 5.0},
+        attention=("eager",),
+        eager_only=True,
+        float32_inside=True,
+    ),
+    Family(
+        "gemma3_text",
+        "sliding window 4, local rotary, soft-capping",
+        {**HEAD_DIM_8, **SLIDING, "final_logit_softcapping": 3.0},
+        float32_inside=True,
+    ),
+    Family("olmo"),
+    Family("gptj", config={"rotary_dim": 4}),
+    Family("bloom", "alibi", attention=("eager",), eager_only=True),
+    Family("mixtral", status=ROUTING, refusal="mixture of experts"),
+    Family("qwen2_moe", status=ROUTING, refusal="mixture of experts"),
+    # other decoder families of transformers
+    Family("qwen3_moe", config=HEAD_DIM_8, classification=False, status=ROUTING, refusal="mixture of experts"),
+    Family("olmoe", classification=False, status=ROUTING, refusal="mixture of experts"),
+    Family("granitemoe", classification=False, status=ROUTING, refusal="mixture of experts"),
+    Family("phimoe", status=ROUTING, refusal="mixture of experts"),
+    Family("gpt_oss", attention=("eager",), classification=False, status=ROUTING, refusal="mixture of experts"),
+    Family("cohere", "logit scale", {"logit_scale": 0.5}, classification=False, float32_inside=True),
+    Family("cohere2", "sliding window 4", SLIDING, classification=False, float32_inside=True),
+    Family(
+        "granite",
+        "multipliers",
+        {"embedding_multiplier": 2.0, "logits_scaling": 4.0, "residual_multiplier": 0.5, "attention_multiplier": 0.3},
+        classification=False,
+    ),
+    Family("olmo2"),
+    Family("olmo3", "sliding window 4", SLIDING),
+    Family("glm"),
+    Family("glm4"),
+    Family("helium", config=HEAD_DIM_8, float32_inside=True),
+    Family("smollm3", "no rotary on the last layer", {"no_rope_layer_interval": 3}),
+    Family("exaone4", "sliding window 4", {**SLIDING, "sliding_window_pattern": 2}),
+    Family("nemotron"),
+    Family("persimmon"),
+    Family("seed_oss"),
+    Family("arcee"),
+    Family("apertus", classification=False),
+    Family("ernie4_5", classification=False),
+    Family("hunyuan_v1_dense", config=HEAD_DIM_8),
+    Family("ministral", config=HEAD_DIM_8),
+    Family("ministral3"),
+    Family("bitnet", classification=False),
+    Family("codegen", config={"rotary_dim": 4}, classification=False),
+    Family("mpt", "alibi", attention=("eager",), eager_only=True),
+    Family(
+        "vaultgemma",
+        config=HEAD_DIM_8,
+        attention=("eager",),
+        classification=False,
+        eager_only=True,
+        float32_inside=True,
+    ),
+    Family(
+        "lfm2",
+        "convolution layers",
+        {"layer_types": ["conv", "full_attention", "conv"]},
+        classification=False,
+        status="refused: its convolution weight is read outside the module's call",
+        refusal="read outside the call",
+    ),
+    Family(
+        "biogpt",
+        status="refused: its position embedding reads positions the model passes by keyword",
+        refusal="embed_positions",
+    ),
+    Family(
+        "doge",
+        status="refused: its decoder layers own parameters, called with keyword arguments",
+        refusal="owns trainable parameters",
+    ),
+    Family("openai-gpt", attention=("eager",), status="refused: no final norm", refusal="no final norm"),
+    Family("nanochat", "one norm before and after the layers", classification=False),
+]
+
+
+def tiny_config(family: Family, tie: Optional[bool] = None, labels: int = 0):
+    """The family's config: hidden 16, 3 layers (2-4 as the family's names say), 2 heads, vocabulary 40."""
+    import transformers
+
+    wanted = dict(
+        vocab_size=VOCAB,
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=3,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        max_position_embeddings=32,
+        bos_token_id=0,
+        eos_token_id=0,
+        pad_token_id=0,
+        n_inner=32,
+        ffn_dim=32,
+        word_embed_proj_dim=16,
+        num_experts=4,
+        num_local_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=16,
+        shared_expert_intermediate_size=16,
+    )
+    wanted.update(family.config)
+    if tie is not None:
+        wanted["tie_word_embeddings"] = tie
+    if labels:
+        wanted["num_labels"] = labels
+    default = transformers.AutoConfig.for_model(family.model_type)
+    # no dropout: the oracle's passes and pipedp's would draw different masks
+    wanted.update({k: 0.0 for k, v in default.to_dict().items() if _is_dropout(k) and isinstance(v, float)})
+    known = {k: v for k, v in wanted.items() if hasattr(default, k) or k in type(default).attribute_map}
+    return transformers.AutoConfig.for_model(family.model_type, **known)
+
+
+def _is_dropout(key: str) -> bool:
+    return "dropout" in key or "pdrop" in key
+
+
+# ---- what the Hugging Face tests share -----------------------------------------------------------
+SEQ = 8
+LENGTHS = (8, 3, 5, 8, 4, 6, 7)  # 7 sequences, padded to SEQ
+
+
+def build(family: Family, kind: str = "causal", tie: bool = False, attention: Optional[str] = None):
+    """The family's tiny model in float64 (a classifier has 3 labels)."""
+    import transformers
+
+    auto = (
+        transformers.AutoModelForSequenceClassification
+        if kind == "classification"
+        else transformers.AutoModelForCausalLM
+    )
+    config = tiny_config(family, tie if kind == "causal" else None, labels=3 if kind == "classification" else 0)
+    return auto.from_config(config, attn_implementation=attention or family.attention[0]).double()
+
+
+def padded_batch(side: str, seed: int = 5):
+    """{"input_ids", "attention_mask"} of 7 sequences padded on ``side`` (pad id 0, real ids 1..39), and
+    shifted labels: position t is scored on token t + 1 wherever that is a real token, so with left
+    padding the last padding position (which predicts the first token) is scored too."""
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(1, VOCAB, (len(LENGTHS), SEQ), generator=g)
+    mask = torch.zeros(len(LENGTHS), SEQ, dtype=torch.long)
+    for i, length in enumerate(LENGTHS):
+        mask[i, slice(0, length) if side == "right" else slice(SEQ - length, SEQ)] = 1
+    ids = ids.masked_fill(mask == 0, 0)
+    labels = torch.full_like(ids, -100)
+    labels[:, :-1] = ids[:, 1:].masked_fill(mask[:, 1:] == 0, -100)
+    return {"input_ids": ids, "attention_mask": mask}, labels
+
+
+def dp_update(model, loss_fn, inputs, labels, **options):
+    """What one DP-SGD step (noise 0, clip 0.3, SGD lr 1, expected batch 1) subtracts from each parameter:
+    the clipped per-sample gradient sum, comparable with oracles.loop_clipped_sum."""
+    import torch
+
+    from pipedp import PipelineDPTrainer
+
+    before = {k: v.detach().clone() for k, v in model.named_parameters()}
+    options = {"microbatches": 2, "noise_multiplier": 0.0, "max_grad_norm": CLIP, "expected_batch_size": 1, **options}
+    PipelineDPTrainer(model, loss_fn, lambda p: torch.optim.SGD(p, lr=1.0), **options).step(inputs, labels)
+    return {k: before[k] - p.detach() for k, p in model.named_parameters()}
+
+
+CLIP = 0.3
+
+
+def sequence_loss(logits, labels):
+    """Per-sample cross-entropy of a classifier's logits [n, labels]."""
+    import torch.nn.functional as F
+
+    return F.cross_entropy(logits, labels, reduction="none")
+
+
+TABLE_START = (
+    "<!-- families table: generated by `python tests/hf_families.py` from tests/hf_families.py; do not edit -->"
+)
+TABLE_END = "<!-- end of families table -->"
+
+
+def render_table() -> str:
+    """The markdown table of docs/models.md's families section, between its two markers."""
+    rows = [
+        "| family | causal LM | sequence classification | tied head | status |",
+        "| --- | --- | --- | --- | --- |",
+    ]
+    for f in FAMILIES:
+        tested = "tested" if f.exact else "—"
+        classification = ("tested" if f.classification else "not in transformers") if f.exact else "—"
+        tied = "tied and untied" if f.exact else "—"  # every family here ties its head when asked
+        rows.append(f"| {f.name} | {tested} | {classification} | {tied} | {f.status} |")
+    return "\n".join([TABLE_START, *rows, TABLE_END])
+
+
+if __name__ == "__main__":
+    print(render_table())
