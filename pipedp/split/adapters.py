@@ -2,8 +2,8 @@
 
 A model is a pipeline of blocks when it has a ``pipeline_blocks()`` method returning
 ``[(name, module), ...]`` in forward order (each block taking the previous block's output
-tensor), when it is an ``nn.Sequential`` (its children), a known Hugging Face causal LM
-(hf.py), a PEFT ``PeftModel`` around any of these, a ``SplitModel`` marked for graph
+tensor), when it is an ``nn.Sequential`` (its children), a Hugging Face decoder (causal LM or
+sequence classifier, hf.py), a PEFT ``PeftModel`` around any of these, a ``SplitModel`` marked for graph
 capture (graph.py), and otherwise any module whose forward torch.fx can trace (traced.py).
 """
 

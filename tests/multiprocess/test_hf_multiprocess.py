@@ -143,3 +143,43 @@ def test_a_tied_checkpoint_loaded_stage_by_stage_trains_tied(tmp_path):
     want = tied_llama_from_folder(0, str(tmp_path / "tied"), inprocess=True)
     assert max_relative_error(got, want) < 1e-12
     assert torch.equal(got["model.embed_tokens.weight"], got["lm_head.weight"])
+
+
+def gemma_stage_step(rank, folder):
+    """Rank r materialises stage r of a tied Gemma checkpoint (its rotary frequencies and embedding scale
+    recomputed, not read), then one DP step on a left-padded batch: what it subtracted from its tensors."""
+    from hf_families import CLIP, padded_batch
+
+    from pipedp.split.hf_loading import load_pipeline_stage
+
+    model = load_pipeline_stage(folder, 2, rank).double()
+    before = {k: v.detach().clone() for k, v in model.named_parameters(remove_duplicate=False) if not v.is_meta}
+    trainer = PipelineDPTrainer(
+        model,
+        token_loss,
+        lambda p: torch.optim.SGD(p, lr=1.0),
+        stages=2,
+        microbatches=2,
+        noise_multiplier=0.0,
+        max_grad_norm=CLIP,
+        expected_batch_size=1,
+    )
+    trainer.step(*padded_batch("left"))
+    after = dict(model.named_parameters(remove_duplicate=False))  # the tied head: its own copy on rank 1
+    return {k: v - after[k].detach() for k, v in before.items() if not after[k].is_meta}
+
+
+def test_a_tied_gemma_loaded_stage_by_stage_in_processes_matches_the_loop_oracle(tmp_path):
+    from hf_families import CLIP, FAMILIES, build, padded_batch
+    from oracles import loop_clipped_sum
+
+    gemma = next(f for f in FAMILIES if f.model_type == "gemma")
+    build(gemma, tie=True).float().save_pretrained(tmp_path, max_shard_size="20KB")
+    model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path).double()
+    assert model.lm_head.weight is model.get_input_embeddings().weight
+    inputs, labels = padded_batch("left")
+    want = loop_clipped_sum(model, lambda out, y: token_loss(out.logits, y), inputs, labels, CLIP)
+    first, last = launch(gemma_stage_step, 2, (str(tmp_path),), timeout_s=300)
+    # the tied tensor is two copies in two processes, which got the same update
+    assert torch.equal(first["model.embed_tokens.weight"], last.pop("lm_head.weight"))
+    assert max_relative_error({**first, **last}, want) < gemma.tolerance
