@@ -142,6 +142,8 @@ def _run(layer, args, kwargs, rows, length, width, fixes: LayerFixes) -> _Seen:
             handles.append(module.register_forward_hook(_record_unit(seen, path), with_kwargs=True))
         handles.append(module.register_forward_hook(_record_output(seen, path)))
     hidden = torch.zeros(rows, length, width, dtype=_dtype(layer), device=_device(args, kwargs))
+    checkpointing = layer.__dict__.get("gradient_checkpointing")
+    layer.gradient_checkpointing = False  # run once, no recomputation (outside these hooks)
     try:
         with torch.enable_grad(), standing_in([layer], hidden.device, real_too=True):
             with capturable(layer, fixes, rows, length):
@@ -151,6 +153,10 @@ def _run(layer, args, kwargs, rows, length, width, fixes: LayerFixes) -> _Seen:
     finally:
         for handle in handles:
             handle.remove()
+        if checkpointing is None:
+            del layer.gradient_checkpointing
+        else:
+            layer.gradient_checkpointing = checkpointing
     seen.changed = [p for p, t in seen.unit_outputs.items() if t._version != seen.versions[p]]
     return seen
 

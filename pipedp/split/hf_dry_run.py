@@ -12,6 +12,7 @@ first element of a tuple), and checks what the adapter relies on:
 
 from __future__ import annotations
 
+from functools import partial
 from typing import Dict, List, Set, Tuple
 
 import torch
@@ -151,7 +152,8 @@ class _DryRun:
             sides.add(side)
             if next(module.parameters(recurse=False), None) is not None:  # as the blocks will call it
                 self.called.add(id(module))
-                positional(f"{self.name}: {path}", module, args, kwargs, ROWS, _random_like(module, self.device))
+                weights = partial(_random_like, module, self.device)  # made only if the call needs the check
+                positional(f"{self.name}: {path}", module, args, kwargs, ROWS, weights)
 
         return hook
 

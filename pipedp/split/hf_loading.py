@@ -29,12 +29,8 @@ def _auto_class(config):
     """AutoModelForSequenceClassification for a classifier's folder, else AutoModelForCausalLM."""
     from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
 
-    names = getattr(config, "architectures", None) or []
-    return (
-        AutoModelForSequenceClassification
-        if any(n.endswith("ForSequenceClassification") for n in names)
-        else (AutoModelForCausalLM)
-    )
+    classifier = any(n.endswith("ForSequenceClassification") for n in getattr(config, "architectures", None) or [])
+    return AutoModelForSequenceClassification if classifier else AutoModelForCausalLM
 
 
 def load_local_model(path: str, attn_implementation: str = "sdpa", device: str = "cpu") -> nn.Module:
@@ -79,7 +75,7 @@ def load_pipeline_stage(
     folder: str,
     stages: int,
     stage: int,
-    balance="params",
+    balance="compute",
     untie_weights: bool = False,
     attn_implementation: str = "sdpa",
     device="cpu",

@@ -121,7 +121,8 @@ def positional(where: str, module: nn.Module, args: tuple, kwargs: dict, rows: i
     """None when the call already is positional and batch-first; else (leading tensors, {}) — each
     tensor with one row expanded to ``rows`` — once checked to give exactly the model's own output
     (e.g. OPT's position embedding, called with the mask and the position ids it computes from it).
-    ``weights``: other values for the module's own parameters to check with (the dry run's)."""
+    ``weights``: a function giving other values for the module's own parameters to check with (the
+    dry run's), called only for a call that needs the check."""
     bound = inspect.signature(module.forward).bind(*args, **kwargs).arguments
     lead = []
     for value in bound.values():  # in the order of the forward's parameters
@@ -132,7 +133,7 @@ def positional(where: str, module: nn.Module, args: tuple, kwargs: dict, rows: i
     if not kwargs and len(lead) == len(args) and all(a is b for a, b in zip(lead, args)):
         return None
     if lead and all(t.dim() and t.shape[0] == rows for t in lead):
-        with torch.no_grad(), _parameters_set(module, weights or {}):
+        with torch.no_grad(), _parameters_set(module, weights() if weights else {}):
             want, got = module.forward(*args, **kwargs), module.forward(*lead)
         if isinstance(want, torch.Tensor) and isinstance(got, torch.Tensor) and _broadcast_equal(got, want):
             return tuple(lead), {}

@@ -163,6 +163,12 @@ def _layer_fixes(s: Structure, calls: list) -> List[LayerFixes]:
         if type(layer) not in found:
             where = f"{type(s.model).__name__}: {s.layers_path}.{i}"
             found[type(layer)] = find_fixes(where, layer, args, kwargs, shape[0], shape[1], shape[-1])
+            if found[type(layer)] and getattr(layer, "gradient_checkpointing", False):
+                raise UnsupportedModelError(
+                    f"{where}: its calls are made capturable per sample by hooks around each call "
+                    f"({found[type(layer)]}), which activation checkpointing's recomputation would run without: "
+                    "disable activation checkpointing for this model"
+                )
     return [found[type(layer)] for layer in s.layers]
 
 

@@ -124,6 +124,13 @@ def test_activation_checkpointing_non_reentrant_is_exact_reentrant_is_refused(re
     assert max_relative_error(dp_update(model, token_loss, x, y, stages=2), want) < 1e-12
 
 
+def test_activation_checkpointing_is_refused_where_a_layers_calls_need_hooks():
+    model = build(FAMILY["opt"])  # its feed-forward runs on [batch * seq, hidden] (hf_capturable.py)
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    with pytest.raises(UnsupportedModelError, match=r"model.decoder.layers.0: .*disable activation checkpointing"):
+        PipelineDPTrainer(model, token_loss, stages=2, expected_batch_size=1)
+
+
 def test_the_masks_and_the_sliding_window_change_the_models_output():
     """The test batches exercise what pipedp must reproduce: left padding changes the logits of the
     real tokens, and a window of 4 changes those of the 8-token sequences (test_hf_families shows the
