@@ -7,7 +7,7 @@ weights from a safetensors file, trained with DP-SGD.
 
 Without --weights, rank 0 first writes a randomly initialised model to a temporary file (a
 stand-in for a checkpoint too large for one process): every rank then builds the model on the
-meta device (no memory) and materialises only its stage from the file.
+meta device (no memory) and materializes only its stage from the file.
 """
 
 import argparse

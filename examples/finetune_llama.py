@@ -88,7 +88,7 @@ def main():
 
     model = load_pipeline_stage(folder, stages=world, stage=rank, untie_weights=True)
     print(f"rank {rank}: {resident_parameter_bytes(model) / 1e6:.2f} MB of parameters resident", flush=True)
-    costs = block_costs(model_blocks(model, untie_weights=True), "params")  # the split the loader used
+    costs = block_costs(model_blocks(model, untie_weights=True), "compute")  # the split the loader used
     from peft import LoraConfig, get_peft_model
 
     torch.manual_seed(0)  # the same adapter initialisation on every rank

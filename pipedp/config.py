@@ -109,9 +109,9 @@ class PipelineConfig:
         cli=False,
     )
     balance: Balance = option(
-        "params",
-        "how blocks are grouped into stages: 'params', 'uniform', a list of "
-        "block costs or pipedp.measured_costs(sample)",
+        "compute",
+        "how blocks are grouped into stages: 'compute' (multiply-adds per token: an embedding is a lookup), "
+        "'params', 'uniform', a list of block costs or pipedp.measured_costs(sample)",
         cli=False,
     )
     untie_weights: bool = option(

@@ -25,7 +25,7 @@ import torch
 
 from ..privacy.streams import Stream, stream_seed
 from ..train.trainer import PipelineDPTrainer
-from .bounds import Guesses, best_guesses, guess_sizes
+from .bounds import Guesses, NoiseCheck, best_guesses, guess_sizes, noise_checks
 from .canaries import audit_data, audit_loss, audit_model, canary_block, tap_names
 
 
@@ -45,17 +45,6 @@ class AuditConfig:
     microbatches: int = 4
     seed: int = 0  # the audit's coin flips; training uses seed + 1
     transport: str = "inprocess"
-
-
-@dataclass
-class NoiseCheck:
-    stage: int
-    samples: int  # per-step noise values of excluded canaries on this stage
-    measured_sigma: float
-    claimed_sigma: float
-    step_correlation: float  # of one step's noise with the next's (0 when fresh)
-    ok: bool
-    problem: str = ""
 
 
 @dataclass
@@ -239,47 +228,6 @@ def whitebox_scores(z: np.ndarray, q: float, stage_of: np.ndarray) -> Dict[str, 
         a = (2 * z[:, cols] - 1) / (2 * sigma2)
         likelihood[cols] = (np.logaddexp(np.log1p(-q), math.log(q) + a) if q < 1 else a).sum(axis=0)
     return {"likelihood": likelihood, "variance": z.var(axis=0)}
-
-
-def noise_checks(
-    z: np.ndarray, included: np.ndarray, stage_of: np.ndarray, stages: int, sigma: float, beta: float
-) -> List[NoiseCheck]:
-    """Per stage, from excluded canaries (pure noise): is it as large as claimed, and fresh every step?
-    Two one-sided z-tests per stage, Bonferroni-corrected to ``beta`` overall, each with an effect
-    floor (noise at least 10% below the claim, a step-to-step correlation above 0.2) so that sampling
-    wiggles of a correct run never fail it, while the bugs it is for (noise off, halved, or repeated)
-    are far beyond both."""
-    threshold = _normal_quantile(1 - beta / (2 * stages))
-    checks = []
-    for s in range(stages):
-        noise = z[:, (~included) & (stage_of == s)]
-        n = noise.size
-        if n < 2 or z.shape[0] < 2:
-            continue
-        measured = float(np.sqrt((noise**2).mean()))
-        problems = []
-        if sigma > 0:
-            significant = measured == 0 or math.log(measured**2 / sigma**2) * math.sqrt(n / 2) < -threshold
-            if significant and measured < 0.9 * sigma:
-                problems.append(f"less noise than claimed: {measured:.3f} < {sigma:.3f}")
-        pairs = noise[:-1] * noise[1:]
-        corr = float(pairs.mean() / measured**2) if measured > 0 else 0.0
-        if measured > 0 and corr * math.sqrt(pairs.size) > threshold and corr > 0.2:
-            problems.append(f"noise repeats across steps (correlation {corr:+.3f})")
-        checks.append(NoiseCheck(s, n, measured, sigma, corr, not problems, "; ".join(problems)))
-    return checks
-
-
-def _normal_quantile(p: float) -> float:
-    """Inverse of the standard normal CDF (bisection on erf: exact enough for test thresholds)."""
-    low, high = -40.0, 40.0
-    for _ in range(200):
-        mid = (low + high) / 2
-        if 0.5 * (1 + math.erf(mid / math.sqrt(2))) < p:
-            low = mid
-        else:
-            high = mid
-    return (low + high) / 2
 
 
 def _blackbox(config: AuditConfig, rank: int) -> Optional[AuditResult]:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 from dataclasses import replace
+from typing import Optional
 
 from ..audit.run import AuditConfig, AuditResult, audit_rank, run_audit
 from ..runtime.launch import init_from_env, launch
@@ -37,7 +38,7 @@ def run(args) -> int:
         raw = audit_rank(int(os.environ["RANK"]), replace(config, transport="auto"))
         if raw is None:
             return 0
-        result = AuditResult.from_dict(raw)
+        result: Optional[AuditResult] = AuditResult.from_dict(raw)
     elif args.inprocess or args.stages == 1:
         result = run_audit(config)
     else:

@@ -137,7 +137,7 @@ def build_trainer(job: Job, rank: int):
         # split where the stage loader split the base model, whatever parameters LoRA adds
         from dataclasses import replace
 
-        pipeline = replace(pipeline, balance=block_costs(model_blocks(model, pipeline.untie_weights), "params"))
+        pipeline = replace(pipeline, balance=block_costs(model_blocks(model, pipeline.untie_weights), "compute"))
         model = with_lora(model, job.lora_r, job.lora_targets, job.privacy.seed)
     no_decay = no_decay_parameters(model, job.optim.no_decay_kinds())
     return PipelineDPTrainer(

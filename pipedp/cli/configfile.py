@@ -27,7 +27,7 @@ def _load_toml(path: str) -> Dict[str, Any]:
         import tomllib  # Python 3.11+
     except ImportError:  # pragma: no cover (Python 3.10)
         try:
-            import tomli as tomllib  # type: ignore[no-redef]
+            import tomli as tomllib
         except ImportError as exc:
             raise ConfigFileError("--config needs Python 3.11 (tomllib) or the tomli package") from exc
     try:

@@ -152,7 +152,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def train_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    return parser._subparsers._group_actions[0].choices["train"]  # type: ignore[union-attr]
+    return parser._subparsers._group_actions[0].choices["train"]  # type: ignore[union-attr,index]
 
 
 def parse(argv: Optional[List[str]] = None) -> argparse.Namespace:

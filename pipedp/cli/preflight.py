@@ -71,7 +71,7 @@ def check_flags(args) -> Tuple[PipelineConfig, PrivacyConfig, FitConfig, DataCon
             check_source(path)
     if args.report_to == "tensorboard" and importlib.util.find_spec("tensorboard") is None:
         raise ImportError("--report-to tensorboard needs the tensorboard package: pip install tensorboard")
-    if data.privacy_unit == "user" and pipeline.microbatch_size is not None:
+    if data.privacy_unit == "user" and pipeline.microbatch_size is not None and data.max_records_per_user:
         if pipeline.microbatch_size % data.max_records_per_user:
             raise ConfigError(
                 f"microbatch_size: {pipeline.microbatch_size} is not a multiple of --max-records-per-user "
@@ -153,7 +153,7 @@ def check_model(args, pipeline: PipelineConfig) -> Model:
             f"{len(blocks)} or fewer",
             "stages",
         )
-    partition(blocks, pipeline.stages, "params", block_costs(blocks, "params"))
+    partition(blocks, pipeline.stages, "compute", block_costs(blocks, "compute"))
     if args.lora_r is not None:
         from .build import with_lora
 

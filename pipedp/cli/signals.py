@@ -36,7 +36,7 @@ def signal_name(exc: BaseException) -> str:
 @contextmanager
 def raising() -> Iterator[None]:
     """The first SIGTERM / SIGINT raises Terminated; later ones are ignored (the first is unwinding)."""
-    seen = []
+    seen: list = []
 
     def handler(signum, frame):
         if not seen:
@@ -64,9 +64,11 @@ class Forwarding:
                 raise Terminated(signum)
             self.signum = signum
             for child in multiprocessing.active_children():  # only the processes this launcher started
+                if child.pid is None:
+                    continue
                 try:
                     os.kill(child.pid, signal.SIGTERM)
-                except (ProcessLookupError, TypeError):
+                except ProcessLookupError:
                     pass
 
         previous = {s: signal.signal(s, handler) for s in STOPPING}

@@ -179,7 +179,8 @@ def to_rows(
         labels[r, : len(targets)] = torch.tensor(targets, dtype=torch.int32)
     counts["rows"] = rows
     lengths_t = torch.tensor(lengths, dtype=torch.int32)
-    return Tokenized(ids, labels, lengths_t, users if user_field else None, counts, fmt, int(tokenizer.pad_id))
+    named = [str(u) for u in users] if user_field else None
+    return Tokenized(ids, labels, lengths_t, named, counts, fmt, int(tokenizer.pad_id))
 
 
 def describe_counts(t: Tokenized, name: str, seq_len: int) -> str:

@@ -72,8 +72,8 @@ class ClipRule:
 
     def for_stage(self, index: int, layers: Sequence[str]) -> "StageClip":
         if self.mode == "per_layer":
-            threshold = dict(self.layer_thresholds)
-            thresholds = torch.tensor([[threshold[name]] for name in layers], dtype=torch.float64)
+            of_layer = dict(self.layer_thresholds)
+            thresholds = torch.tensor([[of_layer[name]] for name in layers], dtype=torch.float64)
             return StageClip(self, tuple(layers), thresholds)
         threshold = self.stage_thresholds[index if self.mode == "per_stage" else 0]  # flat: one C for all
         return StageClip(self, tuple(layers), torch.tensor(threshold, dtype=torch.float64))

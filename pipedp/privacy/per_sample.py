@@ -1,7 +1,7 @@
-"""Per-sample squared gradient norms and clipped gradient sums of one unit, through the layer-rule
+"""Per-sample squared gradient norms and clipped gradient sums of one layer, through the layer-rule
 registry (pipedp.privacy.rules: one entry per layer type).
 
-All functions are pure: (unit, inputs, output-grads) -> tensors.
+All functions are pure: (layer, inputs, output-grads) -> tensors.
 """
 
 from __future__ import annotations
@@ -32,30 +32,30 @@ __all__ = [
 ]
 
 
-def per_sample_grads(unit: nn.Module, inputs: Sequence[torch.Tensor], backprops: torch.Tensor) -> Grads:
-    """{param: [n, *param.shape]} per-sample gradients of the unit's own trainable parameters."""
-    return rule_for(unit).grads(unit, inputs, backprops)
+def per_sample_grads(layer: nn.Module, inputs: Sequence[torch.Tensor], backprops: torch.Tensor) -> Grads:
+    """{param: [n, *param.shape]} per-sample gradients of the layer's own trainable parameters."""
+    return rule_for(layer).grads(layer, inputs, backprops)
 
 
 def ghost_squared_norms(
-    unit: nn.Module, inputs: Sequence[torch.Tensor], backprops: torch.Tensor, grams: Optional[GramCache] = None
+    layer: nn.Module, inputs: Sequence[torch.Tensor], backprops: torch.Tensor, grams: Optional[GramCache] = None
 ) -> Optional[Grads]:
     """{param: [n]} squared norms without materialising per-sample gradients, or None where the
-    unit's rule has no ghost formula or materialising is cheaper."""
-    rule = rule_for(unit)
-    return None if rule.norms is None else rule.norms(unit, inputs, backprops, grams)
+    layer's rule has no ghost formula or materialising is cheaper."""
+    rule = rule_for(layer)
+    return None if rule.norms is None else rule.norms(layer, inputs, backprops, grams)
 
 
-def clipped_grad_sum(unit: nn.Module, inputs: Sequence[torch.Tensor], scaled_backprops: torch.Tensor) -> Grads:
-    """sum_i c_i grad_i for the unit's own parameters, given backprops already scaled by c_i: since a
+def clipped_grad_sum(layer: nn.Module, inputs: Sequence[torch.Tensor], scaled_backprops: torch.Tensor) -> Grads:
+    """sum_i c_i grad_i for the layer's own parameters, given backprops already scaled by c_i: since a
     layer's weight gradient is linear in its output gradient, this is the layer's ordinary weight
     gradient for the scaled output gradient (no per-sample tensors, no backward through the pipeline)."""
-    return rule_for(unit).weight(unit, inputs, scaled_backprops)
+    return rule_for(layer).weight(layer, inputs, scaled_backprops)
 
 
-def pools_positions(unit: nn.Module) -> bool:
-    """May a privacy unit's rows be folded into positions for this layer (see privacy/units.py)?"""
-    return rule_for(unit).pools_positions
+def pools_positions(layer: nn.Module) -> bool:
+    """May a privacy layer's rows be folded into positions for this layer (see privacy/units.py)?"""
+    return rule_for(layer).pools_positions
 
 
 def squared_norms(per_sample: torch.Tensor) -> torch.Tensor:
@@ -64,12 +64,12 @@ def squared_norms(per_sample: torch.Tensor) -> torch.Tensor:
 
 
 def keeps_per_sample_grads(
-    unit: nn.Module,
+    layer: nn.Module,
     inputs: Sequence[torch.Tensor],
     backprops: torch.Tensor,
     memory_ratio: float = KEEP_MEMORY_RATIO,
 ) -> bool:
-    """Compute this unit's per-sample gradients once in I and keep them for W (the clipped sum is then
+    """Compute this layer's per-sample gradients once in I and keep them for W (the clipped sum is then
     their weighted sum, and the captured inputs and output-grads are freed at I), rather than ghost
     norms in I and the clipped weight product in W?
 
@@ -78,9 +78,9 @@ def keeps_per_sample_grads(
     two [n, d] tensors that save W's re-normalisation), and only while the per-sample gradients take
     at most ``memory_ratio`` times the captures they free (1 by default: never more memory;
     grad_mode="keep" passes infinity)."""
-    rule = rule_for(unit)
-    if rule.keepable is None or not rule.keepable(unit, inputs, backprops):
+    rule = rule_for(layer)
+    if rule.keepable is None or not rule.keepable(layer, inputs, backprops):
         return False
     held = sum(a.numel() for a in inputs if a.is_floating_point()) + backprops.numel()
-    per_sample = backprops.shape[0] * sum(p.numel() for _, p in trainable_direct_params(unit))
+    per_sample = backprops.shape[0] * sum(p.numel() for _, p in trainable_direct_params(layer))
     return 0 < per_sample <= memory_ratio * held

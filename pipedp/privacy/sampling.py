@@ -13,6 +13,7 @@ import math
 from typing import Optional
 
 import torch
+from scipy.stats import binom
 
 from .secure import secure_uniform
 from .streams import Stream, stream_seed
@@ -55,12 +56,4 @@ def truncation_probability(num_examples: int, sample_rate: float, cap: int) -> f
     """P(Binomial(N, q) > cap): the chance one step's Poisson batch exceeds the cap."""
     if cap >= num_examples:
         return 0.0
-    log_q, log_1q = math.log(sample_rate), math.log1p(-sample_rate) if sample_rate < 1 else -math.inf
-    total = 0.0
-    for k in range(cap + 1, num_examples + 1):
-        term = math.lgamma(num_examples + 1) - math.lgamma(k + 1) - math.lgamma(num_examples - k + 1)
-        term += k * log_q + ((num_examples - k) * log_1q if num_examples > k else 0.0)
-        total += math.exp(term)
-        if k > num_examples * sample_rate and term < -80:  # the rest of the tail is negligible
-            break
-    return min(1.0, total)
+    return min(1.0, float(binom.sf(cap, num_examples, sample_rate)))

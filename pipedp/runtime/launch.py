@@ -167,7 +167,7 @@ def launch(
     for p in procs:
         p.start()
     values: dict = {}
-    failure = None
+    failure: Optional[tuple] = None
     deadline = time.monotonic() + timeout_s
     try:
         while len(values) < nprocs and failure is None:

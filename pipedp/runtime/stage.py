@@ -116,7 +116,7 @@ class Stage:
         )
         self.tie = StageTie(tie, index, self.layers) if tie is not None else None
         self.parameters = self.tie.stepped(self.trainable) if self.tie else list(self.trainable)
-        self.noised_elsewhere = self.tie.noise_free(self.parameters) if self.tie else set()
+        self.noised_elsewhere = self.tie.noised_elsewhere(self.parameters) if self.tie else set()
         shared = _params_in_several_layers(self.layers)
         # layers one of whose parameters another layer also uses: their norms need the summed gradient
         self._shares_params = {
@@ -277,7 +277,10 @@ class Stage:
                 out = self._call(b, out, side_inputs)
                 if isinstance(out, tuple) and len(out) == 1:
                     out = out[0]
-            return self.loss_fn(out, targets).detach() if self.is_last else out
+            if not self.is_last:
+                return out
+            assert self.loss_fn is not None  # the last stage's
+            return self.loss_fn(out, targets).detach()
 
     def _call(self, block: Block, value, side_inputs: Optional[Dict[str, torch.Tensor]]):
         """One block on the value before it: a tuple is spread over its positional arguments."""
@@ -307,6 +310,7 @@ class Stage:
         pairs = [(name, call) for name, calls in state.calls.items() for call in calls]
         targets = []
         for name, call in pairs:
+            assert call.output is not None  # (dropped only after this backward)
             if call.output._version != call.version:
                 raise UnsupportedModelError(
                     f"the output of layer {name!r} was modified in place after it was computed "
@@ -402,7 +406,7 @@ class Stage:
         return {p: v.to(torch.float64) for p, v in per_param.items()}
 
     def _folded(self, inputs: Sequence[torch.Tensor]) -> Tuple[torch.Tensor, ...]:
-        return inputs if self.units.single else tuple(self.units.fold(a) for a in inputs)
+        return tuple(inputs) if self.units.single else tuple(self.units.fold(a) for a in inputs)
 
     def _per_layer(self, per_param: Dict[nn.Parameter, torch.Tensor]) -> Dict[str, torch.Tensor]:
         """{layer: [n]}: the per-parameter norms summed per owning layer."""
@@ -418,7 +422,7 @@ class Stage:
         if key not in self._ways:
             layer = self.layers[name]
             ratio = self.options.memory_ratio
-            if self.tie is not None and name == self.tie.unit:  # the tie reads its captures after I
+            if self.tie is not None and name == self.tie.layer:  # the tie reads its captures after I
                 ratio = 0.0
             ways = grad_modes.allowed(self.grad_mode, layer, inputs, backprops, ratio)
             if self.grad_mode == "auto":

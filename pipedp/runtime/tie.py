@@ -56,16 +56,16 @@ class TieRole:
 class StageTie:
     """One stage's part in the tie."""
 
-    def __init__(self, role: TieRole, stage_index: int, units: Dict[str, nn.Module]):
+    def __init__(self, role: TieRole, stage_index: int, layers: Dict[str, nn.Module]):
         self.role, self.stage_index = role, stage_index
-        self.unit = ""  # the unit holding the tied weight (the Embedding, or the head Linear)
+        self.layer = ""  # the layer holding the tied weight (the Embedding, or the head Linear)
         self.module: Optional[nn.Module] = None
         self.weight: Optional[nn.Parameter] = None
         if role.role != "relay":
-            self.unit = next((u for u in units if f"{u}.weight" == role.name), "")
-            if not self.unit:
+            self.layer = next((name for name in layers if f"{name}.weight" == role.name), "")
+            if not self.layer:
                 raise UnsupportedModelError(f"stage {stage_index}: tied parameter {role.name} belongs to no layer here")
-            self.module = units[self.unit]
+            self.module = layers[self.layer]
             self.weight = self.module.weight
 
     # ---- which parameters this stage steps and noises -------------------------------------------
@@ -75,7 +75,7 @@ class StageTie:
             return [p for p in parameters if p is not self.weight]
         return parameters
 
-    def noise_free(self, parameters: List[nn.Parameter]) -> Set[int]:
+    def noised_elsewhere(self, parameters: List[nn.Parameter]) -> Set[int]:
         """Indices of ``parameters`` whose noise another stage adds (the partner's own copy)."""
         if self.role.role == "partner" and self.role.own_copy:
             return {k for k, p in enumerate(parameters) if p is self.weight}
@@ -98,12 +98,12 @@ class StageTie:
 
     def _message(self, state, ids: torch.Tensor) -> torch.Tensor:
         """M[i, t] = sum_s B_i[s, x_i[t]] H_i[s], [n, T, d], from the head's output-grads B and inputs H."""
-        calls = state.calls.get(self.unit, [])
+        calls = state.calls.get(self.layer, [])
         if len(calls) != 1:
-            raise UnsupportedModelError(f"the tied head {self.unit!r} must run once per micro-batch, ran {len(calls)}")
+            raise UnsupportedModelError(f"the tied head {self.layer!r} must run once per micro-batch, ran {len(calls)}")
         n = state.units  # a privacy unit's rows are folded into its positions (privacy/units.py)
         head_in = calls[0].inputs[0].reshape(n, -1, calls[0].inputs[0].shape[-1])
-        grads = state.backprops[self.unit][0]
+        grads = state.backprops[self.layer][0]
         grads = grads.reshape(n, -1, grads.shape[-1])
         ids = ids.reshape(n, -1).to(grads.device)
         if ids.shape[1] != grads.shape[1]:
@@ -117,15 +117,15 @@ class StageTie:
     def _cross(self, state, message: torch.Tensor, message_ids: torch.Tensor) -> torch.Tensor:
         """<g_emb,i, g_head,i> per privacy unit, [units] float64. ``message_ids``: the ids the partner built the
         message from, which must be the ones the embedding read."""
-        calls = state.calls.get(self.unit, [])
+        calls = state.calls.get(self.layer, [])
         ids = calls[0].inputs[0] if len(calls) == 1 else None
         if ids is None or ids.shape != message_ids.shape or not torch.equal(ids, message_ids.to(ids.device)):
             raise UnsupportedModelError(
-                f"the tied embedding {self.unit!r} must read the micro-batch's token ids, once and unchanged, for "
+                f"the tied embedding {self.layer!r} must read the micro-batch's token ids, once and unchanged, for "
                 "pipedp to compute the tie's cross term exactly; it read other values (or ran "
                 f"{len(calls)} times): give the head its own weight"
             )
-        grads = state.backprops[self.unit][0]
+        grads = state.backprops[self.layer][0]
         padding = getattr(self.module, "padding_idx", None)
         if padding is not None:  # autograd gives the padding row no gradient
             grads = grads * (ids != padding).unsqueeze(-1).to(grads.dtype)

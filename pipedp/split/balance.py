@@ -52,6 +52,8 @@ def report(
 def cost_unit(balance) -> str:
     if balance == "params":
         return "parameters"
+    if balance == "compute":
+        return "multiply-adds per token"
     if balance == "uniform":
         return "blocks"
     return getattr(balance, "unit", "cost")

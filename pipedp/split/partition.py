@@ -70,18 +70,36 @@ def parameter_costs(blocks: Sequence[Block]) -> List[float]:
     return [float(sum(p.numel() for p in b.module.parameters())) for b in blocks]
 
 
+def compute_costs(blocks: Sequence[Block]) -> List[float]:
+    """Multiply-adds per token, from the parameters: a Linear (a Conv1D, a convolution) costs its weight's
+    size, an embedding one row (a lookup: no matrix work), any other parameter its size. The forward and
+    the DP passes scale with this; parameter counts would weigh a 32000 x 4096 embedding like a head."""
+    costs = []
+    for b in blocks:
+        total, seen = 0, set()
+        for module in b.module.modules():
+            for p in module.parameters(recurse=False):
+                if id(p) in seen:
+                    continue
+                seen.add(id(p))
+                is_lookup = isinstance(module, (nn.Embedding, nn.EmbeddingBag)) and p is module.weight
+                total += module.embedding_dim if is_lookup else p.numel()
+        costs.append(float(total))
+    return costs
+
+
 def block_costs(blocks: Sequence[Block], balance: Balance) -> List[float]:
     """The per-block costs a balance rule stands for ("uniform" counts every block as 1)."""
     if balance == "uniform":
         return [1.0] * len(blocks)
-    if balance == "params":
-        costs = parameter_costs(blocks)
+    if balance in ("params", "compute"):
+        costs = parameter_costs(blocks) if balance == "params" else compute_costs(blocks)
         return costs if sum(costs) > 0 else [1.0] * len(blocks)
     if callable(balance):
         costs = list(balance(blocks))
     elif isinstance(balance, str):
         raise PartitionError(
-            f"unknown balance {balance!r}: use 'uniform', 'params', a list of block costs, "
+            f"unknown balance {balance!r}: use 'compute', 'params', 'uniform', a list of block costs, "
             "or pipedp.measured_costs(sample_input)"
         )
     else:
@@ -92,9 +110,10 @@ def block_costs(blocks: Sequence[Block], balance: Balance) -> List[float]:
 
 
 def partition(
-    blocks: Sequence[Block], stages: int, balance: Balance = "params", costs: Optional[Sequence[float]] = None
+    blocks: Sequence[Block], stages: int, balance: Balance = "compute", costs: Optional[Sequence[float]] = None
 ) -> List[List[Block]]:
-    """Group blocks into stages: "uniform" (block counts), "params" (parameter counts), a list of
+    """Group blocks into stages: "compute" (multiply-adds per token), "uniform" (block counts), "params"
+    (parameter counts), a list of
     per-block costs, or a function of the blocks returning such a list (e.g. measured_costs)."""
     if balance == "uniform":
         ranges = uniform_split(len(blocks), stages)

@@ -124,7 +124,7 @@ def load_stage(
     weights: WeightSource,
     stages: int,
     stage: int,
-    balance: Balance = "params",
+    balance: Balance = "compute",
     device="cpu",
     untie_weights: bool = False,
 ) -> nn.Module:

@@ -146,7 +146,7 @@ def test_a_tied_checkpoint_loaded_stage_by_stage_trains_tied(tmp_path):
 
 
 def gemma_stage_step(rank, folder):
-    """Rank r materialises stage r of a tied Gemma checkpoint (its rotary frequencies and embedding scale
+    """Rank r materializes stage r of a tied Gemma checkpoint (its rotary frequencies and embedding scale
     recomputed, not read), then one DP step on a left-padded batch: what it subtracted from its tensors."""
     from hf_families import CLIP, padded_batch
 

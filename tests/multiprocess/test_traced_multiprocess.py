@@ -90,7 +90,7 @@ def test_the_torchrun_example_of_the_automatic_split_runs():
 
 
 def test_each_process_loads_its_stage_of_a_tied_model_and_the_tie_holds(tmp_path):
-    """The head shares the embedding's weight; materialising a stage replaces parameters, and the tie is
+    """The head shares the embedding's weight; materializing a stage replaces parameters, and the tie is
     restored, so the cross-stage tie is trained exactly: equal to the whole model's step in one process
     (itself checked against the loop oracle in tests/numerics/test_traced_split.py)."""
     from loop_models import TiedLM

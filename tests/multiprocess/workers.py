@@ -96,7 +96,7 @@ def fit_run(rank, steps, checkpoint_dir, resume, die_at_step=None):
 
 
 def hf_stage_step(rank, folder, stages):
-    """Each rank materialises only its stage from the checkpoint, then one DP step."""
+    """Each rank materializes only its stage from the checkpoint, then one DP step."""
     from pipedp.split.hf_loading import load_pipeline_stage, resident_parameter_bytes
 
     model = load_pipeline_stage(folder, stages, rank % stages, untie_weights=True)

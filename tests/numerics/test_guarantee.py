@@ -4,18 +4,14 @@ and a word when a step is charged but cannot change anything."""
 
 import pytest
 import torch
-import torch.nn.functional as F
 from opacus.accountants import create_accountant
 from oracles import max_relative_error
+from steps import class_loss
 
 from pipedp import ConfigError, PipeDPError, PipelineDPTrainer, PrivacyBudgetExceeded, PrivacyConfig
 from pipedp.models import mlp
 from pipedp.privacy.accounting import calibrate_noise, epsilon_of
 from pipedp.privacy.sampling import shuffled_indices, steps_per_epoch
-
-
-def class_loss(out, y):
-    return F.cross_entropy(out, y, reduction="none")
 
 
 def data(n=256, seed=0):

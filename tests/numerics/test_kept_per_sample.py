@@ -1,6 +1,6 @@
 """Both ways of one stage's W pass against the loop oracle: per-sample gradients kept from I (their
 weighted sum) and the clipped product of captured inputs and scaled output-grads (ghost norms or
-materialised norms in I)."""
+materialized norms in I)."""
 
 import copy
 

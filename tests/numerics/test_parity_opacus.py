@@ -6,6 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from oracles import max_relative_error, opacus_step
+from pairwise import grid_with_slow_marks
 
 from pipedp import PipelineDPTrainer
 from pipedp.models import GPTConfig, mlp, tiny_gpt, token_loss
@@ -56,12 +57,18 @@ def run_pipedp(model_name, n, mode, dtype, stages, microbatches, schedule):
     return trainer.state_dict()
 
 
-@pytest.mark.parametrize("model_name", ["mlp", "gpt"])
-@pytest.mark.parametrize("mode", ["ghost", "materialize"])
-@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "dp-zb", "dp-zb-2x"])
-@pytest.mark.parametrize("stages", [1, 2, 3, 4])
-@pytest.mark.parametrize("microbatches", [1, 2, 4, 8])
-@pytest.mark.parametrize("n", [16, 13])  # 13 does not divide: padded rows
+GRID = [
+    ["mlp", "gpt"],  # model_name
+    ["ghost", "materialize"],  # mode
+    ["gpipe", "1f1b", "dp-zb", "dp-zb-2x"],  # schedule
+    [1, 2, 3, 4],  # stages
+    [1, 2, 4, 8],  # microbatches
+    [16, 13],  # n: 13 does not divide, padded rows
+]
+
+
+# the whole grid; the pairwise subset (every pair of values of any two factors) in the fast tier
+@pytest.mark.parametrize("model_name, mode, schedule, stages, microbatches, n", grid_with_slow_marks(pytest, GRID))
 def test_matches_opacus_float64(model_name, mode, schedule, stages, microbatches, n):
     got = run_pipedp(model_name, n, mode, torch.float64, stages, microbatches, schedule)
     want = reference(model_name, n, mode, torch.float64)

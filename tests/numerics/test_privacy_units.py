@@ -6,24 +6,12 @@ import copy
 import pytest
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 from loop_models import MaskedNet
 from oracles import loop_unit_clipped_sum, max_relative_error
+from steps import class_loss, pipedp_clipped_sum
 
 from pipedp import BatchError, PipelineDPTrainer
 from pipedp.models import GPTConfig, tiny_gpt, token_loss
-
-
-def class_loss(out, y):
-    return F.cross_entropy(out, y, reduction="none")
-
-
-def clipped_sum(model, loss, x, y, clip, **kw):
-    before = {k: v.detach().clone() for k, v in model.named_parameters()}
-    options = dict(noise_multiplier=0.0, max_grad_norm=clip, expected_batch_size=1)
-    options.update(kw)
-    PipelineDPTrainer(model, loss, lambda p: torch.optim.SGD(p, lr=1.0), **options).step(x, y)
-    return {k: before[k] - p.detach() for k, p in model.named_parameters()}
 
 
 @pytest.mark.parametrize("mode", ["ghost", "materialize", "keep"])
@@ -34,7 +22,7 @@ def test_a_gpt_with_units_of_three_rows_matches_the_unit_loop(mode, stages):
     x, y = torch.randint(0, 20, (12, 6)), torch.randint(0, 20, (12, 6))
     y[5] = -100  # a unit with fewer records is filled with rows that score nothing
     want = loop_unit_clipped_sum(copy.deepcopy(model), token_loss, x, y, 0.3, rows=3)
-    got = clipped_sum(model, token_loss, x, y, 0.3, stages=stages, microbatches=2, grad_mode=mode, unit_rows=3)
+    got = pipedp_clipped_sum(model, token_loss, x, y, 0.3, stages=stages, microbatches=2, grad_mode=mode, unit_rows=3)
     assert max_relative_error(got, want) < 1e-10
 
 
@@ -45,14 +33,16 @@ def test_units_through_layers_that_cannot_fold_rows_and_a_two_input_model(mode):
     model = nn.Sequential(nn.Linear(6, 8), nn.GroupNorm(2, 8), nn.Tanh(), nn.Linear(8, 3)).double()
     x, y = torch.randn(8, 6, dtype=torch.float64), torch.randint(0, 3, (8,))
     want = loop_unit_clipped_sum(copy.deepcopy(model), class_loss, x, y, 0.2, rows=2)
-    got = clipped_sum(model, class_loss, x, y, 0.2, stages=2, microbatches=2, grad_mode=mode, unit_rows=2)
+    got = pipedp_clipped_sum(model, class_loss, x, y, 0.2, stages=2, microbatches=2, grad_mode=mode, unit_rows=2)
     assert max_relative_error(got, want) < 1e-10
     torch.manual_seed(0)
     masked = MaskedNet().double()
     ids = torch.randint(0, 11, (6, 5))
     inputs, targets = {"ids": ids, "mask": torch.ones_like(ids)}, torch.randint(0, 11, (6, 5))
     want = loop_unit_clipped_sum(copy.deepcopy(masked), token_loss, inputs, targets, 0.2, rows=2)
-    got = clipped_sum(masked, token_loss, inputs, targets, 0.2, stages=2, microbatches=2, grad_mode=mode, unit_rows=2)
+    got = pipedp_clipped_sum(
+        masked, token_loss, inputs, targets, 0.2, stages=2, microbatches=2, grad_mode=mode, unit_rows=2
+    )
     assert max_relative_error(got, want) < 1e-10
 
 
@@ -63,7 +53,7 @@ def test_a_tied_embedding_and_head_across_stages_with_units():
     model[-1].head.weight = model[0].tok.weight
     x, y = torch.randint(0, 20, (8, 6)), torch.randint(0, 20, (8, 6))
     want = loop_unit_clipped_sum(copy.deepcopy(model), token_loss, x, y, 0.3, rows=2)
-    got = clipped_sum(model, token_loss, x, y, 0.3, stages=3, microbatches=2, unit_rows=2)
+    got = pipedp_clipped_sum(model, token_loss, x, y, 0.3, stages=3, microbatches=2, unit_rows=2)
     assert max_relative_error(got, want) < 1e-10
 
 

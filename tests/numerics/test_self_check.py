@@ -10,28 +10,15 @@ import torch.nn as nn
 import torch.nn.functional as F
 from opacus.layers import DPGRU, DPLSTM, DPRNN, DPMultiheadAttention
 from oracles import loop_clipped_sum, max_relative_error
+from steps import class_loss, pipedp_clipped_sum, seq_loss
 
 from pipedp import PipelineDPTrainer, UnsupportedModelError
 from pipedp.privacy import rules
 from pipedp.privacy.rules import linear
 
 
-def class_loss(out, y):
-    return F.cross_entropy(out, y, reduction="none")
-
-
-def seq_loss(out, y):
-    return F.cross_entropy(out.transpose(1, 2), y, reduction="none").mean(1)
-
-
 def step(model, loss, x, y, clip=0.5, **kw):
-    """pipedp's clipped sum (SGD lr 1, expected batch 1: the parameter change is minus the clipped sum)."""
-    before = {k: v.detach().clone() for k, v in model.named_parameters()}
-    options = dict(stages=2, microbatches=1, noise_multiplier=0.0, max_grad_norm=clip, expected_batch_size=1)
-    options.update(kw)
-    trainer = PipelineDPTrainer(model, loss, lambda p: torch.optim.SGD(p, lr=1.0), **options)
-    trainer.step(x, y)
-    return {k: before[k] - p.detach() for k, p in model.named_parameters()}
+    return pipedp_clipped_sum(model, loss, x, y, clip, **{"stages": 2, "microbatches": 1, **kw})
 
 
 class Attention(nn.Module):

@@ -6,6 +6,7 @@ import torch.nn as nn
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from pipedp import PipelineConfig
 from pipedp.errors import PartitionError, UnsupportedModelError
 from pipedp.split.adapters import model_blocks
 from pipedp.split.partition import Tie, balanced_split, find_ties, partition, uniform_split
@@ -104,3 +105,14 @@ def test_measured_cost_split_beats_uniform_in_the_simulator():
     assert [len(s) for s in uniform] == [4, 4]
     assert report(measured, costs).imbalance < report(uniform, costs).imbalance
     assert makespan(measured) < makespan(uniform)
+
+
+def test_compute_balance_counts_an_embedding_as_a_lookup():
+    """The default: an embedding does no matrix work, so it does not get a stage to itself."""
+    model = nn.Sequential(nn.Embedding(10_000, 16), nn.Linear(16, 256), nn.Linear(256, 256), nn.Linear(256, 16))
+    by_params = partition(model_blocks(model), 2, "params")
+    by_compute = partition(model_blocks(model), 2)
+    assert [b.name for b in by_params[0]] == ["0"]  # 160k parameters, no multiply-add
+    assert [b.name for b in by_compute[1]] == ["2", "3"] or [b.name for b in by_compute[1]] == ["3"]
+    assert len(by_compute[0]) >= 2  # the lookup rides with the next block
+    assert PipelineConfig().balance == "compute"

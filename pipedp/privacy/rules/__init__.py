@@ -1,6 +1,6 @@
 """The layer-rule registry: one entry per layer type, holding that layer's per-sample DP math.
 
-A rule answers, for one *unit* (a module directly owning trainable parameters) called on
+A rule answers, for one *layer* (a module directly owning trainable parameters) called on
 batch-first ``inputs`` with output-gradients ``backprops``:
 - ``grads``: the per-sample gradients {param: [n, *param.shape]};
 - ``weight``: the summed gradient {param: [*param.shape]} for backprops already scaled by each
@@ -10,7 +10,7 @@ batch-first ``inputs`` with output-gradients ``backprops``:
 - ``keepable`` (optional): whether this call's per-sample gradients are cheap enough in closed form
   to be computed once in I and kept until W (their memory is then checked by the caller).
 
-Lookup (``rule_for``): a unit that also has trainable children -> the torch.func fallback; the
+Lookup (``rule_for``): a layer that also has trainable children -> the torch.func fallback; the
 exact type; a registered predicate (e.g. Hugging Face's Conv1D, matched by shape not import); a
 layer type Opacus has a grad sampler for; else the torch.func fallback. Adding a layer type is one
 ``register`` call (as Opacus's ``register_grad_sampler``).

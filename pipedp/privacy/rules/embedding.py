@@ -19,51 +19,51 @@ from .grams import gram
 from .registry import Grads, LayerRule, register
 
 
-def without_padding_rows(unit: nn.Embedding, ids: torch.Tensor, backprops: torch.Tensor) -> torch.Tensor:
-    if unit.padding_idx is None:
+def without_padding_rows(layer: nn.Embedding, ids: torch.Tensor, backprops: torch.Tensor) -> torch.Tensor:
+    if layer.padding_idx is None:
         return backprops
-    return backprops * (ids != unit.padding_idx).unsqueeze(-1).to(backprops.dtype)
+    return backprops * (ids != layer.padding_idx).unsqueeze(-1).to(backprops.dtype)
 
 
-def grads(unit: nn.Module, inputs: Sequence[torch.Tensor], backprops: torch.Tensor) -> Grads:
-    if not unit.weight.requires_grad:
+def grads(layer: nn.Module, inputs: Sequence[torch.Tensor], backprops: torch.Tensor) -> Grads:
+    if not layer.weight.requires_grad:
         return {}
     ids = inputs[0]
-    g = without_padding_rows(unit, ids, backprops)
+    g = without_padding_rows(layer, ids, backprops)
     n = g.shape[0]
-    out = torch.zeros((n, *unit.weight.shape), dtype=g.dtype, device=g.device)
+    out = torch.zeros((n, *layer.weight.shape), dtype=g.dtype, device=g.device)
     rows = ids.reshape(n, -1)
     out.scatter_add_(1, rows.unsqueeze(-1).expand(n, rows.shape[1], g.shape[-1]), g.reshape(n, -1, g.shape[-1]))
-    return {unit.weight: out}
+    return {layer.weight: out}
 
 
-def weight(unit: nn.Module, inputs: Sequence[torch.Tensor], scaled: torch.Tensor) -> Grads:
-    if not unit.weight.requires_grad:
+def weight(layer: nn.Module, inputs: Sequence[torch.Tensor], scaled: torch.Tensor) -> Grads:
+    if not layer.weight.requires_grad:
         return {}
     ids = inputs[0].reshape(-1)
-    g = scaled.reshape(-1, unit.embedding_dim)
-    total = torch.zeros_like(unit.weight, dtype=g.dtype).index_add_(0, ids, g)
-    if unit.padding_idx is not None:
-        total[unit.padding_idx] = 0
-    return {unit.weight: total}
+    g = scaled.reshape(-1, layer.embedding_dim)
+    total = torch.zeros_like(layer.weight, dtype=g.dtype).index_add_(0, ids, g)
+    if layer.padding_idx is not None:
+        total[layer.padding_idx] = 0
+    return {layer.weight: total}
 
 
-def norms(unit: nn.Module, inputs: Sequence[torch.Tensor], backprops: torch.Tensor, grams=None) -> Optional[Grads]:
-    if not unit.weight.requires_grad:
+def norms(layer: nn.Module, inputs: Sequence[torch.Tensor], backprops: torch.Tensor, grams=None) -> Optional[Grads]:
+    if not layer.weight.requires_grad:
         return {}
     ids = inputs[0]
-    g = without_padding_rows(unit, ids, backprops)
+    g = without_padding_rows(layer, ids, backprops)
     n = g.shape[0]
     g3 = g.reshape(n, -1, g.shape[-1])
     ids = ids.reshape(n, -1)
     if g3.shape[1] == 1:
-        return {unit.weight: g3[:, 0].pow(2).sum(1)}
+        return {layer.weight: g3[:, 0].pow(2).sum(1)}
     same = (ids[:, :, None] == ids[:, None, :]).to(g.dtype)
-    return {unit.weight: (gram(g3) * same).sum((1, 2))}
+    return {layer.weight: (gram(g3) * same).sum((1, 2))}
 
 
-def _keeps_embedding_forward(unit: nn.Module) -> bool:
-    return isinstance(unit, nn.Embedding) and type(unit).forward is nn.Embedding.forward
+def _keeps_embedding_forward(layer: nn.Module) -> bool:
+    return isinstance(layer, nn.Embedding) and type(layer).forward is nn.Embedding.forward
 
 
 EMBEDDING = LayerRule("embedding", grads, weight, norms, pools_positions=True)
@@ -72,50 +72,50 @@ register(_keeps_embedding_forward, EMBEDDING)
 
 
 # ---- nn.EmbeddingBag over [n, bag] ids (each row one bag: one sample), mode "sum" or "mean" --------------
-def _bag_weights(unit: nn.EmbeddingBag, inputs: Sequence[torch.Tensor], dtype: torch.dtype):
+def _bag_weights(layer: nn.EmbeddingBag, inputs: Sequence[torch.Tensor], dtype: torch.dtype):
     """(ids [n, L], w [n, L]): each id's share of its bag's output (0 for padding_idx)."""
-    if len(inputs) != 1 or inputs[0].dim() != 2 or unit.mode not in ("sum", "mean"):
+    if len(inputs) != 1 or inputs[0].dim() != 2 or layer.mode not in ("sum", "mean"):
         raise UnsupportedModelError(
-            f"nn.EmbeddingBag(mode={unit.mode!r}) called with {len(inputs)} argument(s) of shapes "
+            f"nn.EmbeddingBag(mode={layer.mode!r}) called with {len(inputs)} argument(s) of shapes "
             f"{[tuple(a.shape) for a in inputs]}: pipedp's per-sample rule takes one [batch, bag] tensor of ids "
             "(each row one sample's bag) with mode 'sum' or 'mean' and no per_sample_weights; pad the bags to one "
             "length (padding_idx), or use nn.Embedding and reduce in forward"
         )
     ids = inputs[0]
     w = torch.ones(ids.shape, dtype=dtype, device=ids.device)
-    if unit.padding_idx is not None:
-        w = w * (ids != unit.padding_idx).to(dtype)
-    if unit.mode == "mean":
+    if layer.padding_idx is not None:
+        w = w * (ids != layer.padding_idx).to(dtype)
+    if layer.mode == "mean":
         w = w / w.sum(1, keepdim=True).clamp(min=1)
     return ids, w
 
 
-def bag_grads(unit: nn.Module, inputs: Sequence[torch.Tensor], backprops: torch.Tensor) -> Grads:
-    if not unit.weight.requires_grad:
+def bag_grads(layer: nn.Module, inputs: Sequence[torch.Tensor], backprops: torch.Tensor) -> Grads:
+    if not layer.weight.requires_grad:
         return {}
-    ids, w = _bag_weights(unit, inputs, backprops.dtype)
+    ids, w = _bag_weights(layer, inputs, backprops.dtype)
     n, length = ids.shape
-    out = torch.zeros((n, *unit.weight.shape), dtype=backprops.dtype, device=backprops.device)
+    out = torch.zeros((n, *layer.weight.shape), dtype=backprops.dtype, device=backprops.device)
     rows = w.unsqueeze(-1) * backprops.unsqueeze(1)  # [n, L, d]
     out.scatter_add_(1, ids.unsqueeze(-1).expand(n, length, backprops.shape[-1]), rows)
-    return {unit.weight: out}
+    return {layer.weight: out}
 
 
-def bag_weight(unit: nn.Module, inputs: Sequence[torch.Tensor], scaled: torch.Tensor) -> Grads:
-    if not unit.weight.requires_grad:
+def bag_weight(layer: nn.Module, inputs: Sequence[torch.Tensor], scaled: torch.Tensor) -> Grads:
+    if not layer.weight.requires_grad:
         return {}
-    ids, w = _bag_weights(unit, inputs, scaled.dtype)
+    ids, w = _bag_weights(layer, inputs, scaled.dtype)
     rows = (w.unsqueeze(-1) * scaled.unsqueeze(1)).reshape(-1, scaled.shape[-1])
-    return {unit.weight: torch.zeros_like(unit.weight, dtype=scaled.dtype).index_add_(0, ids.reshape(-1), rows)}
+    return {layer.weight: torch.zeros_like(layer.weight, dtype=scaled.dtype).index_add_(0, ids.reshape(-1), rows)}
 
 
-def bag_norms(unit: nn.Module, inputs: Sequence[torch.Tensor], backprops: torch.Tensor, grams=None) -> Optional[Grads]:
+def bag_norms(layer: nn.Module, inputs: Sequence[torch.Tensor], backprops: torch.Tensor, grams=None) -> Optional[Grads]:
     """||sum_t w_t e_{x_t} g^T||^2 = ||g||^2 sum_{t, t'} w_t w_t' [x_t == x_t']."""
-    if not unit.weight.requires_grad:
+    if not layer.weight.requires_grad:
         return {}
-    ids, w = _bag_weights(unit, inputs, backprops.dtype)
+    ids, w = _bag_weights(layer, inputs, backprops.dtype)
     same = (ids[:, :, None] == ids[:, None, :]).to(backprops.dtype)
-    return {unit.weight: backprops.pow(2).sum(1) * torch.einsum("nt,nts,ns->n", w, same, w)}
+    return {layer.weight: backprops.pow(2).sum(1) * torch.einsum("nt,nts,ns->n", w, same, w)}
 
 
 EMBEDDING_BAG = LayerRule("embedding_bag", bag_grads, bag_weight, bag_norms)

@@ -21,41 +21,41 @@ from .registry import Grads, LayerRule, trainable_direct_params
 GRAD_SAMPLERS = GradSampleModule.GRAD_SAMPLERS
 
 
-def in_unit_dtype(unit: nn.Module, inputs: Sequence[torch.Tensor], backprops: torch.Tensor):
+def in_unit_dtype(layer: nn.Module, inputs: Sequence[torch.Tensor], backprops: torch.Tensor):
     """A layer replayed on its own: its float inputs and output-grads in its parameters' dtype (bf16
     weights read bf16 inputs), and the dtype its gradients are returned in (float32 at least)."""
-    dtype = next((p.dtype for p in unit.parameters(recurse=False)), backprops.dtype)
+    dtype = next((p.dtype for p in layer.parameters(recurse=False)), backprops.dtype)
     inputs = tuple(a.to(dtype) if a.is_floating_point() else a for a in inputs)
     return inputs, backprops.to(dtype), torch.promote_types(backprops.dtype, torch.float32)
 
 
-def functorch_grads(unit: nn.Module, inputs: Sequence[torch.Tensor], backprops: torch.Tensor) -> Grads:
-    inputs, backprops, wide = in_unit_dtype(unit, inputs, backprops)
-    named = trainable_direct_params(unit)
+def functorch_grads(layer: nn.Module, inputs: Sequence[torch.Tensor], backprops: torch.Tensor) -> Grads:
+    inputs, backprops, wide = in_unit_dtype(layer, inputs, backprops)
+    named = trainable_direct_params(layer)
     names = [n for n, _ in named]
     values: Tuple[torch.Tensor, ...] = tuple(p.detach() for _, p in named)
 
     def sample_loss(params, sample_inputs, sample_backprop):
         batched = tuple(x.unsqueeze(0) for x in sample_inputs)
-        out = functional_call(unit, dict(zip(names, params)), batched)
+        out = functional_call(layer, dict(zip(names, params)), batched)
         return (out * sample_backprop.unsqueeze(0)).sum()
 
     grads = vmap(grad(sample_loss), in_dims=(None, 0, 0))(values, tuple(inputs), backprops)
     return {p: g.to(wide) for (_, p), g in zip(named, grads)}
 
 
-def replayed_weight(unit: nn.Module, inputs: Sequence[torch.Tensor], scaled: torch.Tensor) -> Grads:
+def replayed_weight(layer: nn.Module, inputs: Sequence[torch.Tensor], scaled: torch.Tensor) -> Grads:
     """sum_i c_i grad_i as the layer's ordinary weight gradient for the scaled output-gradients."""
-    params = [p for _, p in trainable_direct_params(unit)]
-    inputs, backprops, wide = in_unit_dtype(unit, inputs, scaled)
+    params = [p for _, p in trainable_direct_params(layer)]
+    inputs, backprops, wide = in_unit_dtype(layer, inputs, scaled)
     with torch.enable_grad():
-        output = unit(*inputs)
+        output = layer(*inputs)
         grads = torch.autograd.grad(output, params, backprops.to(output.dtype), allow_unused=True)
     return {p: (g.to(wide) if g is not None else torch.zeros_like(p, dtype=wide)) for p, g in zip(params, grads)}
 
 
-def opacus_grads(unit: nn.Module, inputs: Sequence[torch.Tensor], backprops: torch.Tensor) -> Grads:
-    grads = GRAD_SAMPLERS[type(unit)](unit, list(inputs), backprops)
+def opacus_grads(layer: nn.Module, inputs: Sequence[torch.Tensor], backprops: torch.Tensor) -> Grads:
+    grads = GRAD_SAMPLERS[type(layer)](layer, list(inputs), backprops)
     return {p: g for p, g in grads.items() if p.requires_grad}
 
 

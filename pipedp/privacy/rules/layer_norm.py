@@ -15,26 +15,26 @@ import torch.nn as nn
 from .registry import Grads, LayerRule, register
 
 
-def _grads(unit: nn.LayerNorm, x: torch.Tensor, g: torch.Tensor, per_sample: bool) -> Grads:
-    x_hat = torch.nn.functional.layer_norm(x.to(g.dtype), unit.normalized_shape, None, None, unit.eps)
-    lead = tuple(range(1 if per_sample else 0, x.dim() - len(unit.normalized_shape)))
+def _grads(layer: nn.LayerNorm, x: torch.Tensor, g: torch.Tensor, per_sample: bool) -> Grads:
+    x_hat = torch.nn.functional.layer_norm(x.to(g.dtype), layer.normalized_shape, None, None, layer.eps)
+    lead = tuple(range(1 if per_sample else 0, x.dim() - len(layer.normalized_shape)))
     out = {}  # (a sum over no dimension would sum all of them: a [n, d] input is its own per-sample sum)
-    if unit.weight is not None and unit.weight.requires_grad:
-        out[unit.weight] = (g * x_hat).sum(lead) if lead else g * x_hat
-    if unit.bias is not None and unit.bias.requires_grad:
-        out[unit.bias] = g.sum(lead) if lead else g
+    if layer.weight is not None and layer.weight.requires_grad:
+        out[layer.weight] = (g * x_hat).sum(lead) if lead else g * x_hat
+    if layer.bias is not None and layer.bias.requires_grad:
+        out[layer.bias] = g.sum(lead) if lead else g
     return out
 
 
-def grads(unit: nn.Module, inputs: Sequence[torch.Tensor], backprops: torch.Tensor) -> Grads:
-    return _grads(unit, inputs[0], backprops, per_sample=True)
+def grads(layer: nn.Module, inputs: Sequence[torch.Tensor], backprops: torch.Tensor) -> Grads:
+    return _grads(layer, inputs[0], backprops, per_sample=True)
 
 
-def weight(unit: nn.Module, inputs: Sequence[torch.Tensor], scaled: torch.Tensor) -> Grads:
-    return _grads(unit, inputs[0], scaled, per_sample=False)
+def weight(layer: nn.Module, inputs: Sequence[torch.Tensor], scaled: torch.Tensor) -> Grads:
+    return _grads(layer, inputs[0], scaled, per_sample=False)
 
 
-def keepable(unit: nn.Module, inputs: Sequence[torch.Tensor], backprops: torch.Tensor) -> bool:
+def keepable(layer: nn.Module, inputs: Sequence[torch.Tensor], backprops: torch.Tensor) -> bool:
     return True
 
 

@@ -16,58 +16,58 @@ from .grams import GramCache, gram
 from .registry import Grads, LayerRule, register
 
 
-def _is_conv1d(unit: nn.Module) -> bool:
+def _is_conv1d(layer: nn.Module) -> bool:
     """Hugging Face's Conv1D, recognised by its shape (no transformers import)."""
-    return type(unit).__name__ == "Conv1D" and getattr(unit, "weight", None) is not None and unit.weight.dim() == 2
+    return type(layer).__name__ == "Conv1D" and getattr(layer, "weight", None) is not None and layer.weight.dim() == 2
 
 
-def _as_sequences(unit: nn.Module, a: torch.Tensor, g: torch.Tensor):
+def _as_sequences(layer: nn.Module, a: torch.Tensor, g: torch.Tensor):
     """[n, T, in] inputs and [n, T, out] output grads (T = 1 for [n, d] calls)."""
     n = g.shape[0]
     return a.reshape(n, -1, a.shape[-1]).to(g.dtype), g.reshape(n, -1, g.shape[-1])
 
 
-def grads(unit: nn.Module, inputs: Sequence[torch.Tensor], backprops: torch.Tensor) -> Grads:
-    a3, g3 = _as_sequences(unit, inputs[0], backprops)
+def grads(layer: nn.Module, inputs: Sequence[torch.Tensor], backprops: torch.Tensor) -> Grads:
+    a3, g3 = _as_sequences(layer, inputs[0], backprops)
     out = {}
-    if unit.weight.requires_grad:  # one batched product in the weight's own layout (contiguous for the norms)
-        conv1d = _is_conv1d(unit)
-        out[unit.weight] = torch.bmm(a3.transpose(1, 2), g3) if conv1d else torch.bmm(g3.transpose(1, 2), a3)
-    if unit.bias is not None and unit.bias.requires_grad:
-        out[unit.bias] = g3.sum(1)
+    if layer.weight.requires_grad:  # one batched product in the weight's own layout (contiguous for the norms)
+        conv1d = _is_conv1d(layer)
+        out[layer.weight] = torch.bmm(a3.transpose(1, 2), g3) if conv1d else torch.bmm(g3.transpose(1, 2), a3)
+    if layer.bias is not None and layer.bias.requires_grad:
+        out[layer.bias] = g3.sum(1)
     return out
 
 
-def weight(unit: nn.Module, inputs: Sequence[torch.Tensor], scaled: torch.Tensor) -> Grads:
+def weight(layer: nn.Module, inputs: Sequence[torch.Tensor], scaled: torch.Tensor) -> Grads:
     a = inputs[0].reshape(-1, inputs[0].shape[-1]).to(scaled.dtype)
     g = scaled.reshape(-1, scaled.shape[-1])
     out = {}
-    if unit.weight.requires_grad:
-        out[unit.weight] = a.t() @ g if _is_conv1d(unit) else g.t() @ a
-    if unit.bias is not None and unit.bias.requires_grad:
-        out[unit.bias] = g.sum(0)
+    if layer.weight.requires_grad:
+        out[layer.weight] = a.t() @ g if _is_conv1d(layer) else g.t() @ a
+    if layer.bias is not None and layer.bias.requires_grad:
+        out[layer.bias] = g.sum(0)
     return out
 
 
 def norms(
-    unit: nn.Module, inputs: Sequence[torch.Tensor], backprops: torch.Tensor, grams: Optional[GramCache] = None
+    layer: nn.Module, inputs: Sequence[torch.Tensor], backprops: torch.Tensor, grams: Optional[GramCache] = None
 ) -> Optional[Grads]:
-    a3, g3 = _as_sequences(unit, inputs[0], backprops)
+    a3, g3 = _as_sequences(layer, inputs[0], backprops)
     tokens = g3.shape[1]
-    if tokens * tokens > unit.weight.numel():
+    if tokens * tokens > layer.weight.numel():
         return None  # the [n, T, T] Gram matrices would outweigh the [n, out, in] gradients
     out = {}
-    if unit.weight.requires_grad:
+    if layer.weight.requires_grad:
         if tokens == 1:
-            out[unit.weight] = g3[:, 0].pow(2).sum(1) * a3[:, 0].pow(2).sum(1)
+            out[layer.weight] = g3[:, 0].pow(2).sum(1) * a3[:, 0].pow(2).sum(1)
         else:
-            out[unit.weight] = (gram(g3) * (grams or GramCache()).gram(a3)).sum((1, 2))
-    if unit.bias is not None and unit.bias.requires_grad:
-        out[unit.bias] = g3.sum(1).pow(2).sum(1)
+            out[layer.weight] = (gram(g3) * (grams or GramCache()).gram(a3)).sum((1, 2))
+    if layer.bias is not None and layer.bias.requires_grad:
+        out[layer.bias] = g3.sum(1).pow(2).sum(1)
     return out
 
 
-def keepable(unit: nn.Module, inputs: Sequence[torch.Tensor], backprops: torch.Tensor) -> bool:
+def keepable(layer: nn.Module, inputs: Sequence[torch.Tensor], backprops: torch.Tensor) -> bool:
     """Over T >= 2 positions, keeping the per-sample products replaces the Gram matrices (n T^2 (in +
     out)) and W's product; over one position ghost norms need no Gram matrix and W is small."""
     return backprops.reshape(backprops.shape[0], -1, backprops.shape[-1]).shape[1] >= 2

@@ -19,7 +19,7 @@ class LayerRule:
     norms: Optional[Callable[..., Optional[Grads]]] = None  # (layer, inputs, backprops, grams) -> {param: [n]}
     keepable: Optional[Callable[[nn.Module, Sequence[torch.Tensor], torch.Tensor], bool]] = None
     # the math sums over every dimension between the first (the sample) and the features: the rows of a
-    # privacy unit may be folded into positions (privacy/units.py)
+    # privacy layer may be folded into positions (privacy/units.py)
     pools_positions: bool = False
 
 
@@ -35,9 +35,9 @@ def register(layer: "type | Callable[[nn.Module], bool]", rule: LayerRule) -> No
         PREDICATES.append((layer, rule))
 
 
-def has_trainable_children(unit: nn.Module) -> bool:
-    return any(p.requires_grad for c in unit.children() for p in c.parameters())
+def has_trainable_children(layer: nn.Module) -> bool:
+    return any(p.requires_grad for c in layer.children() for p in c.parameters())
 
 
-def trainable_direct_params(unit: nn.Module) -> List[Tuple[str, nn.Parameter]]:
-    return [(n, p) for n, p in unit.named_parameters(recurse=False) if p.requires_grad]
+def trainable_direct_params(layer: nn.Module) -> List[Tuple[str, nn.Parameter]]:
+    return [(n, p) for n, p in layer.named_parameters(recurse=False) if p.requires_grad]

@@ -1,0 +1,26 @@
+"""Helpers the numerics tests share: per-sample losses, and pipedp's clipped sum observed through the
+parameters (SGD with lr 1 and expected_batch_size 1: the parameter change is minus the clipped sum)."""
+
+import torch
+import torch.nn.functional as F
+
+from pipedp import PipelineDPTrainer
+
+
+def class_loss(out, y):
+    """Per-sample cross-entropy of [n, classes] logits."""
+    return F.cross_entropy(out, y, reduction="none")
+
+
+def seq_loss(out, y):
+    """Per-sample mean cross-entropy of [n, T, classes] logits over the sample's positions."""
+    return F.cross_entropy(out.transpose(1, 2), y, reduction="none").mean(1)
+
+
+def pipedp_clipped_sum(model, loss_fn, x, y, clip, **options):
+    """sum_i clip(g_i) as pipedp computes it: one noiseless step, read off the parameters."""
+    before = {k: v.detach().clone() for k, v in model.named_parameters()}
+    settings = dict(noise_multiplier=0.0, max_grad_norm=clip, expected_batch_size=1)
+    settings.update(options)
+    PipelineDPTrainer(model, loss_fn, lambda p: torch.optim.SGD(p, lr=1.0), **settings).step(x, y)
+    return {k: before[k] - p.detach() for k, p in model.named_parameters()}

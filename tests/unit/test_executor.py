@@ -1,0 +1,100 @@
+"""Milliseconds: the executor against a fake stage and a fake transport — which handler each action runs,
+and what travels behind a gradient (the tie's message, then the self-check's probes)."""
+
+from types import SimpleNamespace
+
+import torch
+
+from pipedp.privacy.clipping import ClipRule
+from pipedp.privacy.units import Units
+from pipedp.runtime.executor import Executor
+from pipedp.runtime.microbatch import make_pass
+from pipedp.runtime.self_check import Probe
+from pipedp.runtime.stage import BackwardResult
+from schedules import Action, Kind
+
+
+class FakeStage:
+    """A middle stage: forward doubles, backward returns fixed norms; records what it was asked."""
+
+    def __init__(self, probe_rows=()):
+        self.is_first, self.is_last, self.index = False, False, 1
+        self.tie, self.units, self.device = None, Units(), torch.device("cpu")
+        self.clip = ClipRule.make("flat", 1.0, 3).for_stage(1, [])
+        self.calls, self.pending, self.probe_rows = [], {}, probe_rows
+
+    def check_plan(self, inputs, mask):
+        return Probe(self.probe_rows) if self.probe_rows else None
+
+    def passed_check(self, inputs):
+        self.calls.append("checked")
+
+    def forward(self, mb, x, targets, side, size, check_buffers=False):
+        self.calls.append(("F", mb, check_buffers))
+        return 2 * x
+
+    def backward_input(self, mb, grad, probe=None):
+        self.calls.append(("I", mb, probe))
+        messages = tuple(torch.full((2, 1), float(r)) for r in probe.rows) if probe else ()
+        return BackwardResult(grad * 3, torch.ones(2, dtype=torch.float64), messages)
+
+    def weight(self, mb, factors):
+        self.calls.append(("W", mb, factors.tolist()))
+
+
+class FakeTransport:
+    def __init__(self, inbox):
+        self.inbox, self.sent, self.reduced = inbox, [], []
+
+    def send(self, kind, mb, message):
+        self.sent.append((kind, mb, message))
+
+    def recv(self, kind, mb):
+        return self.inbox[(kind, mb)].pop(0)
+
+    def norm_reduce_start(self, mb, norms):
+        self.reduced.append(mb)
+        return SimpleNamespace(wait=lambda: norms * 4)  # the other stages' norms: 3 more of 1 each
+
+    def release(self, kind, mb):
+        pass
+
+    def finish_pass(self):
+        pass
+
+
+def actions(mb):
+    kinds = [Kind.RECV_F, Kind.F, Kind.SEND_F, Kind.RECV_B, Kind.I, Kind.SEND_B, Kind.NORM_REDUCE, Kind.W]
+    return [Action(1, kind, mb) for kind in kinds]
+
+
+def test_a_middle_stage_runs_its_actions_and_sends_probes_behind_the_gradient():
+    stage = FakeStage(probe_rows=(0, 1))
+    inbox = {
+        (Kind.RECV_F, 0): [torch.ones(2, 1)],
+        (Kind.RECV_B, 0): [torch.ones(2, 1), torch.zeros(2, 1), torch.zeros(2, 1)],  # gradient, then 2 probes
+    }
+    transport = FakeTransport(inbox)
+    executor = Executor(stage, transport, actions(0))
+    executor.start_pass(make_pass(torch.zeros(2, 1), torch.zeros(2), microbatches=1, size=2))
+    assert executor.run()
+    executor.end_pass()
+    assert [c[0] if isinstance(c, tuple) else c for c in stage.calls] == ["F", "I", "W", "checked"]
+    assert stage.calls[0][2] is True  # micro-batch 0 of a checked pass: its buffers are watched
+    assert stage.calls[1][2].rows == (0, 1) and len(stage.calls[1][2].messages) == 2
+    sent = [(kind, message) for kind, _, message in transport.sent]
+    assert sent[0][0] is Kind.SEND_F and torch.equal(sent[0][1], 2 * torch.ones(2, 1))
+    assert [k for k, _ in sent[1:]] == [Kind.SEND_B] * 3  # the gradient, then one probe per checked row
+    assert torch.equal(sent[1][1], 3 * torch.ones(2, 1)) and float(sent[3][1][0]) == 1.0
+    assert transport.reduced == [0]
+    clip = 1.0 / (2.0 + 1e-6)  # norms 1 here, summed to 4 over the pipeline: clipped to C = 1
+    assert stage.calls[2][2] == [clip, clip]
+
+
+def test_without_a_probe_nothing_travels_behind_the_gradient():
+    stage = FakeStage()
+    transport = FakeTransport({(Kind.RECV_F, 0): [torch.ones(2, 1)], (Kind.RECV_B, 0): [torch.ones(2, 1)]})
+    executor = Executor(stage, transport, actions(0))
+    executor.start_pass(make_pass(torch.zeros(2, 1), torch.zeros(2), microbatches=1, size=2))
+    assert executor.run()
+    assert len([s for s in transport.sent if s[0] is Kind.SEND_B]) == 1
