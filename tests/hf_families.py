@@ -44,6 +44,7 @@ class Family:
 
 HEAD_DIM_8 = {"head_dim": 8}
 SLIDING = {"sliding_window": 4}  # shorter than the test sequences (8): the window matters
+ALTERNATING = {"layer_types": ["sliding_attention", "full_attention", "sliding_attention"]}  # both masks
 
 FAMILIES = [
     # the families pipedp split before (by name)
@@ -75,8 +76,8 @@ FAMILIES = [
     ),
     Family(
         "gemma3_text",
-        "sliding window 4, local rotary, soft-capping",
-        {**HEAD_DIM_8, **SLIDING, "final_logit_softcapping": 3.0},
+        "sliding window 4 and full layers, local rotary, soft-capping",
+        {**HEAD_DIM_8, **SLIDING, **ALTERNATING, "final_logit_softcapping": 3.0},
         float32_inside=True,
     ),
     Family("olmo"),
@@ -91,7 +92,13 @@ FAMILIES = [
     Family("phimoe", status=ROUTING, refusal="mixture of experts"),
     Family("gpt_oss", attention=("eager",), classification=False, status=ROUTING, refusal="mixture of experts"),
     Family("cohere", "logit scale", {"logit_scale": 0.5}, classification=False, float32_inside=True),
-    Family("cohere2", "sliding window 4", SLIDING, classification=False, float32_inside=True),
+    Family(
+        "cohere2",
+        "sliding window 4 and full layers",
+        {**SLIDING, **ALTERNATING},
+        classification=False,
+        float32_inside=True,
+    ),
     Family(
         "granite",
         "multipliers",
@@ -99,7 +106,7 @@ FAMILIES = [
         classification=False,
     ),
     Family("olmo2"),
-    Family("olmo3", "sliding window 4", SLIDING),
+    Family("olmo3", "sliding window 4 and full layers", {**SLIDING, **ALTERNATING}),
     Family("glm"),
     Family("glm4"),
     Family("helium", config=HEAD_DIM_8, float32_inside=True),
@@ -190,7 +197,7 @@ def _is_dropout(key: str) -> bool:
 
 # ---- what the Hugging Face tests share -----------------------------------------------------------
 SEQ = 8
-LENGTHS = (8, 3, 5, 8, 4, 6, 7)  # 7 sequences, padded to SEQ
+LENGTHS = (8, 3, 5, 4, 6)  # 5 sequences padded to SEQ: one unpadded, one padded on 5 of its 8 positions
 
 
 def build(family: Family, kind: str = "causal", tie: bool = False, attention: Optional[str] = None):
@@ -207,7 +214,7 @@ def build(family: Family, kind: str = "causal", tie: bool = False, attention: Op
 
 
 def padded_batch(side: str, seed: int = 5):
-    """{"input_ids", "attention_mask"} of 7 sequences padded on ``side`` (pad id 0, real ids 1..39), and
+    """{"input_ids", "attention_mask"} of 5 sequences padded on ``side`` (pad id 0, real ids 1..39), and
     shifted labels: position t is scored on token t + 1 wherever that is a real token, so with left
     padding the last padding position (which predicts the first token) is scored too."""
     import torch

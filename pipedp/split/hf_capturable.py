@@ -62,7 +62,7 @@ def find_fixes(
             )
     copied = []
     for path in seen.changed:
-        owner = next((c for c in _ancestors(path) if seen.outputs.get(c) is seen.unit_outputs[path]), None)
+        owner = next((c for c in _ancestors(path) if seen.outputs.get(c) is seen.owner_outputs[path]), None)
         if owner is None:
             raise UnsupportedModelError(
                 f"{where}.{path}: its output is changed in place by the module that called it, so its gradient "
@@ -124,7 +124,7 @@ def _flatten(rows: int, length: int):
 class _Seen:
     def __init__(self):
         self.first_dims: Dict[str, int] = {}  # trainable parameter owner -> first dimension of its first input
-        self.unit_outputs: Dict[str, torch.Tensor] = {}
+        self.owner_outputs: Dict[str, torch.Tensor] = {}
         self.versions: Dict[str, int] = {}
         self.outputs: Dict[str, object] = {}  # every module -> its output (a tuple's first element)
         self.changed: List[str] = []
@@ -139,7 +139,7 @@ def _run(layer, args, kwargs, rows, length, width, fixes: LayerFixes) -> _Seen:
     handles = []
     for path, module in modules.items():
         if any((id(module), n) in trainable for n in module._parameters):  # what per-sample capture records
-            handles.append(module.register_forward_hook(_record_unit(seen, path), with_kwargs=True))
+            handles.append(module.register_forward_hook(_record_owner(seen, path), with_kwargs=True))
         handles.append(module.register_forward_hook(_record_output(seen, path)))
     hidden = torch.zeros(rows, length, width, dtype=_dtype(layer), device=_device(args, kwargs))
     checkpointing = layer.__dict__.get("gradient_checkpointing")
@@ -157,11 +157,11 @@ def _run(layer, args, kwargs, rows, length, width, fixes: LayerFixes) -> _Seen:
             del layer.gradient_checkpointing
         else:
             layer.gradient_checkpointing = checkpointing
-    seen.changed = [p for p, t in seen.unit_outputs.items() if t._version != seen.versions[p]]
+    seen.changed = [p for p, t in seen.owner_outputs.items() if t._version != seen.versions[p]]
     return seen
 
 
-def _record_unit(seen: _Seen, path: str):
+def _record_owner(seen: _Seen, path: str):
     def hook(module, args, kwargs, output):
         seen.first_dims.setdefault(path, 0)
         if kwargs:
@@ -169,7 +169,7 @@ def _record_unit(seen: _Seen, path: str):
         if args and isinstance(args[0], torch.Tensor) and args[0].dim():
             seen.first_dims[path] = int(args[0].shape[0])
         if isinstance(output, torch.Tensor):
-            seen.unit_outputs[path], seen.versions[path] = output, output._version
+            seen.owner_outputs[path], seen.versions[path] = output, output._version
 
     return hook
 

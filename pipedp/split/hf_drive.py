@@ -27,7 +27,7 @@ class Driver:
 
     def __init__(self, structure: Structure):
         self.s = structure
-        self._record: Optional[tuple] = None  # (key, [LayerCall per layer]) of the last micro-batch probed
+        self._record: Optional[tuple] = None  # (key, inputs, [LayerCall per layer]) of the last micro-batch probed
 
     # ---- the runs ------------------------------------------------------------------------------
     def embed(self, inputs) -> torch.Tensor:
@@ -46,11 +46,15 @@ class Driver:
         raise UnsupportedModelError(f"{type(self.s.model).__name__}: its forward did not reach decoder layer 0")
 
     def layer_call(self, index: int, hidden: torch.Tensor, side: Optional[Dict[str, torch.Tensor]]) -> LayerCall:
-        dtype = self.s.model.get_input_embeddings().weight.dtype  # the masks' dtype follows the embeddings'
-        key = (side, tuple(id(v) for v in (side or {}).values()), tuple(hidden.shape[:2]), hidden.device, dtype)
-        if self._record is None or not _same_key(self._record[0], key):
-            self._record = (key, self._probe(hidden, side))
-        return self._record[1][index]
+        """Read from the record of the last micro-batch probed when it had the same inputs (by value:
+        a micro-batch's tensors may be refilled in place) and shape, device and embedding dtype (the
+        masks' dtype); probed anew otherwise."""
+        dtype = self.s.model.get_input_embeddings().weight.dtype
+        key = (tuple(hidden.shape[:2]), hidden.device, dtype, tuple(sorted(side or {})))
+        if self._record is None or self._record[0] != key or not _same_values(self._record[1], side or {}):
+            calls = self._probe(hidden, side)
+            self._record = (key, {k: v.clone() for k, v in (side or {}).items()}, calls)
+        return self._record[2][index]
 
     def head(self, hidden: torch.Tensor, side: Optional[Dict[str, torch.Tensor]]) -> torch.Tensor:
         last, outer = len(self.s.layers) - 1, torch.is_grad_enabled()
@@ -102,11 +106,15 @@ class Driver:
     def _inputs(self, hidden: torch.Tensor, side) -> Dict[str, torch.Tensor]:
         if side is not None:
             return {k: v.to(hidden.device) for k, v in side.items()}
-        if self.s.kind == "classification":
+        if self.s.kind == "classification" or self.s.reads_ids:
+            needs = (
+                "reads each sequence's score at its last token that is not padding"
+                if self.s.kind == "classification"
+                else "gives its layers arguments computed from the token ids"
+            )
             raise BatchError(
-                f"{type(self.s.model).__name__} reads each sequence's score at its last token that is not padding, "
-                "found from the token ids on the last stage: pass the inputs as a dict {'input_ids': ..., "
-                "'attention_mask': ...}"
+                f"{type(self.s.model).__name__} {needs}, which every stage needs then: pass the inputs as a dict "
+                "{'input_ids': ..., 'attention_mask': ...}"
             )
         weight = self.s.model.get_input_embeddings().weight
         shape = (*hidden.shape[:2], weight.shape[-1])
@@ -123,5 +131,5 @@ class Driver:
                 )
 
 
-def _same_key(a: tuple, b: tuple) -> bool:
-    return a[0] is b[0] and a[1:] == b[1:]
+def _same_values(kept: Dict[str, torch.Tensor], side: Dict[str, torch.Tensor]) -> bool:
+    return all(torch.equal(kept[k], v.to(kept[k].device)) for k, v in side.items())

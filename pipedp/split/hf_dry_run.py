@@ -12,6 +12,7 @@ first element of a tuple), and checks what the adapter relies on:
 
 from __future__ import annotations
 
+import logging
 from functools import partial
 from typing import Dict, List, Set, Tuple
 
@@ -19,7 +20,7 @@ import torch
 import torch.nn as nn
 
 from ..errors import UnsupportedModelError
-from .hf_runs import call_forward, layers_replaced, positional, read_outside_calls, standing_in, trainable_of
+from .hf_runs import Stop, call_forward, layers_replaced, positional, read_outside_calls, standing_in, trainable_of
 
 WAY_OUT = (
     "give the model a pipeline_blocks() method returning [(name, module), ...], or mark split points with "
@@ -156,6 +157,55 @@ class _DryRun:
                 positional(f"{self.name}: {path}", module, args, kwargs, ROWS, weights)
 
         return hook
+
+
+def reads_token_ids(s, parts: Dict[str, nn.Module]) -> bool:
+    """Whether what the forward gives its layers depends on the token ids beyond their shape: the same
+    as given ``inputs_embeds`` instead (what a stage does without an input dict) or not. The ids hold a
+    padding token, in case the forward makes a mask from them."""
+    device = next((t.device for t in s.model.parameters() if not t.is_meta), torch.device("cpu"))
+    pad = getattr(s.model.config.get_text_config(), "pad_token_id", None)
+    ids = torch.full((ROWS, LENGTH), 1 if pad != 1 else 2, dtype=torch.long, device=device)
+    if pad is not None:
+        ids[0, 0] = pad
+    weight = s.model.get_input_embeddings().weight
+    embeds = torch.zeros(ROWS, LENGTH, weight.shape[-1], dtype=weight.dtype, device=device)
+    quiet = logging.getLogger("transformers")  # not the user's: "padding without an attention mask"
+    level = quiet.level
+    quiet.setLevel(logging.ERROR)
+    try:
+        with torch.no_grad(), standing_in(list(parts.values()), device, real_too=True):
+            given = [_layer_arguments(s, {"input_ids": ids}), _layer_arguments(s, {"inputs_embeds": embeds})]
+    finally:
+        quiet.setLevel(level)
+    return not _same(*given)
+
+
+def _layer_arguments(s, inputs: Dict[str, torch.Tensor]) -> list:
+    calls: list = []
+
+    def on_call(i, args, kwargs):
+        calls.append((args[1:], kwargs))
+        if i == len(s.layers) - 1:
+            raise Stop()
+        return (args[0],) if s.tuple_output else args[0]
+
+    with layers_replaced(s.body, s.layers_name, on_call):
+        try:
+            call_forward(s.base, inputs)
+        except Stop:
+            pass
+    return calls
+
+
+def _same(a, b) -> bool:
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        return isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b)
+    if isinstance(a, (tuple, list)) and isinstance(b, (tuple, list)):
+        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
+    if isinstance(a, dict) and isinstance(b, dict):
+        return a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
+    return type(a) is type(b) and (a is b or a == b)
 
 
 def _random_like(module: nn.Module, device) -> Dict[str, torch.Tensor]:

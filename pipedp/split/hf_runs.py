@@ -182,8 +182,16 @@ def read_outside_calls(output, modules: Dict[str, nn.Module], called: set, train
     if not tensors or not isinstance(output, torch.Tensor) or not output.requires_grad:
         return []
     grads = torch.autograd.grad(output.sum(), tensors, allow_unused=True, retain_graph=True)
+
+    def reader(path: str, module: nn.Module) -> nn.Module:
+        """A parameter container is read by the module holding it (PEFT's LoRA on an embedding, IA3): that
+        module is the layer whose call is captured (privacy.rules.layer_parameters)."""
+        if isinstance(module, (nn.ParameterDict, nn.ParameterList)):
+            return modules.get(path.rpartition(".")[0], module)
+        return module
+
     return [
-        f"{f'{p}.{n}' if p else n} (in a {type(m).__name__})"  # e.g. a ParameterDict: PEFT's LoRA on an embedding
+        f"{f'{p}.{n}' if p else n} (in a {type(m).__name__})"
         for (p, n, m), g in zip(owners, grads)
-        if g is not None and id(m) not in called
+        if g is not None and id(reader(p, m)) not in called
     ]

@@ -18,7 +18,7 @@ import torch.nn as nn
 
 from ..errors import UnsupportedModelError
 from .hf_capturable import LayerFixes, find_fixes
-from .hf_dry_run import WAY_OUT, dry_run
+from .hf_dry_run import WAY_OUT, dry_run, reads_token_ids
 
 SUPPORTED_ATTENTION = ("eager", "sdpa")
 KINDS = {"ForCausalLM": "causal", "LMHeadModel": "causal", "ForSequenceClassification": "classification"}
@@ -39,6 +39,7 @@ class Structure:
     context: Dict[str, nn.Module] = field(default_factory=dict)  # parts with buffers only (rotary embeddings)
     tuple_output: bool = False  # the forward takes a layer's output as the first element of a tuple
     fixes: List[LayerFixes] = field(default_factory=list)  # per layer: what makes its calls capturable
+    reads_ids: bool = False  # the layers' arguments depend on the token ids, not only on their shape
 
     @property
     def layers(self) -> nn.ModuleList:
@@ -77,6 +78,7 @@ def find_structure(model: nn.Module) -> Structure:
     # parts the forward never calls (e.g. an unused projection) go with the head, so that every tensor has a stage
     structure.post = {p: m for p, m in owning.items() if p not in structure.pre}
     structure.context = {p: m for p, m in parts.items() if p not in owning and next(m.buffers(), None) is not None}
+    structure.reads_ids = reads_token_ids(structure, parts)
     _require_parts(structure, sides)
     return structure
 

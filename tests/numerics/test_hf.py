@@ -176,7 +176,7 @@ def test_a_lora_classifier_with_its_score_saved_matches_the_loop_oracle(name, si
     )
     model = peft.get_peft_model(build(FAMILY[name], "classification"), config)
     inputs, _ = padded_batch(side)
-    labels = torch.arange(7) % 3
+    labels = torch.arange(len(inputs["input_ids"])) % 3
     want = loop_clipped_sum(copy.deepcopy(model), lambda out, y: sequence_loss(out.logits, y), inputs, labels, CLIP)
     got = dp_update(model, sequence_loss, inputs, labels, stages=3)
     assert max_relative_error(got, want) < 1e-12
@@ -205,7 +205,8 @@ def test_checkpoints_load_stage_by_stage(name, tmp_path):
     inputs, _ = padded_batch("right" if family.eager_only else "left")
     out = inputs
     for stage in range(stages):
-        part = load_pipeline_stage(str(tmp_path), stages, stage, attn_implementation=family.attention[0]).eval()
+        part = load_pipeline_stage(str(tmp_path), stages, stage, "params", attn_implementation=family.attention[0])
+        part.eval()
         assert resident_parameter_bytes(part) == shares[stage] < 0.8 * resident_parameter_bytes(whole)
         for block in partition(model_blocks(part), stages, "params")[stage]:
             out = block.module(out, side_inputs=inputs)
@@ -222,10 +223,10 @@ def test_a_classifier_checkpoint_loads_stage_by_stage(tmp_path):
     inputs, _ = padded_batch("right")
     out = inputs
     for stage in range(2):
-        part = load_pipeline_stage(str(tmp_path), 2, stage).eval()
+        part = load_pipeline_stage(str(tmp_path), 2, stage, "params").eval()
         for block in partition(model_blocks(part), 2, "params")[stage]:
             out = block.module(out, side_inputs=inputs)
-    assert out.shape == (7, 3) and torch.allclose(out, whole(**inputs).logits, rtol=0, atol=1e-6)
+    assert out.shape == (len(inputs["input_ids"]), 3) and torch.allclose(out, whole(**inputs).logits, rtol=0, atol=1e-6)
 
 
 def test_a_meta_model_without_its_rotary_buffers_is_refused_naming_the_way_out():
