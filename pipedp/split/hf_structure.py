@@ -51,10 +51,10 @@ def model_kind(model: nn.Module) -> Optional[str]:
     return next((kind for suffix, kind in KINDS.items() if name.endswith(suffix)), None)
 
 
-def find_structure(model: nn.Module) -> Structure:
-    """The model's parts, checked; UnsupportedModelError naming what is missing otherwise."""
+def find_structure(model: nn.Module, kind: str) -> Structure:
+    """The parts of ``model`` (of ``kind``: model_kind's), checked; UnsupportedModelError naming what is
+    missing otherwise."""
     name = type(model).__name__
-    kind = model_kind(model)
     config = model.config
     impl = getattr(config, "_attn_implementation", None) or "eager"
     if impl not in SUPPORTED_ATTENTION:
