@@ -12,7 +12,7 @@ import torch
 import torch.nn as nn
 from opacus.grad_sample import GradSampleModuleFastGradientClipping
 
-from .rules import Grads, rule_for, trainable_direct_params
+from .rules import Grads, layer_parameters, rule_for
 from .rules.grams import GramCache, gram_norms
 
 NORM_SAMPLERS = GradSampleModuleFastGradientClipping.NORM_SAMPLERS  # Opacus's ghost norms (benchmarked against)
@@ -82,5 +82,5 @@ def keeps_per_sample_grads(
     if rule.keepable is None or not rule.keepable(layer, inputs, backprops):
         return False
     held = sum(a.numel() for a in inputs if a.is_floating_point()) + backprops.numel()
-    per_sample = backprops.shape[0] * sum(p.numel() for _, p in trainable_direct_params(layer))
+    per_sample = backprops.shape[0] * sum(p.numel() for _, p in layer_parameters(layer))
     return 0 < per_sample <= memory_ratio * held

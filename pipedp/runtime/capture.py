@@ -18,6 +18,7 @@ import torch
 import torch.nn as nn
 
 from ..errors import UnsupportedModelError
+from ..privacy.rules import layer_parameters
 from ..split.blocks import Block
 
 
@@ -29,24 +30,16 @@ class LayerCall:
 
 
 def find_layers(named_modules: Iterator[Tuple[str, nn.Module]]) -> Dict[str, nn.Module]:
-    """Each module owning trainable parameters once, under its first name (a module two blocks hold is
-    one layer: hooked twice, its every call would be captured twice)."""
+    """Each module owning trainable parameters (privacy.rules.layer_parameters) once, under its first name
+    (a module two blocks hold is one layer: hooked twice, its every call would be captured twice)."""
     layers: Dict[str, nn.Module] = {}
     seen = set()
     for name, module in named_modules:
-        if id(module) in seen or not _owns_its_parameters(module):
+        if id(module) in seen or not layer_parameters(module):
             continue
         seen.add(id(module))
         layers[name if name not in layers else f"{name}#{len(layers)}"] = module
     return layers
-
-
-def _owns_its_parameters(module: nn.Module) -> bool:
-    """Direct trainable parameters that no submodule also holds: a module that only re-registers its
-    children's parameters under other names (Opacus's DPLSTM, for nn.LSTM's state-dict names) is not a
-    layer; the children that compute with them are."""
-    below = {id(p) for child in module.children() for p in child.parameters()}
-    return any(p.requires_grad and id(p) not in below for p in module.parameters(recurse=False))
 
 
 def block_layers(blocks: Sequence[Block]) -> Dict[str, nn.Module]:

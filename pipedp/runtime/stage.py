@@ -35,6 +35,7 @@ from ..privacy.per_sample import (
     pools_positions,
     squared_norms,
 )
+from ..privacy.rules import layer_parameters
 from ..privacy.units import Units
 from ..split.blocks import Block
 from . import grad_modes, self_check
@@ -109,7 +110,6 @@ class Stage:
         self.loss_fn = loss_fn
         self.grad_mode, self.precision, self.units = options.grad_mode, options.precision, options.units
         self.layers = block_layers(self.blocks)
-        _refuse_parameter_containers(index, self.layers)
         # every trainable parameter of the blocks (the self-check's reference), and those this stage steps
         self.trainable: List[nn.Parameter] = _unique(
             p for b in self.blocks for p in b.module.parameters() if p.requires_grad
@@ -120,7 +120,7 @@ class Stage:
         shared = _params_in_several_layers(self.layers)
         # layers one of whose parameters another layer also uses: their norms need the summed gradient
         self._shares_params = {
-            name for name, m in self.layers.items() if any(id(p) in shared for p in m.parameters(recurse=False))
+            name for name, m in self.layers.items() if any(id(p) in shared for _, p in layer_parameters(m))
         }
         self.clip: StageClip = options.clip.for_stage(index, list(self.layers))
         if self.clip.per_layer and self._shares_params:
@@ -128,7 +128,7 @@ class Stage:
                 f"per_layer clipping: layers {sorted(self._shares_params)} share a parameter, so no layer owns "
                 "its gradient alone; use clipping='flat' or 'per_stage'"
             )
-        self._owner = {p: name for name, m in self.layers.items() for p in m.parameters(recurse=False)}
+        self._owner = {p: name for name, m in self.layers.items() for _, p in layer_parameters(m)}
         self._side_blocks = {
             id(b) for b in self.blocks if "side_inputs" in inspect.signature(b.module.forward).parameters
         }
@@ -601,16 +601,6 @@ def _naming(name: str, layer: nn.Module):
         ) from exc
 
 
-def _refuse_parameter_containers(index: int, layers: Dict[str, nn.Module]) -> None:
-    containers = [name for name, m in layers.items() if isinstance(m, (nn.ParameterDict, nn.ParameterList))]
-    if containers:  # never called: the parent reads these tensors functionally, outside any capture
-        raise UnsupportedModelError(
-            f"stage {index}: trainable parameters held in {containers} (ParameterDict / ParameterList, e.g. PEFT's "
-            "LoRA on an embedding) are read by their parent module outside any module call, so their per-sample "
-            "gradients cannot be captured; freeze them, or adapt linear layers instead"
-        )
-
-
 def _tensors(module: nn.Module):
     yield from module.parameters()
     yield from module.buffers()
@@ -643,6 +633,6 @@ def _unique(params) -> List[nn.Parameter]:
 def _params_in_several_layers(layers: Dict[str, nn.Module]) -> set:
     count: Dict[int, int] = {}
     for m in layers.values():
-        for p in m.parameters(recurse=False):
+        for _, p in layer_parameters(m):
             count[id(p)] = count.get(id(p), 0) + 1
     return {k for k, v in count.items() if v > 1}

@@ -36,6 +36,12 @@ class LayerFixes:
         return bool(self.flattened or self.copied)
 
 
+def _reads_trainable(module: nn.Module, trainable: set) -> bool:
+    """Trainable parameters of its own, or in the parameter containers it reads (a layer, for capture)."""
+    holders = [module] + [c for c in module.children() if isinstance(c, (nn.ParameterDict, nn.ParameterList))]
+    return any((id(h), n) in trainable for h in holders for n in h._parameters)
+
+
 def find_fixes(
     where: str, layer: nn.Module, args: tuple, kwargs: dict, rows: int, length: int, width: int
 ) -> LayerFixes:
@@ -138,7 +144,7 @@ def _run(layer, args, kwargs, rows, length, width, fixes: LayerFixes) -> _Seen:
     trainable = trainable_of(modules)
     handles = []
     for path, module in modules.items():
-        if any((id(module), n) in trainable for n in module._parameters):  # what per-sample capture records
+        if _reads_trainable(module, trainable):  # what per-sample capture records
             handles.append(module.register_forward_hook(_record_owner(seen, path), with_kwargs=True))
         handles.append(module.register_forward_hook(_record_output(seen, path)))
     hidden = torch.zeros(rows, length, width, dtype=_dtype(layer), device=_device(args, kwargs))

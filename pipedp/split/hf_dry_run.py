@@ -20,7 +20,16 @@ import torch
 import torch.nn as nn
 
 from ..errors import UnsupportedModelError
-from .hf_runs import Stop, call_forward, layers_replaced, positional, read_outside_calls, standing_in, trainable_of
+from .hf_runs import (
+    Stop,
+    call_forward,
+    layers_replaced,
+    owns_parameters,
+    positional,
+    read_outside_calls,
+    standing_in,
+    trainable_of,
+)
 
 WAY_OUT = (
     "give the model a pipeline_blocks() method returning [(name, module), ...], or mark split points with "
@@ -77,7 +86,7 @@ class _DryRun:
             m.register_forward_pre_hook(self.part_hook(path), with_kwargs=True)
             for path, part in self.parts.items()
             for m in part.modules()
-            if m is part or next(m.parameters(recurse=False), None) is not None
+            if m is part or owns_parameters(m)
         ]
         trainable = trainable_of(self.modules)
         everything = list(self.parts.values())
@@ -151,7 +160,7 @@ class _DryRun:
                     f"on one stage: {WAY_OUT}"
                 )
             sides.add(side)
-            if next(module.parameters(recurse=False), None) is not None:  # as the blocks will call it
+            if owns_parameters(module):  # as the blocks will call it
                 self.called.add(id(module))
                 weights = partial(_random_like, module, self.device)  # made only if the call needs the check
                 positional(f"{self.name}: {path}", module, args, kwargs, ROWS, weights)

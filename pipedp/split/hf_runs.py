@@ -28,6 +28,7 @@ import torch
 import torch.nn as nn
 
 from ..errors import UnsupportedModelError
+from ..privacy.rules.registry import CONTAINERS
 
 LayerCall = Tuple[tuple, dict]  # what the forward gives a layer besides the hidden state: (args, kwargs)
 
@@ -97,7 +98,7 @@ def positional_calls(parts: Dict[str, nn.Module], rows: int) -> Iterator[None]:
     handles = []
     for path, part in parts.items():
         for name, module in part.named_modules():
-            if next(module.parameters(recurse=False), None) is not None:
+            if owns_parameters(module):
                 where = f"{path}.{name}" if name else path
                 hook = _positional_hook(where, rows)
                 handles.append(module.register_forward_pre_hook(hook, with_kwargs=True))
@@ -168,6 +169,14 @@ def call_forward(module: nn.Module, inputs: Dict[str, torch.Tensor]):
     return module(**inputs, **extra)
 
 
+def owns_parameters(module: nn.Module) -> bool:
+    """A module the blocks call as one layer: parameters of its own, or parameter containers it reads
+    itself (PEFT's LoRA on an embedding, IA3; privacy.rules.layer_parameters)."""
+    if next(module.parameters(recurse=False), None) is not None:
+        return True
+    return any(isinstance(c, CONTAINERS) and next(c.parameters(), None) is not None for c in module.children())
+
+
 def trainable_of(modules: Dict[str, nn.Module]) -> set:
     """(module id, parameter name) of every trainable parameter (taken before standing_in replaces them)."""
     return {(id(m), n) for m in modules.values() for n, p in m._parameters.items() if p is not None and p.requires_grad}
@@ -186,7 +195,7 @@ def read_outside_calls(output, modules: Dict[str, nn.Module], called: set, train
     def reader(path: str, module: nn.Module) -> nn.Module:
         """A parameter container is read by the module holding it (PEFT's LoRA on an embedding, IA3): that
         module is the layer whose call is captured (privacy.rules.layer_parameters)."""
-        if isinstance(module, (nn.ParameterDict, nn.ParameterList)):
+        if isinstance(module, CONTAINERS):
             return modules.get(path.rpartition(".")[0], module)
         return module
 

@@ -1,5 +1,5 @@
-"""PEFT LoRA through the pipeline: LoRA on linear layers equals the batch-size-1 loop oracle; LoRA on
-an embedding (its weights used outside any module call) is refused by name, no longer silently wrong."""
+"""PEFT through the pipeline, against the batch-size-1 loop oracle: LoRA on linear layers, LoRA on the
+embedding (its tensors sit in ParameterDicts its layer reads itself), IA3; and the adapters PEFT reloads."""
 
 import copy
 
@@ -69,10 +69,77 @@ def test_lora_on_linear_layers_matches_the_loop_oracle(mode, targets, saved):
         assert any("modules_to_save" in k and float(v.abs().max()) > 0 for k, v in got.items())
 
 
-def test_lora_on_an_embedding_is_refused_by_name_at_construction():
-    model = lora_llama(["embed_tokens"])
-    with pytest.raises(UnsupportedModelError, match=r"embed_tokens\.lora_embedding_A.*ParameterDict"):
-        PipelineDPTrainer(model, token_loss, stages=2, microbatches=2, expected_batch_size=4)
+def peft_llama(config):
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(
+        vocab_size=40,
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        max_position_embeddings=32,
+        tie_word_embeddings=False,
+    )
+    return peft.get_peft_model(transformers.LlamaForCausalLM(cfg).double(), config).base_model.model
+
+
+def dp_change(model, x, y, **kw):
+    before = {k: v.detach().clone() for k, v in model.named_parameters()}
+    options = dict(stages=2, microbatches=3, noise_multiplier=0.0, max_grad_norm=0.05, expected_batch_size=1)
+    options.update(kw)
+    PipelineDPTrainer(model, token_loss, lambda p: torch.optim.SGD(p, lr=1.0), **options).step(x, y)
+    return {k: before[k] - p.detach() for k, p in model.named_parameters()}
+
+
+@pytest.mark.parametrize("mode", ["ghost", "materialize"])
+@pytest.mark.parametrize("stages", [2, 3])
+def test_lora_on_the_embedding_matches_the_loop_oracle(mode, stages):
+    model = lora_llama(["embed_tokens", "q_proj"])
+    x, y = batch()
+    want = loop_clipped_sum(copy.deepcopy(model), lambda out, t: token_loss(out.logits, t), x, y, 0.05)
+    got = dp_change(model, x, y, grad_mode=mode, stages=stages)
+    assert max_relative_error(got, want) < 1e-8
+    assert any("lora_embedding_A" in k and float(v.abs().max()) > 0 for k, v in got.items())
+
+
+@pytest.mark.parametrize("feedforward", [[], ["down_proj"]])
+def test_ia3_matches_the_loop_oracle(feedforward):
+    config = peft.IA3Config(
+        target_modules=["k_proj", "v_proj", "down_proj"], feedforward_modules=feedforward, init_ia3_weights=False
+    )
+    model = peft_llama(config)
+    x, y = batch()
+    want = loop_clipped_sum(copy.deepcopy(model), lambda out, t: token_loss(out.logits, t), x, y, 0.05)
+    got = dp_change(model, x, y)
+    assert max_relative_error(got, want) < 1e-8
+    assert any("ia3_l" in k and float(v.abs().max()) > 0 for k, v in got.items())
+
+
+def test_a_lora_embedding_adapter_saved_after_training_reloads_in_peft(tmp_path):
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(
+        vocab_size=40,
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        max_position_embeddings=32,
+    )
+    base = transformers.LlamaForCausalLM(cfg).double()
+    model = peft.get_peft_model(base, peft.LoraConfig(r=4, target_modules=["embed_tokens", "q_proj"]))
+    trainer = PipelineDPTrainer(model, token_loss, stages=2, expected_batch_size=4, noise_multiplier=0.5)
+    x, y = batch()
+    trainer.step(x, y)
+    trainer.save_pretrained(str(tmp_path / "adapter"))
+    torch.manual_seed(0)
+    fresh = transformers.LlamaForCausalLM(cfg).double()
+    reloaded = peft.PeftModel.from_pretrained(fresh, str(tmp_path / "adapter"))
+    trained = dict(model.named_parameters())
+    for name, p in reloaded.named_parameters():
+        if "lora_embedding" in name:
+            assert torch.equal(p, trained[name])
 
 
 def test_a_peft_model_is_accepted_directly_under_its_own_names():

@@ -21,13 +21,22 @@ from __future__ import annotations
 import torch.nn as nn
 
 from . import embedding, generic, layer_norm, linear  # noqa: F401  (each registers its rules)
-from .registry import PREDICATES, RULES, Grads, LayerRule, has_trainable_children, register, trainable_direct_params
+from .registry import (
+    PREDICATES,
+    RULES,
+    Grads,
+    LayerRule,
+    has_trainable_children,
+    layer_parameters,
+    reads_containers,
+    register,
+)
 
-__all__ = ["Grads", "LayerRule", "RULES", "register", "rule_for", "trainable_direct_params"]
+__all__ = ["Grads", "LayerRule", "RULES", "register", "rule_for", "layer_parameters"]
 
 
 def rule_for(layer: nn.Module) -> LayerRule:
-    if has_trainable_children(layer):
+    if has_trainable_children(layer) or reads_containers(layer):  # (typed rules know one module's own tensors)
         return generic.FUNCTORCH
     rule = RULES.get(type(layer))
     if rule is not None:

@@ -16,7 +16,7 @@ import torch.nn as nn
 from opacus.grad_sample import GradSampleModule
 from torch.func import functional_call, grad, vmap
 
-from .registry import Grads, LayerRule, trainable_direct_params
+from .registry import Grads, LayerRule, layer_parameters
 
 GRAD_SAMPLERS = GradSampleModule.GRAD_SAMPLERS
 
@@ -24,14 +24,14 @@ GRAD_SAMPLERS = GradSampleModule.GRAD_SAMPLERS
 def in_unit_dtype(layer: nn.Module, inputs: Sequence[torch.Tensor], backprops: torch.Tensor):
     """A layer replayed on its own: its float inputs and output-grads in its parameters' dtype (bf16
     weights read bf16 inputs), and the dtype its gradients are returned in (float32 at least)."""
-    dtype = next((p.dtype for p in layer.parameters(recurse=False)), backprops.dtype)
+    dtype = next((p.dtype for _, p in layer_parameters(layer)), backprops.dtype)
     inputs = tuple(a.to(dtype) if a.is_floating_point() else a for a in inputs)
     return inputs, backprops.to(dtype), torch.promote_types(backprops.dtype, torch.float32)
 
 
 def functorch_grads(layer: nn.Module, inputs: Sequence[torch.Tensor], backprops: torch.Tensor) -> Grads:
     inputs, backprops, wide = in_unit_dtype(layer, inputs, backprops)
-    named = trainable_direct_params(layer)
+    named = layer_parameters(layer)
     names = [n for n, _ in named]
     values: Tuple[torch.Tensor, ...] = tuple(p.detach() for _, p in named)
 
@@ -46,7 +46,7 @@ def functorch_grads(layer: nn.Module, inputs: Sequence[torch.Tensor], backprops:
 
 def replayed_weight(layer: nn.Module, inputs: Sequence[torch.Tensor], scaled: torch.Tensor) -> Grads:
     """sum_i c_i grad_i as the layer's ordinary weight gradient for the scaled output-gradients."""
-    params = [p for _, p in trainable_direct_params(layer)]
+    params = [p for _, p in layer_parameters(layer)]
     inputs, backprops, wide = in_unit_dtype(layer, inputs, scaled)
     with torch.enable_grad():
         output = layer(*inputs)

@@ -35,9 +35,28 @@ def register(layer: "type | Callable[[nn.Module], bool]", rule: LayerRule) -> No
         PREDICATES.append((layer, rule))
 
 
+CONTAINERS = (nn.ParameterDict, nn.ParameterList)
+
+
 def has_trainable_children(layer: nn.Module) -> bool:
-    return any(p.requires_grad for c in layer.children() for p in c.parameters())
+    """Children (other than parameter containers) with trainable parameters of their own."""
+    return any(p.requires_grad for c in layer.children() if not isinstance(c, CONTAINERS) for p in c.parameters())
 
 
-def trainable_direct_params(layer: nn.Module) -> List[Tuple[str, nn.Parameter]]:
-    return [(n, p) for n, p in layer.named_parameters(recurse=False) if p.requires_grad]
+def layer_parameters(module: nn.Module) -> List[Tuple[str, nn.Parameter]]:
+    """The trainable parameters a module computes with as one *layer*, by name relative to it: its own
+    (not those it only re-registers from a child that computes with them, as Opacus's DPLSTM does for
+    nn.LSTM's state-dict names), and those of the parameter containers (ParameterDict / ParameterList)
+    directly under it, which it reads itself (PEFT's LoRA on an embedding, IA3)."""
+    if isinstance(module, CONTAINERS):
+        return []
+    below = {id(p) for c in module.children() if not isinstance(c, CONTAINERS) for p in c.parameters()}
+    own = [(n, p) for n, p in module.named_parameters(recurse=False) if p.requires_grad and id(p) not in below]
+    for name, child in module.named_children():
+        if isinstance(child, CONTAINERS):
+            own += [(f"{name}.{n}", p) for n, p in child.named_parameters() if p.requires_grad]
+    return own
+
+
+def reads_containers(module: nn.Module) -> bool:
+    return any(isinstance(c, CONTAINERS) and any(p.requires_grad for p in c.parameters()) for c in module.children())
