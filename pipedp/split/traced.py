@@ -83,7 +83,8 @@ def traced_blocks(model: nn.Module) -> Optional[List[Block]]:
     if not placeholders:
         raise UnsupportedModelError(f"{type(model).__name__}.forward takes no input to split a pipeline over")
     _refuse_what_per_sample_clipping_cannot_see(model, nodes)
-    body, marks = [], []
+    body: List[fx.Node] = []
+    marks: List[int] = []
     for n in nodes:
         if n.op == "call_function" and n.target is _split_mark:
             marks.append(len(body))  # a cut before the next node
