@@ -15,7 +15,7 @@ from pipedp import PipelineDPTrainer, UnsupportedModelError  # noqa: E402
 from pipedp.models import token_loss  # noqa: E402
 
 
-def lora_llama(targets, modules_to_save=None):
+def peft_llama(config):
     torch.manual_seed(0)
     cfg = transformers.LlamaConfig(
         vocab_size=40,
@@ -27,11 +27,12 @@ def lora_llama(targets, modules_to_save=None):
         max_position_embeddings=32,
         tie_word_embeddings=False,
     )
-    model = transformers.LlamaForCausalLM(cfg).double()
-    lora = peft.get_peft_model(
-        model, peft.LoraConfig(r=4, target_modules=targets, init_lora_weights=False, modules_to_save=modules_to_save)
-    )
-    return lora.base_model.model  # the LlamaForCausalLM with LoRA layers inside
+    return peft.get_peft_model(transformers.LlamaForCausalLM(cfg).double(), config).base_model.model
+
+
+def lora_llama(targets, modules_to_save=None):
+    config = peft.LoraConfig(r=4, target_modules=targets, init_lora_weights=False, modules_to_save=modules_to_save)
+    return peft_llama(config)  # the LlamaForCausalLM with LoRA layers inside
 
 
 def batch():
@@ -67,21 +68,6 @@ def test_lora_on_linear_layers_matches_the_loop_oracle(mode, targets, saved):
     assert all(float(v.abs().max()) == 0 for k, v in got.items() if not any(t in k for t in trained))  # base frozen
     if saved:
         assert any("modules_to_save" in k and float(v.abs().max()) > 0 for k, v in got.items())
-
-
-def peft_llama(config):
-    torch.manual_seed(0)
-    cfg = transformers.LlamaConfig(
-        vocab_size=40,
-        hidden_size=16,
-        intermediate_size=32,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        max_position_embeddings=32,
-        tie_word_embeddings=False,
-    )
-    return peft.get_peft_model(transformers.LlamaForCausalLM(cfg).double(), config).base_model.model
 
 
 def dp_change(model, x, y, **kw):
