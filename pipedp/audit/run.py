@@ -17,34 +17,41 @@ their loss after training; such audits are loose by nature, and reported as such
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any, Dict, List, Optional
 
 import numpy as np
 import torch
 
+from ..config import PipelineConfig, PrivacyConfig
 from ..privacy.streams import Stream, stream_seed
 from ..train.trainer import PipelineDPTrainer
 from .bounds import Guesses, NoiseCheck, best_guesses, guess_sizes, noise_checks
 from .canaries import audit_data, audit_loss, audit_model, canary_block, tap_names
 
 
+def _audited_pipeline() -> PipelineConfig:
+    return PipelineConfig(stages=2, microbatches=4, transport="inprocess")
+
+
+def _audited_privacy() -> PrivacyConfig:
+    return PrivacyConfig(sample_rate=0.5, noise_multiplier=3.0, max_grad_norm=1.0, delta=1e-5)
+
+
 @dataclass(frozen=True)
 class AuditConfig:
+    """The audit's own choices, and the pipeline and mechanism it audits (the trainer's two configs:
+    the expected batch size is set from the data, and training seeds its streams with seed + 1)."""
+
     kind: str = "whitebox"  # or "blackbox"
     canaries: int = 1000
     examples: int = 200  # real training rows besides the canaries (white-box)
     steps: int = 10
-    sample_rate: float = 0.5
-    noise_multiplier: float = 3.0
-    max_grad_norm: float = 1.0
     lr: float = 0.1
-    delta: float = 1e-5
     confidence: float = 0.95
-    stages: int = 2
-    microbatches: int = 4
-    seed: int = 0  # the audit's coin flips; training uses seed + 1
-    transport: str = "inprocess"
+    seed: int = 0  # the audit's coin flips
+    pipeline: PipelineConfig = field(default_factory=_audited_pipeline)
+    privacy: PrivacyConfig = field(default_factory=_audited_privacy)
 
 
 @dataclass
@@ -81,9 +88,10 @@ class AuditResult:
     def summary(self) -> str:
         c, g = self.config, self.guesses
         lines = [
-            f"{c['kind']} audit: {c['canaries']} canaries, {c['steps']} steps, sample rate {c['sample_rate']}, "
-            f"noise multiplier {c['noise_multiplier']}, {c['stages']} stages",
-            f"accountant epsilon            {self.claimed_epsilon:.3f} at delta {c['delta']:g}",
+            f"{c['kind']} audit: {c['canaries']} canaries, {c['steps']} steps, sample rate "
+            f"{c['privacy']['sample_rate']}, noise multiplier {c['privacy']['noise_multiplier']}, "
+            f"{c['pipeline']['stages']} stages",
+            f"accountant epsilon            {self.claimed_epsilon:.3f} at delta {c['privacy']['delta']:g}",
             f"empirical epsilon lower bound {self.epsilon_lower_bound:.3f} at {c['confidence']:.0%} confidence "
             f"(lower bound / claimed = {self.tightness:.2f})",
         ]
@@ -158,29 +166,22 @@ def run_audit(config: AuditConfig, rank: int = 0) -> Optional[AuditResult]:
 
 
 def _trainer(model, loss, config: AuditConfig, expected_batch: int) -> PipelineDPTrainer:
+    privacy = replace(config.privacy, expected_batch_size=expected_batch, seed=config.seed + 1)
     return PipelineDPTrainer(
-        model,
-        loss,
-        lambda p: torch.optim.SGD(p, lr=config.lr),
-        stages=config.stages,
-        microbatches=config.microbatches,
-        noise_multiplier=config.noise_multiplier,
-        max_grad_norm=config.max_grad_norm,
-        expected_batch_size=expected_batch,
-        sample_rate=config.sample_rate,
-        seed=config.seed + 1,
-        delta=config.delta,
-        transport=config.transport,
+        model, loss, lambda p: torch.optim.SGD(p, lr=config.lr), pipeline=config.pipeline, privacy=privacy
     )
 
 
 def _whitebox(config: AuditConfig, rank: int) -> Optional[AuditResult]:
     m, features, width = config.canaries, 8, 16
+    privacy = config.privacy
+    rate, delta, sigma = privacy.sample_rate or 1.0, privacy.delta, privacy.noise_multiplier
+    clip = float(privacy.max_grad_norm)  # type: ignore[arg-type]  (the audit's flat clipping: one C)
     included = coin_flips(m, config.seed)
-    model = audit_model(features, width, blocks=max(2, config.stages), canaries=m, seed=config.seed)
+    model = audit_model(features, width, blocks=max(2, config.pipeline.stages), canaries=m, seed=config.seed)
     taps, hosts = tap_names(model), canary_block(model)
     x, y = audit_data(features, m, config.examples, included, config.seed)
-    expected = max(1, round(config.sample_rate * len(x)))
+    expected = max(1, round(rate * len(x)))
     trainer = _trainer(model, audit_loss, config, expected)
     stage_of_block = [s for s, n in enumerate(trainer.partition_report.blocks_per_stage) for _ in range(n)]
     history: List[np.ndarray] = []
@@ -192,18 +193,18 @@ def _whitebox(config: AuditConfig, rank: int) -> Optional[AuditResult]:
 
     record(0, 0.0, trainer)
     trainer.fit((x, y), steps=config.steps, callback=record)
-    claimed = trainer.epsilon(config.delta)
+    claimed = trainer.epsilon(delta)
     trainer.close()
     if rank != 0:
         return None
-    z = np.diff(np.stack(history), axis=0) * expected / (config.lr * config.max_grad_norm)  # [T, m]
+    z = np.diff(np.stack(history), axis=0) * expected / (config.lr * clip)  # [T, m]
     stages = np.array([stage_of_block[b] for b in hosts])
-    scores = whitebox_scores(z, config.sample_rate, stages)
+    scores = whitebox_scores(z, rate, stages)
     beta = 1 - config.confidence
     guesses = best_guesses(
-        {k: v.tolist() for k, v in scores.items()}, included.tolist(), guess_sizes(m), beta / 2, config.delta
+        {k: v.tolist() for k, v in scores.items()}, included.tolist(), guess_sizes(m), beta / 2, delta
     )  # half of beta for the bound, half for the noise checks
-    checks = noise_checks(z, included.numpy(), stages, config.stages, config.noise_multiplier, beta / 2)
+    checks = noise_checks(z, included.numpy(), stages, config.pipeline.stages, sigma, beta / 2)
     return AuditResult(
         asdict(config),
         claimed,
@@ -247,9 +248,10 @@ def _blackbox(config: AuditConfig, rank: int) -> Optional[AuditResult]:
     train_y = torch.cat([y, canary_y[included]])
     cfg = GPTConfig(vocab_size=tok.vocab_size, seq_len=seq, d_model=64, n_heads=4, n_layers=4)
     torch.manual_seed(config.seed)
-    trainer = _trainer(tiny_gpt(cfg), token_loss, config, max(1, round(config.sample_rate * len(train_x))))
+    rate, delta = config.privacy.sample_rate or 1.0, config.privacy.delta
+    trainer = _trainer(tiny_gpt(cfg), token_loss, config, max(1, round(rate * len(train_x))))
     trainer.fit((train_x, train_y), steps=config.steps)
-    claimed = trainer.epsilon(config.delta)
+    claimed = trainer.epsilon(delta)
     state = trainer.state_dict()
     trainer.close()
     if rank != 0:
@@ -259,7 +261,7 @@ def _blackbox(config: AuditConfig, rank: int) -> Optional[AuditResult]:
     with torch.no_grad():
         scores = -token_loss(fresh(canary_x), canary_y).double().numpy()  # low loss: probably trained on
     beta = 1 - config.confidence
-    guesses = best_guesses({"loss": scores.tolist()}, included.tolist(), guess_sizes(m), beta, config.delta)
+    guesses = best_guesses({"loss": scores.tolist()}, included.tolist(), guess_sizes(m), beta, delta)
     return AuditResult(
         asdict(config),
         claimed,

@@ -9,6 +9,7 @@ from dataclasses import replace
 from typing import Optional
 
 from ..audit.run import AuditConfig, AuditResult, audit_rank, run_audit
+from ..config import PipelineConfig, PrivacyConfig
 from ..runtime.launch import init_from_env, launch
 
 
@@ -23,19 +24,20 @@ def run(args) -> int:
         kind=args.kind,
         canaries=args.canaries,
         steps=steps,
-        sample_rate=sample_rate,
-        noise_multiplier=args.noise_multiplier,
-        max_grad_norm=args.max_grad_norm,
         lr=args.lr,
-        delta=args.delta,
         confidence=args.confidence,
-        stages=args.stages,
-        microbatches=args.microbatches,
         seed=args.seed,
+        pipeline=PipelineConfig(stages=args.stages, microbatches=args.microbatches, transport="inprocess"),
+        privacy=PrivacyConfig(
+            sample_rate=sample_rate,
+            noise_multiplier=args.noise_multiplier,
+            max_grad_norm=args.max_grad_norm,
+            delta=args.delta,
+        ),
     )
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ and not args.inprocess:
         init_from_env()
-        raw = audit_rank(int(os.environ["RANK"]), replace(config, transport="auto"))
+        raw = audit_rank(int(os.environ["RANK"]), replace(config, pipeline=replace(config.pipeline, transport="auto")))
         if raw is None:
             return 0
         result: Optional[AuditResult] = AuditResult.from_dict(raw)
@@ -43,7 +45,8 @@ def run(args) -> int:
         result = run_audit(config)
     else:
         print(f"pipedp: launching {args.stages} processes for the audit (gloo)", flush=True)
-        raw = launch(audit_rank, args.stages, (replace(config, transport="auto"),), timeout_s=3600)[0]
+        over_processes = replace(config, pipeline=replace(config.pipeline, transport="auto"))
+        raw = launch(audit_rank, args.stages, (over_processes,), timeout_s=3600)[0]
         result = AuditResult.from_dict(raw)
     assert result is not None
     print(result.summary())

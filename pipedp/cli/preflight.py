@@ -264,21 +264,12 @@ def resolve_privacy(args, privacy: PrivacyConfig, fit: FitConfig, units: int, pe
         total_steps=steps if privacy.target_epsilon is not None else None,
     ).validate()  # delta < 1/N is checked here
     if privacy.target_epsilon is not None:  # calibrate once here, so every rank gets the same sigma
-        from ..privacy.accounting import calibrate_noise
+        from ..privacy.accounting import calibrated
 
-        # shuffled epochs are charged once each at rate 1 (pipedp.privacy.accounting): calibrate for that
-        rate, charged = (1.0, math.ceil(steps / steps_per_epoch(units, batch))) if shuffle else (sample_rate, steps)
         say(
             f"calibrating the noise for epsilon {privacy.target_epsilon:g} at delta {privacy.delta:g} over {steps} steps"
         )
-        sigma = calibrate_noise(
-            privacy.target_epsilon,
-            privacy.delta,
-            rate,
-            charged,
-            privacy.accountant,
-            progress=lambda line: say("  " + line),
-        )
+        sigma = calibrated(privacy, progress=lambda line: say("  " + line)).noise_multiplier
         privacy = replace(privacy, noise_multiplier=sigma, target_epsilon=None, total_steps=None)
     if privacy.max_epsilon is not None and not shuffle and privacy.noise_multiplier > 0:
         from ..privacy.accounting import steps_within_budget

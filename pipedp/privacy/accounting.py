@@ -14,6 +14,7 @@ other records' batches as they were (add/remove adjacency, like the Poisson case
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import time
 import warnings
@@ -21,7 +22,8 @@ from typing import Callable, List, Optional, Sequence, Tuple
 
 from opacus.accountants import IAccountant, create_accountant
 
-from ..errors import PipeDPError
+from ..config import PrivacyConfig
+from ..errors import ConfigError, PipeDPError
 
 Entry = Tuple[float, float, int]  # (noise multiplier, sample rate, steps): an Opacus history entry
 MAX_SIGMA = 1e6  # as Opacus's calibration: beyond it the budget counts as unreachable
@@ -167,6 +169,34 @@ def calibrate_noise(
         else:
             low = mid
     return high
+
+
+def planned_charges(privacy: PrivacyConfig) -> Tuple[float, int]:
+    """(sample rate, number of charges) the planned steps will be accounted with, as declared: Poisson
+    steps at q (fit()'s sampler when nothing is declared but a sample rate); a shuffled epoch once at
+    rate 1; undeclared steps each at rate 1."""
+    steps = privacy.planned_steps()
+    if steps is None:
+        raise PipeDPError("calibrating the noise needs total_steps or epochs")
+    if privacy.sampling == "poisson" or (privacy.sampling is None and privacy.sample_rate is not None):
+        assert privacy.sample_rate is not None
+        return privacy.sample_rate, steps
+    if privacy.sampling == "shuffle":
+        if privacy.dataset_size is None or privacy.expected_batch_size is None:
+            raise ConfigError(
+                "target_epsilon with sampling='shuffle' needs dataset_size (an epoch is charged once)", "sampling"
+            )
+        return 1.0, math.ceil(steps / math.ceil(privacy.dataset_size / privacy.expected_batch_size))
+    return 1.0, steps
+
+
+def calibrated(privacy: PrivacyConfig, progress: Optional[Callable[[str], None]] = None) -> PrivacyConfig:
+    """``privacy`` with the noise multiplier that meets its target_epsilon over its planned steps, for the
+    sampling it declares (the one place both the trainer and the CLI calibrate); the target is kept."""
+    assert privacy.target_epsilon is not None
+    rate, charges = planned_charges(privacy)
+    sigma = calibrate_noise(privacy.target_epsilon, privacy.delta, rate, charges, privacy.accountant, progress)
+    return dataclasses.replace(privacy, noise_multiplier=sigma)
 
 
 def _gaussian_dp_guess(target_epsilon: float, delta: float, sample_rate: float, steps: int) -> float:

@@ -25,7 +25,7 @@ from schedules import Kind
 
 from ..config import SAMPLINGS, FitConfig, PipelineConfig, PrivacyConfig, describe, split_options
 from ..errors import ConfigError, NonFiniteError, PrivacyBudgetExceeded, UnsupportedModelError
-from ..privacy.accounting import BudgetGuard, calibrate_noise, charged_rate, spent_epsilon
+from ..privacy.accounting import BudgetGuard, calibrated, charged_rate, spent_epsilon
 from ..privacy.clipping import ClipRule
 from ..privacy.noise import add_noise
 from ..privacy.units import Units
@@ -78,24 +78,6 @@ def _check_finite(stage: Any, values: List[torch.Tensor], step: int, what: str) 
             f"step {step}, stage {stage.index}: the {what} of {', '.join(bad[:5])} is not finite (NaN/inf): "
             "the optimizer step is refused; check the learning rate, max_grad_norm and the data"
         )
-
-
-def _planned_charges(privacy: PrivacyConfig) -> Tuple[float, int]:
-    """(sample rate, number of charges) the planned steps will be accounted with, as they are declared:
-    Poisson steps at q; a shuffled epoch once at rate 1; undeclared steps each at rate 1."""
-    steps = privacy.planned_steps()
-    assert steps is not None  # validate() requires total_steps or epochs with target_epsilon
-    if privacy.sampling == "poisson" or privacy.sampling is None and privacy.sample_rate is not None:
-        # (undeclared with a sample rate: fit()'s Poisson sampler is the path that calibrates for a rate)
-        assert privacy.sample_rate is not None
-        return privacy.sample_rate, steps
-    if privacy.sampling == "shuffle":
-        if privacy.dataset_size is None or privacy.expected_batch_size is None:
-            raise ConfigError(
-                "target_epsilon with sampling='shuffle' needs dataset_size (an epoch is charged once)", "sampling"
-            )
-        return 1.0, math.ceil(steps / math.ceil(privacy.dataset_size / privacy.expected_batch_size))
-    return 1.0, steps
 
 
 def _float32_masters(model: nn.Module) -> None:
@@ -191,9 +173,7 @@ class PipelineDPTrainer:
         pipeline = dataclasses.replace(pipeline or PipelineConfig(), **pipeline_options).validate()
         privacy = dataclasses.replace(privacy or PrivacyConfig(), **privacy_options).validate()
         if privacy.target_epsilon is not None:
-            rate, charges = _planned_charges(privacy)
-            sigma = calibrate_noise(privacy.target_epsilon, privacy.delta, rate, charges, privacy.accountant)
-            privacy = dataclasses.replace(privacy, noise_multiplier=sigma)
+            privacy = calibrated(privacy)
         self.pipeline, self.privacy = pipeline, privacy
         action_costs = (
             None if pipeline.schedule_costs is None else dict(zip((Kind.F, Kind.I, Kind.W), pipeline.schedule_costs))

@@ -5,6 +5,7 @@ import signal
 import subprocess
 import sys
 import time
+from dataclasses import replace
 
 import pytest
 from workers import signal_at_step
@@ -73,7 +74,8 @@ def test_the_audit_over_processes_equals_the_in_process_one(tmp_path):
     from pipedp.audit.run import AuditConfig, AuditResult, audit_rank, run_audit
 
     config = AuditConfig(canaries=300, steps=4)
-    over_processes = AuditResult.from_dict(launch(audit_rank, 2, (config,), timeout_s=300)[0])
+    distributed = replace(config, pipeline=replace(config.pipeline, transport="auto"))  # one stage per process
+    over_processes = AuditResult.from_dict(launch(audit_rank, 2, (distributed,), timeout_s=300)[0])
     in_process = run_audit(config)
     assert over_processes.scores == in_process.scores  # the same noise, draw for draw
     assert over_processes.epsilon_lower_bound == in_process.epsilon_lower_bound

@@ -80,3 +80,34 @@ def test_noise_and_sampling_streams_never_share_a_seed():
     assert not (sampling & noise) and not (truncation & noise) and not (sampling & truncation)
     assert len(noise) == 2001 and len(sampling) == 2000
     assert stream_seed(Stream.NOISE, seed, 1, 2) != stream_seed(Stream.NOISE, seed, 2, 1)
+
+
+def test_fit_takes_exactly_the_fields_of_fit_config():
+    """trainer.fit's keywords are FitConfig's fields (a real signature, written against the config)."""
+    import inspect
+
+    from pipedp import PipelineDPTrainer
+    from pipedp.config import FitConfig
+
+    keywords = [
+        name
+        for name, p in inspect.signature(PipelineDPTrainer.fit).parameters.items()
+        if p.kind is inspect.Parameter.KEYWORD_ONLY and name != "callback"
+    ]
+    assert keywords == [f.name for f in dataclasses.fields(FitConfig)]
+
+
+def test_the_trainer_and_the_cli_calibrate_in_one_place():
+    from pipedp.privacy.accounting import calibrated, epsilon_of, planned_charges
+
+    shuffled = PrivacyConfig(
+        expected_batch_size=16,
+        sample_rate=16 / 256,
+        target_epsilon=4.0,
+        total_steps=32,
+        sampling="shuffle",
+        dataset_size=256,
+    ).validate()
+    assert planned_charges(shuffled) == (1.0, 2)  # two epochs of 16 batches: charged once each
+    sigma = calibrated(shuffled).noise_multiplier
+    assert 4.0 - 0.01 <= epsilon_of([(sigma, 1.0, 2)], 1e-5, "prv") <= 4.0
