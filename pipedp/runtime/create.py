@@ -47,11 +47,11 @@ def create_runtime(
     units: Units,
     stage_blocks: List[List[Block]],
     loss_fn: Callable,
-    description: Dict[str, Any],
+    agreement: Dict[str, Any],
     state_keys: Sequence[str],
     tie: Optional[Tie] = None,
 ) -> Runtime:
-    """``description`` is what every rank must agree on; ``state_keys`` the model's state-dict order;
+    """``agreement``: what every rank must agree on; ``state_keys`` the model's state-dict order;
     ``tie``: an embedding on the first stage tied to the head on the last."""
     options = stage_options(pipeline, clip, units)
     if is_distributed(pipeline.transport):
@@ -63,9 +63,7 @@ def create_runtime(
                 "(NCCL: cuda:LOCAL_RANK): drop devices",
                 "devices",
             )
-        return DistributedRuntime.create(
-            pipeline, schedule, options, stage_blocks, loss_fn, description, state_keys, tie
-        )
+        return DistributedRuntime.create(pipeline, schedule, options, stage_blocks, loss_fn, agreement, state_keys, tie)
     if pipeline.replicas != 1:
         raise ConfigError("replicas > 1 needs one process per (stage, replica): launch with torchrun", "replicas")
     p = len(stage_blocks)

@@ -161,13 +161,13 @@ class DistributedRuntime:
         options: StageOptions,
         stage_blocks: List[List[Block]],
         loss_fn: Callable,
-        description: Dict[str, Any],
+        agreement: Dict[str, Any],
         state_keys: Sequence[str],
         tie: Optional[Tie] = None,
     ) -> "DistributedRuntime":
-        """``description``: what every rank must agree on (the run's configuration and model signature)."""
+        """``agreement``: what every rank must agree on (the run's configuration and model signature)."""
         world, rank = dist.get_world_size(), dist.get_rank()
-        _agree({"world size": world, **description})
+        _agree({"world size": world, **agreement})
         if world != pipeline.stages * pipeline.replicas:
             raise ConfigMismatchError(
                 f"world size {world} != stages {pipeline.stages} x replicas {pipeline.replicas}: launch "

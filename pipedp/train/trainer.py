@@ -214,7 +214,7 @@ class PipelineDPTrainer:
             self.units,
             stage_blocks,
             loss_fn,
-            self.run_config(),
+            self.agreement(),
             list(model.state_dict().keys()),
             tie,
         )
@@ -343,8 +343,8 @@ class PipelineDPTrainer:
             self.privacy.secure_mode,
         )
 
-    # ---- configuration as the checks see it ---------------------------------------------------
-    def run_config(self) -> Dict[str, Any]:
+    # ---- the run as the checks see it: what ranks agree on, what a resume must keep (its identity) ---------------------------------------------------
+    def agreement(self) -> Dict[str, Any]:
         """What every rank of a run must agree on: every option, the model's signature and its split
         (measured costs differ between ranks; a different split on one rank would run blocks twice)."""
         return {
@@ -354,7 +354,7 @@ class PipelineDPTrainer:
             "blocks per stage": self.partition_report.blocks_per_stage,
         }
 
-    def resume_config(self) -> Dict[str, Any]:
+    def identity(self) -> Dict[str, Any]:
         """What a checkpoint and its resumption must agree on: the options that shape the update. The
         split does not (the noise is drawn per parameter, the norms summed over every stage), except
         under per-stage clipping, where each stage's threshold is part of the mechanism."""
@@ -509,7 +509,7 @@ class PipelineDPTrainer:
             directory,
             self.state,
             self.runtime,
-            self.resume_config(),
+            self.identity(),
             self.pipeline.stages,
             checkpoint.resolve_key(key),
             keep_last,
@@ -520,7 +520,7 @@ class PipelineDPTrainer:
         """The newest checkpoint in ``directory`` (saved on any number of stages or replicas); with a key,
         only if every step folder there is signed with it and of one job."""
         self._checkpoint_job = checkpoint.load(
-            directory, self.state, self.runtime, self.resume_config(), checkpoint.resolve_key(key)
+            directory, self.state, self.runtime, self.identity(), checkpoint.resolve_key(key)
         )
 
     # ---- leaving the user's model as it was ---------------------------------------------------

@@ -73,7 +73,7 @@ class Manifest:
     job: str  # drawn at a job's first save: every step folder of a job carries it
     step: int
     folder: str  # the step folder's own name (a renamed or copied folder no longer matches)
-    config: Dict[str, Any]  # what resuming must agree on (trainer.resume_config())
+    config: Dict[str, Any]  # the run's identity: what resuming must agree on (trainer.identity())
     mechanism: str  # the accountant
     history: List[Tuple[float, float, int]]  # its (noise multiplier, sample rate, steps) entries
     stages: List[StageRecord]
