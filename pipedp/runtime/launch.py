@@ -38,10 +38,11 @@ def free_port() -> int:
 
 
 @contextlib.contextmanager
-def bounded(what: str, seconds: float):
-    """Wait at most ``seconds`` (plus a grace of 30 s) for a blocking distributed call whose own timeout
-    may not apply (a rendezvous with a peer that will never come, a stale store): past it, say so on
-    stderr and end the process, rather than sit there unbounded. Exit code 75 (EX_TEMPFAIL)."""
+def bounded(what: str, seconds: float, grace: float = 30.0):
+    """Wait at most ``seconds`` (plus ``grace``, for the call's own timeout to fire first) for a blocking
+    distributed call whose own timeout may not apply (a rendezvous with a peer that will never come, a
+    stale store): past it, say so on stderr and end the process, rather than sit there unbounded. Exit
+    code 75 (EX_TEMPFAIL)."""
 
     def expire() -> None:
         sys.stderr.write(
@@ -52,7 +53,7 @@ def bounded(what: str, seconds: float):
         sys.stderr.flush()
         os._exit(75)
 
-    timer = threading.Timer(seconds + 30.0, expire)
+    timer = threading.Timer(seconds + grace, expire)
     timer.daemon = True
     timer.start()
     try:

@@ -468,3 +468,31 @@ def tied_step(model, **kw):
     )
     trainer.step({"input_ids": ids, "mask": torch.ones_like(ids)}, torch.randint(0, 11, (6, 5), generator=g))
     return trainer.state_dict()
+
+
+def time_first_rank(rank):
+    """A model whose attention sees its input time-first, with T equal to the micro-batch size: the
+    self-check's probes travel through the processes and the stage holding it refuses the model."""
+    from opacus.layers import DPMultiheadAttention
+
+    class TimeFirst(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.att = DPMultiheadAttention(8, 2, batch_first=False)
+
+        def forward(self, x):
+            h = x.transpose(0, 1)
+            return self.att(h, h, h, need_weights=False)[0].transpose(0, 1)
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), TimeFirst(), torch.nn.Linear(8, 5)).double()
+    trainer = PipelineDPTrainer(
+        model,
+        lambda out, y: torch.nn.functional.cross_entropy(out.transpose(1, 2), y, reduction="none").mean(1),
+        stages=2,
+        microbatches=1,
+        expected_batch_size=4,
+        timeout=30,
+    )
+    g = torch.Generator().manual_seed(0)
+    trainer.step(torch.randn(4, 4, 8, generator=g, dtype=torch.float64), torch.randint(0, 5, (4, 4), generator=g))
