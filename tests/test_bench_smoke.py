@@ -1,4 +1,4 @@
-"""The benchmark harness keeps working: a tiny configuration end to end."""
+"""The benchmark harness keeps working: tiny configurations end to end (seconds each)."""
 
 import json
 import os
@@ -10,16 +10,22 @@ import pytest
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-@pytest.mark.dist
-def test_bench_qps_quick(tmp_path):
+def _run(*args, timeout=300, env=None):
     out = subprocess.run(
-        [sys.executable, "-m", "bench.qps", "--quick", "--out", str(tmp_path)],
+        [sys.executable, "-m", *args],
         cwd=ROOT,
         capture_output=True,
         text=True,
-        timeout=300,
+        timeout=timeout,
+        env=None if env is None else dict(os.environ, **env),
     )
-    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
+    return out
+
+
+@pytest.mark.dist
+def test_bench_qps_quick(tmp_path):
+    out = _run("bench.qps", "--quick", "--out", str(tmp_path))
     assert "| pipedp-1f1b-ghost | 2 |" in out.stdout
     result = json.loads((tmp_path / "qps-tiny-p2.json").read_text())
     names = {r["name"] for r in result["rows"]}
@@ -39,26 +45,61 @@ def test_bench_qps_quick(tmp_path):
 
 @pytest.mark.dist
 def test_bench_cpu_time_quick():
-    out = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "bench.cpu_time",
-            "--preset",
-            "tiny",
-            "--microbatches",
-            "2",
-            "--warmup",
-            "1",
-            "--reps",
-            "1",
-            "--grad-mode",
-            "keep",
-        ],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=300,
+    out = _run(
+        "bench.cpu_time", "--preset", "tiny", "--microbatches", "2", "--warmup", "1", "--reps", "1", "--grad-mode", "keep"
     )
-    assert out.returncode == 0, out.stderr[-3000:]
     assert "| torch-1f1b | 1 |" in out.stdout and "| pipedp-1f1b (flat, keep) | 1 |" in out.stdout
+
+
+@pytest.mark.dist
+def test_run_all_quick_writes_a_dated_section_newest_first(tmp_path):
+    results = tmp_path / "RESULTS.md"
+    results.write_text("# Benchmark results\n\nintro\n\n## 2000-01-01 00:00 — harness\n\nold section\n")
+    _run(
+        "bench.run_all",
+        "--quick",
+        "--tree",
+        "work",
+        "--only",
+        "dp-cost,self-check",
+        "--results",
+        str(results),
+        "--figures",
+        str(tmp_path),
+        timeout=400,
+    )
+    text = results.read_text()
+    assert text.index("quick: smoke-test sizes") < text.index("old section")  # newest first
+    for figure in ("| dp-cost/tiny |", "| naive/tiny |", "| self-check/tiny |", "| self-check-steady/tiny |"):
+        assert figure in text
+    assert "commit `" in text and "python -m bench.questions dp-cost --preset tiny" in text
+    assert "**Where the time goes**" in text  # the overhead profile
+    data = json.loads((tmp_path / "quick.json").read_text())
+    assert all(f["median"] > 0 for r in data["results"] for f in r["figures"])
+    assert (tmp_path / "quick.png").exists()
+
+
+def test_gpu_check_skips_without_cuda():
+    out = _run("bench.gpu_check", env={"CUDA_VISIBLE_DEVICES": ""})
+    assert "skipped" in out.stdout and "| check |" not in out.stdout
+
+
+def test_gpu_check_code_path_on_the_cpu():
+    out = _run("bench.gpu_check", "--device", "cpu", "--quick", timeout=400, env={"CUDA_VISIBLE_DEVICES": ""})
+    assert "| FAIL |" not in out.stdout
+    assert out.stdout.count("| pass |") >= 8  # float64 and bf16 parity, two devices in one process
+
+
+@pytest.mark.dist
+def test_scale_writes_a_sharded_folder_and_fine_tunes_it_stage_by_stage(tmp_path):
+    folder = tmp_path / "tiny"
+    out = _run("bench.scale", "write", "tiny-llama", str(folder), "--layers", "2", "--shard-mib", "1")
+    info = json.loads(out.stdout)
+    index = json.loads((folder / "model.safetensors.index.json").read_text())
+    assert info["shards"] >= 1 and set(index["weight_map"].values()) <= set(os.listdir(folder))
+    assert json.loads((folder / "config.json").read_text())["num_hidden_layers"] == 2
+    from transformers import AutoTokenizer
+
+    assert AutoTokenizer.from_pretrained(str(folder))("the farmer")["input_ids"]
+    out = _run("bench.scale", "run", str(folder), "--mode", "lora", "--stages", "2", "--steps", "2", timeout=400)
+    assert "| tiny, 2 layers |" in out.stdout and "first step" in out.stdout

@@ -1,4 +1,4 @@
-"""The ``pipedp`` command: ``pipedp train``, ``pipedp audit`` and ``pipedp schedule show``.
+"""The ``pipedp`` command: ``pipedp train``, ``pipedp audit``, ``pipedp plan`` and ``pipedp schedule show``.
 
 Parsing imports no torch (``--help`` and flag errors answer at once); ``train`` loads the
 training stack only once its flags are known to be valid.
@@ -14,6 +14,7 @@ from typing import List, Optional
 from ..config import DataConfig, FitConfig, OptimizerConfig, PipelineConfig, PrivacyConfig
 from ..errors import ConfigError, PipeDPError
 from .flags import CLI_DEFAULTS, JOB_CLASSES, add_config_flags, flag_name
+from .plan import add_plan_flags
 
 SECTIONS = {  # --help groups and config.toml tables
     PipelineConfig: "pipeline",
@@ -140,6 +141,9 @@ def build_parser() -> argparse.ArgumentParser:
     a.add_argument("--png", default=None, help="draw the score histograms (included vs excluded) here")
     a.add_argument("--json", default=None, help="write the whole result here")
 
+    pl = sub.add_parser("plan", help="predict each stage's peak memory (model built on meta, one pass simulated)")
+    add_plan_flags(pl)
+
     s = sub.add_parser("schedule", help="inspect pipeline schedules")
     ssub = s.add_subparsers(dest="schedule_command", required=True, parser_class=_Parser)
     show = ssub.add_parser("show", help="per-rank timeline, bubble fraction and peak in-flight micro-batches")
@@ -183,6 +187,10 @@ def main(argv: Optional[List[str]] = None) -> int:
 
                 print(show(args.name, args.stages, args.microbatches, args.costs, args.png))
                 return 0
+            if args.command == "plan":
+                from .plan import run as run_plan
+
+                return run_plan(args)
             if args.command == "audit":
                 from .audit import run as run_audit_command
 

@@ -40,8 +40,8 @@ def per_sample_grads(layer: nn.Module, inputs: Sequence[torch.Tensor], backprops
 def ghost_squared_norms(
     layer: nn.Module, inputs: Sequence[torch.Tensor], backprops: torch.Tensor, grams: Optional[GramCache] = None
 ) -> Optional[Grads]:
-    """{param: [n]} squared norms without materialising per-sample gradients, or None where the
-    layer's rule has no ghost formula or materialising is cheaper."""
+    """{param: [n]} squared norms without materializing per-sample gradients, or None where the
+    layer's rule has no ghost formula or materializing is cheaper."""
     rule = rule_for(layer)
     return None if rule.norms is None else rule.norms(layer, inputs, backprops, grams)
 

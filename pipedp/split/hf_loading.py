@@ -80,7 +80,7 @@ def load_pipeline_stage(
     attn_implementation: str = "sdpa",
     device="cpu",
 ) -> nn.Module:
-    """The model built on the meta device with only ``stage``'s parameters materialised and loaded.
+    """The model built on the meta device with only ``stage``'s parameters materialized and loaded.
 
     Hand the result to PipelineDPTrainer with the same ``stages``, ``balance`` and
     ``untie_weights`` on the rank that runs that stage: each rank reads only its own

@@ -190,7 +190,7 @@ LOADED = ["gpt2", "llama", "gemma", "gpt_neox", "opt", "falcon (parallel attenti
 
 @pytest.mark.parametrize("name", LOADED)
 def test_checkpoints_load_stage_by_stage(name, tmp_path):
-    """Each stage materialised from the (sharded) checkpoint alone, its buffers not saved in checkpoints
+    """Each stage materialized from the (sharded) checkpoint alone, its buffers not saved in checkpoints
     recomputed (rotary frequencies, Gemma's embedding scale), tied heads kept tied, renamed tensors
     found (GPT-NeoX saves its head as embed_out): the stages together give the whole model's logits."""
     family = FAMILY[name]

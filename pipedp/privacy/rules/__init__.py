@@ -5,8 +5,8 @@ batch-first ``inputs`` with output-gradients ``backprops``:
 - ``grads``: the per-sample gradients {param: [n, *param.shape]};
 - ``weight``: the summed gradient {param: [*param.shape]} for backprops already scaled by each
   sample's clip factor (W: one local vector-Jacobian product, no per-sample tensors);
-- ``norms`` (optional): the per-sample squared norms {param: [n]} without materialising the
-  gradients (ghost norms), or None where no closed form applies or materialising is cheaper;
+- ``norms`` (optional): the per-sample squared norms {param: [n]} without materializing the
+  gradients (ghost norms), or None where no closed form applies or materializing is cheaper;
 - ``keepable`` (optional): whether this call's per-sample gradients are cheap enough in closed form
   to be computed once in I and kept until W (their memory is then checked by the caller).
 
