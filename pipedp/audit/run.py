@@ -176,7 +176,8 @@ def _whitebox(config: AuditConfig, rank: int) -> Optional[AuditResult]:
     m, features, width = config.canaries, 8, 16
     privacy = config.privacy
     rate, delta, sigma = privacy.sample_rate or 1.0, privacy.delta, privacy.noise_multiplier
-    clip = float(privacy.max_grad_norm)  # type: ignore[arg-type]  (the audit's flat clipping: one C)
+    assert isinstance(privacy.max_grad_norm, (int, float)), "the audit clips flat, with one max_grad_norm"
+    clip = float(privacy.max_grad_norm)
     included = coin_flips(m, config.seed)
     model = audit_model(features, width, blocks=max(2, config.pipeline.stages), canaries=m, seed=config.seed)
     taps, hosts = tap_names(model), canary_block(model)

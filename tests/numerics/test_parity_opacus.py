@@ -75,10 +75,10 @@ def test_matches_opacus_float64(model_name, mode, schedule, stages, microbatches
     assert max_relative_error(got, want) < 1e-5
 
 
-@pytest.mark.parametrize("model_name", ["mlp", "gpt"])
-@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "dp-zb", "dp-zb-2x"])
-@pytest.mark.parametrize("stages", [2, 3])
-@pytest.mark.parametrize("microbatches", [1, 4])
+KEEP_GRID = [["mlp", "gpt"], ["gpipe", "1f1b", "dp-zb", "dp-zb-2x"], [2, 3], [1, 4]]
+
+
+@pytest.mark.parametrize("model_name, schedule, stages, microbatches", grid_with_slow_marks(pytest, KEEP_GRID))
 def test_keep_mode_matches_opacus_float64(model_name, schedule, stages, microbatches):
     """grad_mode="keep": every Linear's and LayerNorm's per-sample gradients held from I to W."""
     got = run_pipedp(model_name, 13, "keep", torch.float64, stages, microbatches, schedule)
