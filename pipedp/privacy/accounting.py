@@ -148,12 +148,11 @@ def calibrate_noise(
             )
         return value
 
-    unreachable = eps(MAX_SIGMA) > target_epsilon  # one evaluation says it at once (cheap: a tiny epsilon)
     guess = _gaussian_dp_guess(target_epsilon, delta, sample_rate, steps)
     low, high = guess / 2, guess * 2
-    while unreachable or eps(high) > target_epsilon:  # widen up
+    while eps(high) > target_epsilon:  # widen up
         low, high = high, high * 2
-        if unreachable or high > MAX_SIGMA:
+        if high > MAX_SIGMA:
             raise PipeDPError(
                 f"target epsilon {target_epsilon} at delta {delta} cannot be met with sample rate {sample_rate} over "
                 f"{steps} steps (no noise multiplier up to {MAX_SIGMA:g} reaches it with the {accountant} accountant): "
