@@ -122,13 +122,14 @@ def test_plan_prints_every_stage_and_the_largest_fitting_size(tmp_path, capsys):
     assert none.largest_fit == 0 and "no micro-batch size fits" in none.fit_note
 
 
-def test_the_first_step_s_self_check_holds_a_few_rows_whole_gradients(tmp_path):
+def test_the_first_step_s_self_check_holds_about_one_row_s_gradient_not_a_few(tmp_path):
     from pipedp.cli.plan import estimate
 
     stages = estimate(_folder(tmp_path), 2, 4, 16).stages
-    for s in stages:  # 3 rows' reference gradients, as many recomputed, the micro-batch's sums (~8x on wider models)
-        assert s.first_pass_peak is not None
-        assert s.first_pass_peak - s.pass_peak > 2 * s.static.grads
+    extra = [s.first_pass_peak - s.pass_peak for s in stages if s.first_pass_peak is not None]
+    assert len(extra) == len(stages) and max(extra) > 0  # the simulation does run the check
+    for s, more in zip(stages, extra):  # one row's reference gradient and one layer's (it once held ~8x)
+        assert more < 2 * s.static.grads
 
 
 def test_lora_trains_the_adapters_only_and_splits_where_the_base_model_splits(tmp_path):

@@ -21,7 +21,6 @@ micro-batch is simulated too: the first step's first micro-batch.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import math
 import re
 from dataclasses import replace
@@ -315,7 +314,7 @@ class _Setup:
         tracker = MemoryTracker(p)
         found: List[List[dict]] = [[{"actions": {}, "kept": 0} for _ in range(microbatches)] for _ in range(p)]
         built: List[Any] = []
-        with fake, _gram_cache_by_storage(), tracker:
+        with fake, tracker:
             try:
                 hub = InProcessHub(p)
                 for s, blocks in enumerate(self.stage_blocks):
@@ -522,29 +521,6 @@ def _drive(executors, tracker) -> None:
             return
         if [e.position for e in executors] == before:
             raise RuntimeError("the planned pipeline deadlocked")
-
-
-@contextlib.contextmanager
-def _gram_cache_by_storage():
-    """GramCache keys a Gram matrix by its input's data pointer, which fake tensors do not have (every one
-    reads 0, so distinct inputs would share one matrix): during the simulation it keys by the storage, which
-    is what the pointer stands for."""
-    from ..privacy.per_sample import GramCache
-    from ..privacy.rules import grams
-
-    original = GramCache.gram
-
-    def gram(self, a3):
-        key = (a3.untyped_storage()._cdata, a3.storage_offset(), tuple(a3.shape), tuple(a3.stride()), a3.dtype)
-        if key not in self._grams:
-            self._grams[key] = grams.gram(a3)
-        return self._grams[key]
-
-    GramCache.gram = gram  # type: ignore[method-assign]
-    try:
-        yield
-    finally:
-        GramCache.gram = original  # type: ignore[method-assign]
 
 
 def _checked_rows(units: int, count: int) -> Tuple[int, ...]:

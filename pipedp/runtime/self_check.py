@@ -19,7 +19,7 @@ causes apart in the refusal. The comparison is exact up to the arithmetic of the
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Dict, List, Sequence, Tuple
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 import torch.nn as nn
@@ -82,57 +82,63 @@ class Finding:
     called: bool  # the owning layer ran in this micro-batch
 
 
-def compare(
-    stage: int,
-    names: Dict[nn.Parameter, str],
-    owners: Dict[nn.Parameter, Tuple[str, str]],
-    called: set,
-    rows: Sequence[int],
-    reference: List[Dict[nn.Parameter, torch.Tensor]],
-    got: List[Dict[nn.Parameter, torch.Tensor]],
-    got_norms: Dict[nn.Parameter, torch.Tensor],
-    sums: Tuple[Dict[nn.Parameter, torch.Tensor], Dict[nn.Parameter, torch.Tensor]],
-    dtype: torch.dtype,
-) -> None:
-    """Refuse the model, naming the parameters and the likely cause, if pipedp's per-sample gradients
-    (``got``, ``got_norms``) differ from the reference ones; ``sums``: (pipedp's W with clip factors 1,
-    autograd's gradient of the micro-batch)."""
-    rtol, floor = TOLERANCE.get(dtype, TOLERANCE[torch.float32])
-    findings: Dict[nn.Parameter, Finding] = {}
-    for k, r in enumerate(rows):
-        want_k, got_k = reference[k], got[k]
-        scale = float(sum(float(g.double().pow(2).sum()) for g in want_k.values())) ** 0.5
-        for p, name in names.items():
-            want = want_k.get(p)
-            want = want.double() if want is not None else torch.zeros(p.shape, dtype=torch.float64, device=p.device)
-            have = got_k.get(p)
-            have = have.double().reshape(want.shape) if have is not None else torch.zeros_like(want)
-            size = float(want.norm())
-            allowed = rtol * size + floor * scale + 1e-300
-            grad_error = float((have - want).norm())
-            norm = float(got_norms[p][r].detach().clamp(min=0).sqrt()) if p in got_norms else 0.0
-            norm_error = abs(norm - size)
-            worst = max(grad_error, norm_error)
-            if worst > allowed:
-                relative = worst / max(scale, 1e-300)
-                previous = findings.get(p)
-                if previous is None or relative > previous.error:
-                    unit, layer_type = owners.get(p, ("", ""))
-                    findings[p] = Finding(
-                        name, unit, layer_type, relative, False, grad_error <= allowed, unit in called
-                    )
-    if not findings:
-        return
-    got_sum, want_sum = sums
-    for p, finding in findings.items():
-        want = want_sum.get(p)
-        have = got_sum.get(p)
-        if want is None or have is None:
-            continue
-        want, have = want.double(), have.double().reshape(want.shape)
-        size = max(float(want.norm()), float(have.norm()))
-        finding.per_sample_only = float((have - want).norm()) <= 10 * rtol * size + 1e-300
-    raise UnsupportedModelError(_message(stage, list(findings.values())))
+class Comparison:
+    """The comparison of one stage's checked rows, parameter by parameter (so that no more than one
+    row's reference gradients and one layer's per-sample gradients are held at a time)."""
+
+    def __init__(self, stage: int, dtype: torch.dtype):
+        self.stage = stage
+        self.rtol, self.floor = TOLERANCE.get(dtype, TOLERANCE[torch.float32])
+        self.findings: Dict[nn.Parameter, Finding] = {}
+
+    @staticmethod
+    def scale(reference: Dict[nn.Parameter, torch.Tensor]) -> float:
+        """The norm of the row's whole gradient on the stage (the absolute floor's unit)."""
+        return float(sum(float(g.double().pow(2).sum()) for g in reference.values())) ** 0.5
+
+    def add(
+        self,
+        p: nn.Parameter,
+        name: str,
+        owner: Tuple[str, str],
+        called: bool,
+        want: Optional[torch.Tensor],
+        have: Optional[torch.Tensor],
+        squared_norm: float,
+        scale: float,
+    ) -> None:
+        """One parameter of one row: pipedp's per-sample gradient ``have`` and squared norm against the
+        row's own gradient ``want``."""
+        want = want.double() if want is not None else torch.zeros(p.shape, dtype=torch.float64, device=p.device)
+        have = have.double().reshape(want.shape) if have is not None else torch.zeros_like(want)
+        size = float(want.norm())
+        allowed = self.rtol * size + self.floor * scale + 1e-300
+        grad_error = float((have - want).norm())
+        norm_error = abs(max(squared_norm, 0.0) ** 0.5 - size)
+        worst = max(grad_error, norm_error)
+        if worst <= allowed:
+            return
+        relative = worst / max(scale, 1e-300)
+        previous = self.findings.get(p)
+        if previous is None or relative > previous.error:
+            self.findings[p] = Finding(name, owner[0], owner[1], relative, False, grad_error <= allowed, called)
+
+    def refuse_if_any(
+        self, sums: Callable[[], Tuple[Dict[nn.Parameter, torch.Tensor], Dict[nn.Parameter, torch.Tensor]]]
+    ) -> None:
+        """Refuse the model, naming the parameters and the likely cause; ``sums()`` (computed only then):
+        pipedp's W with every clip factor 1, and autograd's gradient of the micro-batch."""
+        if not self.findings:
+            return
+        got_sum, want_sum = sums()
+        for p, finding in self.findings.items():
+            want, have = want_sum.get(p), got_sum.get(p)
+            if want is None or have is None:
+                continue
+            want, have = want.double(), have.double().reshape(want.shape)
+            size = max(float(want.norm()), float(have.norm()))
+            finding.per_sample_only = float((have - want).norm()) <= 10 * self.rtol * size + 1e-300
+        raise UnsupportedModelError(_message(self.stage, list(self.findings.values())))
 
 
 def _message(stage: int, findings: List[Finding]) -> str:

@@ -117,7 +117,7 @@ class Stage:
         self.tie = StageTie(tie, index, self.layers) if tie is not None else None
         self.parameters = self.tie.stepped(self.trainable) if self.tie else list(self.trainable)
         self.noised_elsewhere = self.tie.noised_elsewhere(self.parameters) if self.tie else set()
-        shared = _params_in_several_layers(self.layers)
+        shared = self._shared = _params_in_several_layers(self.layers)
         # layers one of whose parameters another layer also uses: their norms need the summed gradient
         self._shares_params = {
             name for name, m in self.layers.items() if any(id(p) in shared for _, p in layer_parameters(m))
@@ -218,9 +218,6 @@ class Stage:
                 losses = self.loss_fn(out, targets) if self.loss_fn is not None else out
         if before is not None:
             self._refuse_changed_buffers(before)
-        for calls in state.calls.values():  # per-sample arithmetic in float32 at least (bf16 captures)
-            for call in calls:
-                call.inputs = tuple(_widened(a) for a in call.inputs)
         state.output = self._checked_losses(losses, size) if self.is_last else self._checked_output(out)
         self.pending[mb] = state
         return state.output
@@ -320,19 +317,12 @@ class Stage:
             targets.append(call.output)
         targets.extend(state.inputs)
         outputs, output_grads = self._differentiable(state.output, grad_output)
-        reference: List[Grads] = []
-        probe_messages: List[Activation] = []
-        checking = probe is not None and bool(probe.rows)
-        if checking:  # every stage of the pass takes part (it relays the probes), trainable or not
-            assert probe is not None
-            reference, probe_messages = self._probe_backward(state, outputs, probe)
-        extra = list(self.trainable) if checking else []  # the micro-batch's summed gradient, for the diagnosis
+        checking = probe is not None and bool(probe.rows)  # every stage of the pass takes part (it relays probes)
         grads: List[Optional[torch.Tensor]] = []
-        if (targets or extra) and outputs:
-            grads = list(torch.autograd.grad(outputs, targets + extra, output_grads, allow_unused=True))
-        grads = grads + [None] * (len(targets) + len(extra) - len(grads))
-        summed = {p: g for p, g in zip(extra, grads[len(targets) :]) if g is not None}
-        input_grads = grads[len(targets) - len(state.inputs) : len(targets)]
+        if targets and outputs:  # a checked micro-batch keeps its graph for each row's own backward after
+            grads = list(torch.autograd.grad(outputs, targets, output_grads, retain_graph=checking, allow_unused=True))
+        grads = grads + [None] * (len(targets) - len(grads))
+        input_grads = grads[len(targets) - len(state.inputs) :]
         message = None
         if not self.is_first:  # one gradient per floating-point input, zeros for an unused one
             message = self._message(state, input_grads)
@@ -341,19 +331,20 @@ class Stage:
                 _widened(g.detach()) if g is not None else _widened(torch.zeros_like(call.output))
             )
             call.output = None  # frees the graph once state.output goes too
-        state.output = None
-        state.inputs = ()
+        # which floating tensors sent on carry gradients (a probe message holds one per floating tensor)
+        selected = [] if self.is_last else [t.requires_grad for t in tensors_of(state.output) if t.is_floating_point()]
+        leaves, state.output, state.inputs = state.inputs, None, ()
         with torch.no_grad():  # per-sample arithmetic needs no graph (torch.func's own transforms still run)
             per_param = self._per_parameter_norms(state)
+        probe_messages: List[Activation] = []
         if checking:
             assert probe is not None
-            self._check(state, probe.rows, reference, per_param, summed)
+            probe_messages = self._check(state, outputs, output_grads, leaves, selected, probe, per_param)
         norms = self.clip.reduce(self._per_layer(per_param), state.units, self.device)
         return BackwardResult(message, norms, tuple(probe_messages))
 
     def _message(self, state: MicroBatchState, input_grads: Sequence[Optional[torch.Tensor]]) -> Activation:
-        message = tuple(g if g is not None else torch.zeros_like(t) for g, t in zip(input_grads, state.inputs))
-        return message[0] if not state.tuple_input and len(message) == 1 else message
+        return self._message_of(state.inputs, state.tuple_input, input_grads)
 
     def _differentiable(self, output, grad_output) -> Tuple[List[torch.Tensor], List[torch.Tensor]]:
         """The stage's outputs that carry a gradient back, with their incoming gradients."""
@@ -447,72 +438,92 @@ class Stage:
         rows = self_check.rows_to_check(self.units.mask(mask))  # units, in fact
         return Probe(rows) if rows else None
 
-    def _probe_backward(
-        self, state: MicroBatchState, outputs: List[torch.Tensor], probe: Probe
-    ) -> Tuple[List[Grads], List[Activation]]:
-        """For each checked row: d loss_row / d (each trainable parameter), and the row's gradient
-        message to the previous stage, by a separate backward through the retained graph."""
-        reference: List[Grads] = []
-        messages: List[Activation] = []
-        if not outputs:  # nothing differentiable leaves this stage: every row's gradient here is zero
-            zeros = [self._message(state, [None] * len(state.inputs)) for _ in probe.rows]
-            return [{} for _ in probe.rows], zeros if not self.is_first else []
-        for k, row in enumerate(probe.rows):
-            if self.is_last:  # the loss of unit ``row`` alone: the sum of its rows' losses
-                seed = [torch.zeros_like(outputs[0])]
-                seed[0][self.units.rows_of(row)] = 1
-            else:
-                incoming = [t for t in tensors_of(probe.messages[k])]
-                floating = [t for t in tensors_of(state.output) if t.is_floating_point()]
-                seed = [g.to(t.dtype) for t, g in zip(floating, incoming) if t.requires_grad]
-            wrt = list(self.trainable) + list(state.inputs)
-            grads = torch.autograd.grad(outputs, wrt, seed, retain_graph=True, allow_unused=True)
-            reference.append({p: g for p, g in zip(self.trainable, grads) if g is not None})
-            if not self.is_first:
-                messages.append(self._message(state, grads[len(self.trainable) :]))
-        return reference, messages
-
     def _check(
         self,
         state: MicroBatchState,
-        rows: Sequence[int],
-        reference: List[Grads],
+        outputs: List[torch.Tensor],
+        output_grads: List[torch.Tensor],
+        leaves: Tuple[torch.Tensor, ...],
+        selected: List[bool],
+        probe: Probe,
         per_param: Dict[nn.Parameter, torch.Tensor],
-        summed: Grads,
-    ) -> None:
+    ) -> List[Activation]:
+        """Each checked row's own gradient by a separate backward through the retained graph (seeded on
+        the last stage by the row's loss, elsewhere by the row's probe message), compared parameter by
+        parameter with what pipedp computed for the row; returns each row's gradient message to the
+        previous stage. Refuses the model on a mismatch (self_check.py)."""
         names = self.names()
-        got: List[Grads] = [{} for _ in rows]
+        owners = {p: (self._owner[p], type(self.layers[self._owner[p]]).__name__) for p in self.trainable}
+        called = set(state.calls) | set(state.kept)
+        comparison = self_check.Comparison(self.index, self_check.compute_dtype(self.precision, self.trainable, []))
+        messages: List[Activation] = []
+        for k, row in enumerate(probe.rows):
+            grads: Sequence[Optional[torch.Tensor]] = [None] * (len(self.trainable) + len(leaves))
+            if outputs:
+                seeds = self._seeds(outputs, selected, probe, k, row)
+                wrt = list(self.trainable) + list(leaves)
+                grads = torch.autograd.grad(outputs, wrt, seeds, retain_graph=True, allow_unused=True)
+            if not self.is_first:
+                messages.append(self._message_of(leaves, state.tuple_input, grads[len(self.trainable) :]))
+            reference = {p: g for p, g in zip(self.trainable, grads) if g is not None}
+            scale = comparison.scale(reference)
+            summed: Dict[nn.Parameter, torch.Tensor] = {}  # parameters several layers use: compared once, summed
+            for name, got in self._row_gradients(state, row):  # one layer at a time
+                for p, have in got.items():
+                    if id(p) in self._shared:
+                        summed[p] = summed[p] + have if p in summed else have
+                        continue
+                    squared = float(per_param[p][row]) if p in per_param else 0.0
+                    comparison.add(
+                        p, names[id(p)], owners[p], name in called, reference.pop(p, None), have, squared, scale
+                    )
+            for p, have in summed.items():
+                squared = float(per_param[p][row]) if p in per_param else 0.0
+                comparison.add(p, names[id(p)], owners[p], True, reference.pop(p, None), have, squared, scale)
+            for p, want in reference.items():  # reached by autograd, by no layer call pipedp captured
+                comparison.add(p, names[id(p)], owners[p], owners[p][0] in called, want, None, 0.0, scale)
+        comparison.refuse_if_any(lambda: self._sums(state, outputs, output_grads))
+        return messages
+
+    def _seeds(self, outputs, selected: List[bool], probe: Probe, k: int, row: int) -> List[torch.Tensor]:
+        if self.is_last:  # the loss of unit ``row`` alone: the sum of its rows' losses
+            seed = torch.zeros_like(outputs[0])
+            seed[self.units.rows_of(row)] = 1
+            return [seed]
+        incoming = [g for g, carries in zip(tensors_of(probe.messages[k]), selected) if carries]
+        return [g.to(t.dtype) for t, g in zip(outputs, incoming)]
+
+    def _message_of(self, leaves, tuple_input: bool, grads: Sequence[Optional[torch.Tensor]]) -> Activation:
+        message = tuple(g if g is not None else torch.zeros_like(t) for g, t in zip(grads, leaves))
+        return message[0] if not tuple_input and len(message) == 1 else message
+
+    def _row_gradients(self, state: MicroBatchState, row: int):
+        """(layer, {param: the per-sample gradient of unit ``row``}) as pipedp's W would use it: the kept
+        tensor's row, or the layer's rule on the unit's rows alone (one-hot clip factors)."""
+        span = self.units.rows_of(row)
+        for name, grads in state.kept.items():
+            yield name, {p: g[row] for p, g in grads.items()}
+        for name, calls in state.calls.items():
+            layer = self.layers[name]
+            got: Grads = {}
+            with _naming(name, layer):
+                for call, bp in zip(calls, state.backprops[name]):
+                    for p, g in clipped_grad_sum(layer, tuple(a[span] for a in call.inputs), bp[span]).items():
+                        got[p] = got[p] + g if p in got else g
+            yield name, got
+
+    def _sums(self, state: MicroBatchState, outputs, output_grads) -> Tuple[Grads, Grads]:
+        """For a refusal's diagnosis: pipedp's W with every clip factor 1, and autograd's micro-batch gradient."""
         total: Grads = {}
         for grads in state.kept.values():
             for p, g in grads.items():
-                for k, r in enumerate(rows):
-                    got[k][p] = got[k][p] + g[r] if p in got[k] else g[r]
                 total[p] = total[p] + g.sum(0) if p in total else g.sum(0)
         for name, calls in state.calls.items():
-            layer = self.layers[name]
-            with _naming(name, layer):
-                for call, bp in zip(calls, state.backprops[name]):
-                    for k, r in enumerate(rows):  # W's own rule on the unit alone (one-hot clip factors)
-                        span = self.units.rows_of(r)
-                        one = clipped_grad_sum(layer, tuple(a[span] for a in call.inputs), bp[span])
-                        for p, g in one.items():
-                            got[k][p] = got[k][p] + g if p in got[k] else g
-                    for p, g in clipped_grad_sum(layer, call.inputs, bp).items():
-                        total[p] = total[p] + g if p in total else g
-        owners = {p: (self._owner[p], type(self.layers[self._owner[p]]).__name__) for p in self.trainable}
-        dtype = self_check.compute_dtype(self.precision, self.trainable, [])
-        self_check.compare(
-            self.index,
-            {p: names[id(p)] for p in self.trainable},
-            owners,
-            set(state.calls) | set(state.kept),
-            rows,
-            reference,
-            got,
-            per_param,
-            (total, summed),
-            dtype,
-        )
+            for call, bp in zip(calls, state.backprops[name]):
+                for p, g in clipped_grad_sum(self.layers[name], call.inputs, bp).items():
+                    total[p] = total[p] + g if p in total else g
+        summed = torch.autograd.grad(outputs, list(self.trainable), output_grads, retain_graph=True, allow_unused=True)
+        return total, {p: g for p, g in zip(self.trainable, summed) if g is not None}
 
     def passed_check(self, inputs) -> None:
         """The self-check passed for this input signature (all stages: the executor says so)."""

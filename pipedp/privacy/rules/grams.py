@@ -24,8 +24,13 @@ class GramCache:
     def __init__(self) -> None:
         self._grams: Dict[tuple, torch.Tensor] = {}
 
-    def gram(self, a3: torch.Tensor) -> torch.Tensor:
-        key = (a3.data_ptr(), tuple(a3.shape), tuple(a3.stride()), a3.dtype)
+    def gram(self, captured: torch.Tensor, a3: torch.Tensor) -> torch.Tensor:
+        """The Gram matrix of ``a3``, the captured input ``captured`` as [n, T, in] in the arithmetic's
+        dtype (keyed by the captured tensor: a bf16 capture is converted anew by every layer reading it)."""
+        # the storage itself, not data_ptr(): fake tensors (the planner's simulation) all read pointer 0
+        storage = captured.untyped_storage()._cdata
+        layout = (captured.storage_offset(), tuple(captured.shape), tuple(captured.stride()))
+        key = (storage, *layout, captured.dtype, a3.dtype)
         if key not in self._grams:
             self._grams[key] = gram(a3)
         return self._grams[key]

@@ -61,7 +61,7 @@ def norms(
         if tokens == 1:
             out[layer.weight] = g3[:, 0].pow(2).sum(1) * a3[:, 0].pow(2).sum(1)
         else:
-            out[layer.weight] = (gram(g3) * (grams or GramCache()).gram(a3)).sum((1, 2))
+            out[layer.weight] = (gram(g3) * (grams or GramCache()).gram(inputs[0], a3)).sum((1, 2))
     if layer.bias is not None and layer.bias.requires_grad:
         out[layer.bias] = g3.sum(1).pow(2).sum(1)
     return out
