@@ -46,7 +46,17 @@ def test_bench_qps_quick(tmp_path):
 @pytest.mark.dist
 def test_bench_cpu_time_quick():
     out = _run(
-        "bench.cpu_time", "--preset", "tiny", "--microbatches", "2", "--warmup", "1", "--reps", "1", "--grad-mode", "keep"
+        "bench.cpu_time",
+        "--preset",
+        "tiny",
+        "--microbatches",
+        "2",
+        "--warmup",
+        "1",
+        "--reps",
+        "1",
+        "--grad-mode",
+        "keep",
     )
     assert "| torch-1f1b | 1 |" in out.stdout and "| pipedp-1f1b (flat, keep) | 1 |" in out.stdout
 

@@ -90,10 +90,10 @@ def test_measured_cost_split_beats_uniform_in_the_simulator():
     from schedules import Kind, build, simulate
 
     torch.manual_seed(0)
-    model = nn.Sequential(Repeated(24), Repeated(24), *[nn.Linear(32, 32) for _ in range(6)])
+    model = nn.Sequential(Repeated(96), Repeated(96), *[nn.Linear(32, 32) for _ in range(6)])
     blocks = model_blocks(model)
     costs = measured_costs(torch.randn(16, 32), repeats=3)(blocks)
-    assert costs[0] > 5 * costs[-1]  # the repeated blocks really are heavier
+    assert costs[0] > 5 * costs[-1]  # ~40x the compute: a margin no scheduling hiccup on a shared machine closes
 
     def makespan(stage_blocks):
         stage_costs = report(stage_blocks, costs).stage_costs
