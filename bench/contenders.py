@@ -24,7 +24,7 @@ import pipedp.train.trainer  # noqa: F401
 from pipedp.runtime.process import settle_process
 
 from .memory import PeakMemory
-from .presets import PRESETS, Preset
+from .presets import BALANCE, PRESETS, Preset
 
 LR = 1e-3
 
@@ -161,6 +161,7 @@ def pipedp_pipeline(
             noise_multiplier=1.0,
             max_grad_norm=1.0,
             expected_batch_size=batch,
+            balance=BALANCE,
         )
         times = _timed(lambda: trainer.step(x, y), warmup, reps, dist.barrier)
     return {"seconds": statistics.median(times), "peak_mib": mem.peak_mib}

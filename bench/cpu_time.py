@@ -21,7 +21,7 @@ from typing import Dict, List
 from pipedp.config import GRAD_MODES
 from pipedp.runtime.launch import launch
 
-from .presets import PRESETS
+from .presets import BALANCE, PRESETS
 
 
 def _usage(step, warmup: int, reps: int, sync) -> Dict[str, float]:
@@ -72,6 +72,7 @@ def _rank(rank: int, contender: str, preset_name: str, m: int, clipping: str, gr
             clipping=clipping,
             grad_mode=grad_mode,
             expected_batch_size=32,
+            balance=BALANCE,
         )
 
         def step():

@@ -26,7 +26,7 @@ from pipedp.models import GPTConfig
 from pipedp.runtime.launch import launch
 
 from .memory import PeakMemory
-from .presets import _gpt
+from .presets import BALANCE, _gpt
 
 PRESET = _gpt(
     GPTConfig(vocab_size=256, seq_len=64, d_model=256, n_heads=4, n_layers=4),
@@ -48,6 +48,7 @@ def _pipedp_step(schedule: str, m: int, size: int, grad_mode: str = "ghost"):
         schedule=schedule,
         noise_multiplier=1.0,
         expected_batch_size=m * size,
+        balance=BALANCE,
         grad_mode=grad_mode,
     )
     x, y = PRESET.make_batch(m * size, 0)

@@ -2,7 +2,7 @@
 shared/seeds): each stage's layers on their own device (here: process), Opacus's
 GradSampleModule hooks on each part, the whole logical batch as one micro-batch (so only one
 stage works at a time), per-parameter norms gathered across the parts, then Opacus-style
-clip-and-accumulate over the materialised per-sample gradients, noise, step. No pipedp code.
+clip-and-accumulate over the materialized per-sample gradients, noise, step. No pipedp code.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """QPS and memory, side by side: Opacus, plain PyTorch, the naive split, torch pipelining, pipedp.
 
     python -m bench.qps                      # default: GPT preset, 2 stages, batch 32, m in {1,2,4,8,16}
-    python -m bench.qps --preset gpt-long    # long sequences: ghost vs materialise
+    python -m bench.qps --preset gpt-long    # long sequences: ghost vs materialize
     python -m bench.qps --quick              # seconds; what the smoke test runs
 
 Prints a markdown table, writes JSON and a PNG plot (QPS vs micro-batches; peak memory per stage).

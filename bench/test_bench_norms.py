@@ -2,8 +2,8 @@
 
     pytest bench/test_bench_norms.py --benchmark-enable --benchmark-group-by=param:width
 
-Ghost vs materialised per-sample norms of one Linear across sequence length and width
-(ghost needs [n, T, T] Gram matrices, materialising [n, out, in] gradients: the crossover
+Ghost vs materialized per-sample norms of one Linear across sequence length and width
+(ghost needs [n, T, T] Gram matrices, materializing [n, out, in] gradients: the crossover
 is near T^2 = in * out), and the clip + noise pass of a stage.
 """
 
@@ -30,7 +30,7 @@ def test_linear_norms(benchmark, mode, seq, width):
     if mode == "ghost":
         from pipedp.privacy.per_sample import gram_norms
 
-        def run():  # pipedp's batched-matmul ghost norm, forced even where it would materialise
+        def run():  # pipedp's batched-matmul ghost norm, forced even where it would materialize
             return gram_norms(a, g)
     elif mode == "opacus-ghost":
         from pipedp.privacy.per_sample import NORM_SAMPLERS

@@ -1,0 +1,517 @@
+"""One prepared command for a machine with a GPU: parity on CUDA, the multi-device path, the harness.
+
+    python -m bench.gpu_check                 # at most ~8 minutes on one GPU; no network
+    python -m bench.gpu_check --budget-s 300  # a tighter budget: later sections are skipped, and say so
+    python -m bench.gpu_check --device cpu --quick   # the same code path on the CPU (a self-test of this script)
+
+Without CUDA (and without --device) it prints that it skipped and exits 0. With CUDA:
+
+1. Parity, float64, on cuda:0: one pipedp step (noise 0, in one process) against a loop of batch-size-1
+   backward passes on the same device (each sample's gradient alone, clipped as Opacus clips:
+   min(1, C / (||g|| + 1e-6)), summed). The clipped sum pipedp hands the optimizer (recorded by an
+   optimizer that only records p.grad, times expected_batch_size) must equal the loop's to 1e-9 of its
+   largest coordinate. A small GPT (pipedp.models) and a small HF Llama; 1-3 stages; ghost, materialize
+   and keep; 1f1b and dp-zb; a batch that does not divide into the micro-batches.
+2. Parity, bf16, on cuda:0: precision "bf16-mixed" (float32 weights, bf16 autocast forward) and "bf16-true"
+   (the model in bf16) against the float64 loop on the same weights; bounds 3e-2 (mixed) and 6e-2
+   (true) of the largest coordinate (bf16 keeps 8 bits of mantissa; the CPU figures in the README
+   are 2.3e-3 and 7.4e-3).
+3. Two devices in one process: PipelineConfig(devices=("cuda:0", "cuda:1")) when the trainer has that
+   field and two GPUs exist, against the loop on cuda:0 (float64); skipped with the reason otherwise.
+4. The harness at realistic sizes on one GPU (one process, CUDA-synchronised timing, contenders
+   interleaved in rounds as in bench.questions): non-private training of the whole model, Opacus ghost
+   clipping, pipedp on one stage (ghost, keep), and the self-check's first-step cost.
+
+Prints one table (check | device | dtype | result | measured | bound | seconds); exits 1 if a parity
+check fails.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import statistics
+import sys
+import time
+import traceback
+import warnings
+from typing import Callable, Dict, List, Optional
+
+import torch
+import torch.nn as nn
+
+ROWS: List[Dict] = []
+
+
+def row(check: str, device: str, dtype: str, result: str, measured: str = "", bound: str = "", seconds: float = 0.0):
+    ROWS.append(dict(check=check, device=device, dtype=dtype, result=result, measured=measured, bound=bound, s=seconds))
+    print(f"  {result:5s} {check} [{device}, {dtype}] {measured} {bound} ({seconds:.1f} s)", flush=True)
+
+
+class Recorder(torch.optim.SGD):
+    """An optimizer that only records the gradient pipedp hands it (a float64 copy), never updating."""
+
+    def __init__(self, params, into: Dict[int, torch.Tensor]):
+        super().__init__(params, lr=1.0)
+        self.into = into
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is not None:
+                    self.into[id(p)] = p.grad.detach().double().clone()
+
+
+# ---- models ----------------------------------------------------------------------------------------------
+def small_gpt():
+    from pipedp.models import GPTConfig, tiny_gpt
+
+    torch.manual_seed(0)
+    return tiny_gpt(GPTConfig(vocab_size=64, seq_len=16, d_model=32, n_heads=4, n_layers=2))
+
+
+def small_llama():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        tie_word_embeddings=False,
+    )
+    return LlamaForCausalLM(cfg)
+
+
+def _logits(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    out = model(x)
+    return out.logits if hasattr(out, "logits") else out
+
+
+def loop_clipped_sum(model: nn.Module, loss_fn: Callable, x, y, clip: float) -> Dict[str, torch.Tensor]:
+    """sum_i min(1, C / (||g_i|| + 1e-6)) g_i, each g_i from a batch-size-1 backward pass, in float64."""
+    params = {k: p for k, p in model.named_parameters() if p.requires_grad}
+    total = {k: torch.zeros(p.shape, dtype=torch.float64, device=p.device) for k, p in params.items()}
+    for i in range(len(y)):
+        model.zero_grad(set_to_none=True)
+        loss_fn(_logits(model, x[i : i + 1]), y[i : i + 1]).sum().backward()
+        grads = {k: p.grad.double() for k, p in params.items() if p.grad is not None}
+        norm = float(torch.sqrt(sum((g**2).sum() for g in grads.values())))
+        factor = min(1.0, clip / (norm + 1e-6))
+        for k, g in grads.items():
+            total[k] += factor * g
+    model.zero_grad(set_to_none=True)
+    return total
+
+
+def pipedp_clipped_sum(model: nn.Module, x, y, clip: float, **options) -> Dict[str, torch.Tensor]:
+    """The clipped sum of one pipedp step (noise 0): what it hands the optimizer, times the batch size."""
+    from pipedp import PipelineDPTrainer
+    from pipedp.models import token_loss
+
+    got: Dict[int, torch.Tensor] = {}
+    names = {id(p): k for k, p in model.named_parameters()}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        trainer = PipelineDPTrainer(
+            model,
+            token_loss,
+            lambda params: Recorder(params, got),
+            noise_multiplier=0.0,
+            max_grad_norm=clip,
+            expected_batch_size=len(y),
+            transport="inprocess",
+            **options,
+        )
+        trainer.step(x, y)
+        trainer.close()
+    return {names[i]: g * len(y) for i, g in got.items()}
+
+
+def relative_error(got: Dict[str, torch.Tensor], want: Dict[str, torch.Tensor]) -> float:
+    missing = set(want) ^ set(got)
+    if missing:
+        raise AssertionError(f"parameters differ: {sorted(missing)[:4]}")
+    scale = max(float(v.abs().max()) for v in want.values())
+    return max(float((got[k].to(want[k].device) - want[k]).abs().max()) for k in want) / max(scale, 1e-300)
+
+
+def _batch(vocab: int, n: int, seq: int, device):
+    g = torch.Generator().manual_seed(1)
+    return (
+        torch.randint(0, vocab, (n, seq), generator=g).to(device),
+        torch.randint(0, vocab, (n, seq), generator=g).to(device),
+    )
+
+
+# ---- 1-3: parity ----------------------------------------------------------------------------------------
+def parity(device: str, quick: bool, deadline: float) -> None:
+    import copy
+
+    from pipedp.models import token_loss
+
+    models = {"gpt": small_gpt}
+    try:
+        import transformers  # noqa: F401
+
+        models["llama"] = small_llama
+    except ImportError:
+        row("parity: HF Llama", device, "float64", "skip", "transformers not installed")
+    combos = [
+        (stages, mode, schedule)
+        for stages in (1, 2, 3)
+        for mode in ("ghost", "materialize", "keep")
+        for schedule in ("1f1b", "dp-zb")
+    ]
+    if quick:
+        combos = [(2, "ghost", "1f1b"), (3, "keep", "dp-zb")]
+    clip = 0.05  # below most per-sample norms: the clipping is exercised
+    for name, make in models.items():
+        base = make().double().to(device)
+        x, y = _batch(64, 7, 16, device)  # 7 rows: micro-batches of unequal size
+        want = loop_clipped_sum(copy.deepcopy(base), token_loss, x, y, clip)
+        for stages, mode, schedule in combos:
+            label = f"parity {name}: {stages} stage(s), {mode}, {schedule}, m=3"
+            if time.monotonic() > deadline:
+                row(label, device, "float64", "skip", "time budget spent")
+                continue
+            start = time.monotonic()
+            try:
+                got = pipedp_clipped_sum(
+                    copy.deepcopy(base), x, y, clip, stages=stages, microbatches=3, grad_mode=mode, schedule=schedule
+                )
+                err = relative_error(got, want)
+                row(
+                    label,
+                    device,
+                    "float64",
+                    "pass" if err < 1e-9 else "FAIL",
+                    f"{err:.1e}",
+                    "< 1e-9",
+                    time.monotonic() - start,
+                )
+            except Exception as exc:  # noqa: BLE001 - reported in the table
+                row(
+                    label,
+                    device,
+                    "float64",
+                    "FAIL",
+                    f"{type(exc).__name__}: {str(exc)[:120]}",
+                    "",
+                    time.monotonic() - start,
+                )
+                traceback.print_exc()
+    # bf16 on the same device: against the float64 loop on the same weights
+    for precision, bound in (("bf16-mixed", 3e-2), ("bf16-true", 6e-2)):
+        for name, make in models.items():
+            label = f"parity {name}: 2 stages, ghost, {precision}"
+            if time.monotonic() > deadline:
+                row(label, device, "bf16", "skip", "time budget spent")
+                continue
+            start = time.monotonic()
+            try:
+                base = make().to(device)
+                if precision == "bf16-true":
+                    base = base.to(torch.bfloat16)  # the weights the bf16 run trains, also the reference's
+                x, y = _batch(64, 6, 16, device)
+                want = loop_clipped_sum(copy.deepcopy(base).double(), token_loss, x, y, 0.05)
+                got = pipedp_clipped_sum(copy.deepcopy(base), x, y, 0.05, stages=2, microbatches=2, precision=precision)
+                err = relative_error(got, want)
+                row(
+                    label,
+                    device,
+                    "bf16",
+                    "pass" if err < bound else "FAIL",
+                    f"{err:.1e}",
+                    f"< {bound:.0e}",
+                    time.monotonic() - start,
+                )
+            except Exception as exc:  # noqa: BLE001
+                row(
+                    label,
+                    device,
+                    "bf16",
+                    "FAIL",
+                    f"{type(exc).__name__}: {str(exc)[:120]}",
+                    "",
+                    time.monotonic() - start,
+                )
+                traceback.print_exc()
+
+
+def two_devices(devices: List[str], deadline: float) -> None:
+    import copy
+
+    from pipedp import PipelineConfig
+    from pipedp.models import token_loss
+
+    label = f"two devices in one process: devices={tuple(devices)}"
+    fields = {f.name for f in dataclasses.fields(PipelineConfig)}
+    if "devices" not in fields:
+        row(label, "+".join(devices), "float64", "skip", "PipelineConfig has no 'devices' field")
+        return
+    if time.monotonic() > deadline:
+        row(label, "+".join(devices), "float64", "skip", "time budget spent")
+        return
+    for name, make in (("gpt", small_gpt), ("llama", small_llama)):
+        start = time.monotonic()
+        try:
+            base = make().double().to(devices[0])
+            x, y = _batch(64, 7, 16, devices[0])
+            want = loop_clipped_sum(copy.deepcopy(base), token_loss, x, y, 0.05)
+            got = pipedp_clipped_sum(
+                copy.deepcopy(base), x, y, 0.05, stages=2, microbatches=3, devices=tuple(devices), grad_mode="ghost"
+            )
+            err = relative_error(got, want)
+            row(
+                f"{label}, {name}",
+                "+".join(devices),
+                "float64",
+                "pass" if err < 1e-9 else "FAIL",
+                f"{err:.1e}",
+                "< 1e-9",
+                time.monotonic() - start,
+            )
+        except ImportError as exc:
+            row(f"{label}, {name}", "+".join(devices), "float64", "skip", str(exc)[:120])
+        except Exception as exc:  # noqa: BLE001
+            row(
+                f"{label}, {name}",
+                "+".join(devices),
+                "float64",
+                "FAIL",
+                f"{type(exc).__name__}: {str(exc)[:120]}",
+                "",
+                time.monotonic() - start,
+            )
+            traceback.print_exc()
+
+
+# ---- 4: the harness on one GPU ----------------------------------------------------------------------------
+def harness(device: str, quick: bool, deadline: float) -> None:
+    from pipedp.models import GPTConfig
+
+    from .presets import PRESETS, _gpt
+
+    presets = (
+        [PRESETS["tiny"]]
+        if quick
+        else [
+            PRESETS["realistic"],
+            _gpt(  # matrix work a GPU notices
+                GPTConfig(vocab_size=4096, seq_len=256, d_model=2048, n_heads=16, n_layers=8),
+                "GPU GPT: 8 blocks, d=2048, T=256, vocab 4096; batch 32 as 4 micro-batches of 8",
+                "gpu-large",
+                batch=32,
+                microbatches=4,
+            ),
+        ]
+    )
+    rounds, steps = (2, 1) if quick else (5, 3)
+
+    def sync():
+        if device.startswith("cuda"):
+            torch.cuda.synchronize()
+
+    for preset in presets:
+        if time.monotonic() > deadline:
+            row(f"harness {preset.name}", device, "float32", "skip", "time budget spent")
+            continue
+        start = time.monotonic()
+        try:
+            contenders = _contenders(preset, device)
+            for step in contenders.values():
+                step()
+                step()
+            sync()
+            times: Dict[str, List[float]] = {n: [] for n in contenders}
+            names = list(contenders)
+            for r in range(rounds):
+                for name in names[r % len(names) :] + names[: r % len(names)]:
+                    per = []
+                    for _ in range(steps):
+                        sync()
+                        t = time.perf_counter()
+                        contenders[name]()
+                        sync()
+                        per.append(time.perf_counter() - t)
+                    times[name].append(statistics.median(per))
+            best = min((n for n in names if n.startswith("pipedp")), key=lambda n: statistics.median(times[n]))
+            for other in ("plain", "opacus-ghost"):
+                ratios = [b / a for a, b in zip(times[best], times[other])]
+                row(
+                    f"harness {preset.name}: {best} / {other} (samples/s)",
+                    device,
+                    "float32",
+                    "info",
+                    f"{statistics.median(ratios):.2f}x ({min(ratios):.2f}-{max(ratios):.2f}, {rounds} rounds)",
+                    ">= 1.5 vs Opacus" if other == "opacus-ghost" else "",
+                    time.monotonic() - start,
+                )
+            for n in names:
+                row(
+                    f"harness {preset.name}: {n}",
+                    device,
+                    "float32",
+                    "info",
+                    f"{preset.batch / statistics.median(times[n]):.1f} samples/s",
+                    "",
+                    0.0,
+                )
+            _self_check_cost(preset, device, sync, rounds)
+        except Exception as exc:  # noqa: BLE001
+            row(
+                f"harness {preset.name}",
+                device,
+                "float32",
+                "FAIL",
+                f"{type(exc).__name__}: {str(exc)[:120]}",
+                "",
+                time.monotonic() - start,
+            )
+            traceback.print_exc()
+
+
+def _pipedp(preset, device, mode: str, self_check: bool = True, model: Optional[nn.Module] = None):
+    from pipedp import PipelineDPTrainer
+
+    torch.manual_seed(0)
+    trainer = PipelineDPTrainer(
+        model if model is not None else preset.build().to(device),
+        preset.loss,
+        lambda p: torch.optim.SGD(p, lr=1e-3),
+        stages=1,
+        microbatches=preset.microbatches,  # keep holds a micro-batch's per-sample gradients: bounded by m
+        grad_mode=mode,
+        self_check=self_check,
+        noise_multiplier=1.0,
+        max_grad_norm=1.0,
+        expected_batch_size=preset.batch,
+        sample_rate=0.01,
+        sampling="poisson",
+        transport="inprocess",
+    )
+    return trainer
+
+
+def _contenders(preset, device) -> Dict[str, Callable[[], None]]:
+    from opacus import PrivacyEngine
+    from torch.utils.data import DataLoader, TensorDataset
+
+    warnings.filterwarnings("ignore")
+    x, y = (t.to(device) for t in preset.make_batch(preset.batch, 0))
+    out: Dict[str, Callable[[], None]] = {}
+    torch.manual_seed(0)
+    plain = preset.build().to(device)
+    opt = torch.optim.SGD(plain.parameters(), lr=1e-3)
+
+    def plain_step():
+        opt.zero_grad(set_to_none=True)
+        preset.mean_loss(plain(x), y).backward()
+        opt.step()
+
+    out["plain"] = plain_step
+    torch.manual_seed(0)
+    model = preset.build().to(device)
+    oopt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    model, oopt, dp_loss, _ = PrivacyEngine().make_private(
+        module=model,
+        optimizer=oopt,
+        data_loader=DataLoader(TensorDataset(x.cpu(), y.cpu()), batch_size=len(x)),
+        criterion=nn.CrossEntropyLoss(),
+        noise_multiplier=1.0,
+        max_grad_norm=1.0,
+        poisson_sampling=False,
+        grad_sample_mode="ghost",
+    )
+
+    def opacus_step():
+        oopt.zero_grad(set_to_none=True)
+        o = model(x)
+        dp_loss(o.reshape(-1, o.shape[-1]), y.reshape(-1), shape=o.shape).backward()
+        oopt.step()
+
+    out["opacus-ghost"] = opacus_step
+    for mode in ("ghost", "keep"):
+        trainer = _pipedp(preset, device, mode)
+        out[f"pipedp-1stage-{mode}"] = lambda t=trainer: t.step(x, y)
+    return out
+
+
+def _self_check_cost(preset, device, sync, rounds: int) -> None:
+    x, y = (t.to(device) for t in preset.make_batch(preset.batch, 0))
+    first: Dict[bool, List[float]] = {True: [], False: []}
+    torch.manual_seed(0)
+    model = preset.build().to(device)  # one model, a new trainer on it per measurement
+    for r in range(rounds + 1):
+        for check in (True, False) if r % 2 else (False, True):
+            trainer = _pipedp(preset, device, "ghost", check, model)
+            sync()
+            t = time.perf_counter()
+            trainer.step(x, y)
+            sync()
+            if r:  # the first round warms the process up
+                first[check].append(time.perf_counter() - t)
+            trainer.close()
+    ratios = [a / b for a, b in zip(first[True], first[False])]
+    row(
+        f"harness {preset.name}: self-check, first step True / False (time)",
+        device,
+        "float32",
+        "info",
+        f"{statistics.median(ratios):.2f}x ({min(ratios):.2f}-{max(ratios):.2f})",
+        "",
+        0.0,
+    )
+
+
+def table() -> str:
+    lines = ["| check | device | dtype | result | measured | bound | s |", "|---|---|---|---|---|---|---|"]
+    for r in ROWS:
+        lines.append(
+            f"| {r['check']} | {r['device']} | {r['dtype']} | {r['result']} | {r['measured']} | {r['bound']} | "
+            f"{r['s']:.1f} |"
+        )
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python -m bench.gpu_check", description=__doc__.splitlines()[0])
+    p.add_argument("--budget-s", type=float, default=450.0, help="stop starting new checks after this many seconds")
+    p.add_argument("--device", default=None, help="run on this device instead of cuda:0 (cpu: a self-test)")
+    p.add_argument("--quick", action="store_true", help="a few parity cases and the tiny preset")
+    args = p.parse_args(argv)
+    ROWS.clear()
+    if args.device is None and not torch.cuda.is_available():
+        print("bench.gpu_check: CUDA is not available on this machine: skipped (nothing was checked)")
+        return 0
+    device = args.device or "cuda:0"
+    start = time.monotonic()
+    deadline = start + args.budget_s
+    if device.startswith("cuda"):
+        print(f"{torch.cuda.get_device_name(device)}, {torch.cuda.device_count()} device(s), torch {torch.__version__}")
+        torch.backends.cuda.matmul.allow_tf32 = False  # float32 means float32 in the parity checks
+        torch.backends.cudnn.allow_tf32 = False
+    print("1-2. parity", flush=True)
+    parity(device, args.quick, deadline)
+    print("3. two devices in one process", flush=True)
+    if device.startswith("cuda") and torch.cuda.device_count() >= 2:
+        two_devices(["cuda:0", "cuda:1"], deadline)
+    elif device == "cpu":
+        two_devices(["cpu", "cpu"], deadline)  # the code path, on the CPU
+    else:
+        row("two devices in one process", device, "float64", "skip", f"{torch.cuda.device_count()} GPU(s) here")
+    print("4. harness", flush=True)
+    harness(device, args.quick, deadline)
+    print(f"\n{table()}\n\n({time.monotonic() - start:.0f} s)")
+    failed = [r for r in ROWS if r["result"] == "FAIL"]
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,273 @@
+"""Where the DP step's time goes on small models: per phase, and the fixed costs per micro-batch and per layer.
+
+    python -m bench.overhead            # ~2 min on 2 cores
+    python -m bench.overhead --quick
+
+One process, one thread, every stage in turn (no pipeline, no transport: compute and dispatch only).
+
+1. Phases on the small preset (2 stages in one process, 8 micro-batches of 8 rows; plain and DP steps
+   alternating): the time of
+   pipedp's F (forward with capture), I (input backward + per-sample norms), W (clipped weight pass)
+   and the rest of the step (norm sum, noise, update), timed by wrapping the stages' methods, and
+   the aten operators each phase dispatches per micro-batch; against plain micro-batched training
+   (forward + backward per micro-batch, one SGD step) of the same model and batch.
+2. Fixed costs: a narrow GPT (d=32, T=16, micro-batches of 4 rows, where the arithmetic is negligible)
+   with L in {2, 4, 8} blocks and m in {2, 8} micro-batches; the step time (and the aten operators
+   dispatched per step) fitted as a + m * (b + c * L) by least squares, for pipedp (ghost, keep, one
+   stage) and plain training, so c is the fixed cost per block and micro-batch, b the rest per
+   micro-batch. Plain and DP alternate, median of the repetitions.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from collections import defaultdict
+from typing import Dict, List
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from pipedp.models import GPTConfig
+
+from .presets import PRESETS, _gpt
+
+
+class _CountOps(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.count += 1
+        return func(*args, **(kwargs or {}))
+
+
+class _Phases:
+    """Wraps the stages' forward / backward_input / weight to accumulate their time (and, when counting,
+    their aten operators)."""
+
+    PHASES = ("forward", "backward_input", "weight")
+
+    def __init__(self, trainer):
+        self.time: Dict[str, float] = defaultdict(float)
+        self.ops: Dict[str, int] = defaultdict(int)
+        self.counting = False
+        for stage in trainer.runtime.local_stages:
+            for name in self.PHASES:
+                setattr(stage, name, self._wrap(name, getattr(stage, name)))
+
+    def _wrap(self, name, fn):
+        def timed(*args, **kwargs):
+            if self.counting:
+                with _CountOps() as mode:
+                    out = fn(*args, **kwargs)
+                self.ops[name] += mode.count
+                return out
+            start = time.perf_counter()
+            out = fn(*args, **kwargs)
+            self.time[name] += time.perf_counter() - start
+            return out
+
+        return timed
+
+    def reset(self):
+        self.time.clear()
+        self.ops.clear()
+
+
+def _trainer(model, preset, m: int, mode: str, stages: int, batch: int):
+    from pipedp import PipelineDPTrainer
+
+    return PipelineDPTrainer(
+        model,
+        preset.loss,
+        lambda p: torch.optim.SGD(p, lr=1e-3),
+        stages=stages,
+        microbatches=m,
+        grad_mode=mode,
+        noise_multiplier=1.0,
+        max_grad_norm=1.0,
+        expected_batch_size=batch,
+        sample_rate=0.01,
+        sampling="poisson",
+        transport="inprocess",
+    )
+
+
+def _plain_step(model, preset, x, y, m: int):
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+
+    def step():
+        opt.zero_grad(set_to_none=True)
+        for xs, ys in zip(x.chunk(m), y.chunk(m)):
+            (preset.mean_loss(model(xs), ys) / m).backward()
+        opt.step()
+
+    return step
+
+
+def _median_time(fn, reps: int) -> float:
+    times = []
+    for _ in range(reps):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def _count(fn) -> int:
+    with _CountOps() as mode:
+        fn()
+    return mode.count
+
+
+def phases(preset_name: str = "small", reps: int = 5) -> Dict:
+    """Plain micro-batched training and pipedp ghost / keep on the preset, their steps alternating."""
+    preset = PRESETS[preset_name]
+    m, batch = preset.microbatches, preset.batch
+    x, y = preset.make_batch(batch, 0)
+    out: Dict = {"preset": preset_name, "microbatches": m, "rows": batch // m}
+    torch.manual_seed(0)
+    plain = _plain_step(preset.build(), preset, x, y, m)
+    trainers, timers = {}, {}
+    for mode in ("ghost", "keep"):
+        torch.manual_seed(0)
+        trainers[mode] = _trainer(preset.build(), preset, m, mode, 2, batch)
+        timers[mode] = _Phases(trainers[mode])
+    steps = {"plain": plain, **{mode: (lambda t=t: t.step(x, y)) for mode, t in trainers.items()}}
+    for step in steps.values():  # the first step (self-check) and one more
+        step()
+        step()
+    times: Dict[str, List[float]] = defaultdict(list)
+    per_phase: Dict[str, Dict[str, List[float]]] = {mode: defaultdict(list) for mode in trainers}
+    for _ in range(reps):
+        for name, step in steps.items():
+            if name in timers:
+                timers[name].reset()
+            start = time.perf_counter()
+            step()
+            times[name].append(time.perf_counter() - start)
+            if name in timers:
+                for k in _Phases.PHASES:
+                    per_phase[name][k].append(timers[name].time[k])
+    out["plain ms"] = 1000 * statistics.median(times["plain"])
+    out["plain ops per micro-batch"] = _count(plain) / m
+    for mode, trainer in trainers.items():
+        timer = timers[mode]
+        timer.reset()
+        timer.counting = True
+        total = _count(lambda t=trainer: t.step(x, y))
+        timer.counting = False
+        row = {"step ms": 1000 * statistics.median(times[mode])}
+        for k in timer.PHASES:
+            row[f"{k} ms"] = 1000 * statistics.median(per_phase[mode][k])
+        row["rest ms"] = row["step ms"] - sum(row[f"{k} ms"] for k in timer.PHASES)
+        for k in timer.PHASES:
+            row[f"{k} ops per micro-batch"] = timer.ops[k] / m
+        row["ops per micro-batch"] = total / m
+        out[mode] = row
+        trainer.close()
+    return out
+
+
+def fixed_costs(layers=(2, 4, 8), ms=(2, 8), rows: int = 4, reps: int = 5, rounds: int = 3) -> Dict:
+    """The step time and the aten operators dispatched per step, each fitted as a + m * (b + c * L), for
+    plain training and pipedp ghost / keep (one stage)."""
+    samples: Dict[str, List[tuple]] = {"plain": [], "ghost": [], "keep": []}
+    for L in layers:
+        preset = _gpt(GPTConfig(vocab_size=32, seq_len=16, d_model=32, n_heads=2, n_layers=L), "narrow", "narrow")
+        for m in ms:
+            x, y = preset.make_batch(m * rows, 0)
+            steps = {}
+            torch.manual_seed(0)
+            steps["plain"] = _plain_step(preset.build(), preset, x, y, m)
+            trainers = []
+            for mode in ("ghost", "keep"):
+                torch.manual_seed(0)
+                t = _trainer(preset.build(), preset, m, mode, 1, m * rows)
+                trainers.append(t)
+                steps[mode] = lambda t=t, x=x, y=y: t.step(x, y)
+            for s in steps.values():
+                s()
+                s()
+            got = defaultdict(list)
+            for _ in range(rounds):  # alternate, so a slow spell hits every contender
+                for name, s in steps.items():
+                    got[name].append(_median_time(s, reps))
+            for name, s in steps.items():
+                samples[name].append((L, m, statistics.median(got[name]), _count(s)))
+            for t in trainers:
+                t.close()
+    fits = {}
+    for name, pts in samples.items():
+        a = torch.tensor([[1.0, m, m * L] for L, m, _, _ in pts], dtype=torch.float64)
+        t = torch.tensor([[s, ops] for _, _, s, ops in pts], dtype=torch.float64)
+        coef = torch.linalg.lstsq(a, t).solution
+        fits[name] = {
+            "per step ms": 1000 * float(coef[0, 0]),
+            "per micro-batch ms": 1000 * float(coef[1, 0]),
+            "per block and micro-batch ms": 1000 * float(coef[2, 0]),
+            "ops per step": float(coef[0, 1]),
+            "ops per micro-batch": float(coef[1, 1]),
+            "ops per block and micro-batch": float(coef[2, 1]),
+        }
+    return {"samples": samples, "fits": fits, "rows": rows}
+
+
+def measure(quick: bool = False) -> Dict:
+    torch.set_num_threads(1)
+    from pipedp import settle_process
+
+    settle_process()
+    if quick:
+        return {"phases": phases("tiny", reps=1), "fixed": fixed_costs(layers=(1, 2), ms=(1, 2), reps=1, rounds=1)}
+    return {"phases": phases("small"), "fixed": fixed_costs()}
+
+
+def markdown(result: Dict) -> List[str]:
+    ph, fx = result["phases"], result["fixed"]
+    lines = [
+        f"**Where the time goes** (`python -m bench.overhead`; one process, one thread, {ph['preset']} preset in 2 "
+        f"stages run in turn, {ph['microbatches']} micro-batches of {ph['rows']} rows):",
+        "",
+        "| | step ms | F ms | I ms | W ms | rest (norm sum, noise, update) ms | aten ops per micro-batch (F / I / W) |",
+        "|---|---|---|---|---|---|---|",
+        f"| plain micro-batched training | {ph['plain ms']:.1f} | | | | | {ph['plain ops per micro-batch']:.0f} (forward + backward) |",
+    ]
+    for mode in ("ghost", "keep"):
+        r = ph[mode]
+        lines.append(
+            f"| pipedp {mode} | {r['step ms']:.1f} | {r['forward ms']:.1f} | {r['backward_input ms']:.1f} | "
+            f"{r['weight ms']:.1f} | {r['rest ms']:.1f} | {r['ops per micro-batch']:.0f} ({r['forward ops per micro-batch']:.0f} / "
+            f"{r['backward_input ops per micro-batch']:.0f} / {r['weight ops per micro-batch']:.0f}) |"
+        )
+    lines += [
+        "",
+        f"Fixed costs (narrow GPT d=32, T=16, {fx['rows']}-row micro-batches, L blocks x m micro-batches, step time fitted "
+        "as a + m (b + c L)):",
+        "",
+        "| | a: per step ms | b: per micro-batch ms | c: per block and micro-batch ms | aten ops: a / b / c |",
+        "|---|---|---|---|---|",
+    ]
+    for name, f in fx["fits"].items():
+        lines.append(
+            f"| {name} | {f['per step ms']:.2f} | {f['per micro-batch ms']:.2f} | "
+            f"{f['per block and micro-batch ms']:.3f} | {f['ops per step']:.0f} / {f['ops per micro-batch']:.0f} / "
+            f"{f['ops per block and micro-batch']:.0f} |"
+        )
+    return lines
+
+
+def main(argv=None) -> Dict:
+    p = argparse.ArgumentParser(prog="python -m bench.overhead", description=__doc__.splitlines()[0])
+    p.add_argument("--quick", action="store_true")
+    args = p.parse_args(argv)
+    result = measure(args.quick)
+    print("\n".join(markdown(result)))
+    return result
+
+
+if __name__ == "__main__":
+    main()
