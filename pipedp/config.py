@@ -170,8 +170,8 @@ class PrivacyConfig:
     noise_multiplier: float = option(1.0, "sigma: noise std = sigma * max_grad_norm", exclusive="noise", resume=True)
     max_grad_norm: Union[float, Tuple[float, ...], Dict[str, float]] = option(
         1.0,
-        "clipping norm C (per_stage: split as C/sqrt(stages), or one per stage; per_layer: split as "
-        "C/sqrt(layers), or a {layer name: C} dict)",
+        "clipping norm C (per_stage / per_layer: split as C/sqrt(stages) / C/sqrt(layers); the Python API also "
+        "takes one norm per stage as a tuple, or a {layer name: C} dict)",
         resume=True,
     )
     clipping: str = option(
@@ -208,7 +208,10 @@ class PrivacyConfig:
     accountant: str = option("prv", "Opacus accountant", choices=ACCOUNTANTS, resume=True)
     delta: float = option(1e-5, "target delta of the (epsilon, delta) guarantee")
     target_epsilon: Optional[float] = option(
-        None, "calibrate noise_multiplier to reach this epsilon after total_steps (or epochs)", exclusive="noise"
+        None,
+        "calibrate noise_multiplier to reach this epsilon at the end of the planned steps (total_steps or epochs; "
+        "the CLI's --steps or --epochs)",
+        exclusive="noise",
     )
     total_steps: Optional[int] = option(None, "steps the calibration plans for", cli=False)
     epochs: Optional[float] = option(None, "epochs the calibration plans for (steps = ceil(epochs / q))", cli=False)

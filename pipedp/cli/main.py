@@ -126,17 +126,19 @@ def build_parser() -> argparse.ArgumentParser:
         choices=["whitebox", "blackbox"],
         help="whitebox: gradient canaries on their own coordinates; blackbox: canary sequences on the GPT job",
     )
-    a.add_argument("--canaries", type=_positive_int, default=1000)
+    a.add_argument("--canaries", type=_positive_int, default=1000, help="canaries, each included with probability 1/2")
     a.add_argument("--steps", type=_positive_int, default=None, help="DP steps (default: whitebox 10, blackbox 100)")
     a.add_argument("--sample-rate", type=_positive_float, default=None, help="default: whitebox 0.5, blackbox 0.01")
-    a.add_argument("--noise-multiplier", type=float, default=3.0)
-    a.add_argument("--max-grad-norm", type=_positive_float, default=1.0)
-    a.add_argument("--lr", type=_positive_float, default=0.1)
-    a.add_argument("--delta", type=_positive_float, default=1e-5)
-    a.add_argument("--confidence", type=_positive_float, default=0.95)
-    a.add_argument("--stages", type=_positive_int, default=2)
-    a.add_argument("--microbatches", type=_positive_int, default=4)
-    a.add_argument("--seed", type=int, default=0)
+    a.add_argument("--noise-multiplier", type=float, default=3.0, help="sigma of the audited run")
+    a.add_argument("--max-grad-norm", type=_positive_float, default=1.0, help="clipping norm C of the audited run")
+    a.add_argument("--lr", type=_positive_float, default=0.1, help="SGD learning rate of the audited run")
+    a.add_argument(
+        "--delta", type=_positive_float, default=1e-5, help="delta of the accountant's epsilon and of the bound"
+    )
+    a.add_argument("--confidence", type=_positive_float, default=0.95, help="confidence of the epsilon lower bound")
+    a.add_argument("--stages", type=_positive_int, default=2, help="pipeline stages (one process each)")
+    a.add_argument("--microbatches", type=_positive_int, default=4, help="micro-batches per step")
+    a.add_argument("--seed", type=int, default=0, help="seed of the canaries, the sampling and the noise")
     a.add_argument("--inprocess", action="store_true", help="every stage in this process")
     a.add_argument("--png", default=None, help="draw the score histograms (included vs excluded) here")
     a.add_argument("--json", default=None, help="write the whole result here")
@@ -144,7 +146,9 @@ def build_parser() -> argparse.ArgumentParser:
     pl = sub.add_parser("plan", help="predict each stage's peak memory (model built on meta, one pass simulated)")
     add_plan_flags(pl)
 
-    s = sub.add_parser("schedule", help="inspect pipeline schedules")
+    s = sub.add_parser(
+        "schedule", help="inspect pipeline schedules: pipedp schedule show NAME --stages S --microbatches M"
+    )
     ssub = s.add_subparsers(dest="schedule_command", required=True, parser_class=_Parser)
     show = ssub.add_parser("show", help="per-rank timeline, bubble fraction and peak in-flight micro-batches")
     show.add_argument("name", help="gpipe, 1f1b, dp-zb or dp-zb-2x")
