@@ -24,3 +24,21 @@ def pipedp_clipped_sum(model, loss_fn, x, y, clip, **options):
     settings.update(options)
     PipelineDPTrainer(model, loss_fn, lambda p: torch.optim.SGD(p, lr=1.0), **settings).step(x, y)
     return {k: before[k] - p.detach() for k, p in model.named_parameters()}
+
+
+def tiny_llama_config(**overrides):
+    """The tests' tiny Llama: vocabulary 40, width 16, 2 layers, 2 heads sharing 1 key-value head
+    (grouped-query attention); ``overrides`` replace or add config fields."""
+    import transformers  # here: most tests that import this module need no transformers
+
+    fields = dict(
+        vocab_size=40,
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        max_position_embeddings=32,
+    )
+    fields.update(overrides)
+    return transformers.LlamaConfig(**fields)

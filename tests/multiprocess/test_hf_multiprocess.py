@@ -5,6 +5,7 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 from oracles import max_relative_error  # noqa: E402
+from steps import tiny_llama_config  # noqa: E402
 from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
 
 from pipedp import PipelineDPTrainer  # noqa: E402
@@ -128,15 +129,7 @@ def test_a_tied_checkpoint_loaded_stage_by_stage_trains_tied(tmp_path):
     import transformers
     from workers import tied_llama_from_folder
 
-    cfg = transformers.LlamaConfig(
-        vocab_size=40,
-        hidden_size=16,
-        intermediate_size=32,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        tie_word_embeddings=True,
-    )
+    cfg = tiny_llama_config(tie_word_embeddings=True)
     torch.manual_seed(0)
     transformers.LlamaForCausalLM(cfg).save_pretrained(tmp_path / "tied")
     got = launch(tied_llama_from_folder, 2, (str(tmp_path / "tied"),), timeout_s=300)[0]

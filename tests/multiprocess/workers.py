@@ -5,6 +5,7 @@ import signal
 import time
 
 import torch
+from steps import tiny_llama_config
 
 from pipedp import PipelineDPTrainer
 from pipedp.models import GPTConfig, tiny_gpt, token_loss
@@ -185,15 +186,7 @@ def llama_export(rank, path):
     """One noisy DP step of a tiny Llama on 2 stages, then a Hugging Face folder written by rank 0."""
     import transformers
 
-    cfg = transformers.LlamaConfig(
-        vocab_size=40,
-        hidden_size=16,
-        intermediate_size=32,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        max_position_embeddings=32,
-    )
+    cfg = tiny_llama_config()
     torch.manual_seed(0)
     model = transformers.LlamaForCausalLM(cfg).double()
     kw = {} if path else {"transport": "inprocess"}
@@ -220,15 +213,7 @@ def llama_padded_step(rank, inprocess=False):
     """One noisy step of a tiny Llama on a left-padded dict batch (input_ids + attention_mask)."""
     import transformers
 
-    cfg = transformers.LlamaConfig(
-        vocab_size=40,
-        hidden_size=16,
-        intermediate_size=32,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        max_position_embeddings=32,
-    )
+    cfg = tiny_llama_config()
     torch.manual_seed(0)
     model = transformers.LlamaForCausalLM(cfg).double()
     g = torch.Generator().manual_seed(2)
@@ -257,15 +242,7 @@ def tied_llama_step(rank, noise, inprocess=False):
     """One DP step of a tiny Llama whose embedding is tied to its head, on 2 stages."""
     import transformers
 
-    cfg = transformers.LlamaConfig(
-        vocab_size=40,
-        hidden_size=16,
-        intermediate_size=32,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        tie_word_embeddings=True,
-    )
+    cfg = tiny_llama_config(tie_word_embeddings=True)
     torch.manual_seed(0)
     model = transformers.LlamaForCausalLM(cfg).double()
     g = torch.Generator().manual_seed(2)

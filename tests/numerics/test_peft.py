@@ -10,6 +10,7 @@ peft = pytest.importorskip("peft")
 transformers = pytest.importorskip("transformers")
 
 from oracles import loop_clipped_sum, max_relative_error  # noqa: E402
+from steps import tiny_llama_config  # noqa: E402
 
 from pipedp import PipelineDPTrainer, UnsupportedModelError  # noqa: E402
 from pipedp.models import token_loss  # noqa: E402
@@ -17,16 +18,7 @@ from pipedp.models import token_loss  # noqa: E402
 
 def peft_llama(config):
     torch.manual_seed(0)
-    cfg = transformers.LlamaConfig(
-        vocab_size=40,
-        hidden_size=16,
-        intermediate_size=32,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        max_position_embeddings=32,
-        tie_word_embeddings=False,
-    )
+    cfg = tiny_llama_config(tie_word_embeddings=False)
     return peft.get_peft_model(transformers.LlamaForCausalLM(cfg).double(), config).base_model.model
 
 
@@ -104,15 +96,7 @@ def test_ia3_matches_the_loop_oracle(feedforward):
 
 def test_a_lora_embedding_adapter_saved_after_training_reloads_in_peft(tmp_path):
     torch.manual_seed(0)
-    cfg = transformers.LlamaConfig(
-        vocab_size=40,
-        hidden_size=16,
-        intermediate_size=32,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        max_position_embeddings=32,
-    )
+    cfg = tiny_llama_config()
     base = transformers.LlamaForCausalLM(cfg).double()
     model = peft.get_peft_model(base, peft.LoraConfig(r=4, target_modules=["embed_tokens", "q_proj"]))
     trainer = PipelineDPTrainer(model, token_loss, stages=2, expected_batch_size=4, noise_multiplier=0.5)
@@ -158,15 +142,7 @@ def test_a_peft_model_is_accepted_directly_under_its_own_names():
 
 def test_save_pretrained_round_trips_a_model_and_an_adapter(tmp_path):
     x, y = batch()
-    cfg = transformers.LlamaConfig(
-        vocab_size=40,
-        hidden_size=16,
-        intermediate_size=32,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        max_position_embeddings=32,
-    )
+    cfg = tiny_llama_config()
     torch.manual_seed(0)
     plain = transformers.LlamaForCausalLM(cfg).double()
     trainer = PipelineDPTrainer(
@@ -203,15 +179,7 @@ def test_save_pretrained_round_trips_a_model_and_an_adapter(tmp_path):
 
 
 def test_dora_is_refused_by_name():
-    cfg = transformers.LlamaConfig(
-        vocab_size=40,
-        hidden_size=16,
-        intermediate_size=32,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        max_position_embeddings=32,
-    )
+    cfg = tiny_llama_config()
     model = peft.get_peft_model(
         transformers.LlamaForCausalLM(cfg), peft.LoraConfig(r=4, target_modules=["q_proj"], use_dora=True)
     )
