@@ -456,6 +456,9 @@ class Stage:
         owners = {p: (self._owner[p], type(self.layers[self._owner[p]]).__name__) for p in self.trainable}
         called = set(state.calls) | set(state.kept)
         comparison = self_check.Comparison(self.index, self_check.compute_dtype(self.precision, self.trainable, []))
+        # a sample with a non-finite norm is left out of the update (clip factor 0), but its NaN or inf
+        # reaches every row's own gradient of the parameters it flows into (0 * NaN is NaN)
+        comparison.non_finite_rows = any(not bool(torch.isfinite(v).all()) for v in per_param.values())
         messages: List[Activation] = []
         for k, row in enumerate(probe.rows):
             grads: Sequence[Optional[torch.Tensor]] = [None] * (len(self.trainable) + len(leaves))

@@ -96,7 +96,12 @@ def test_pipelined_forward_equals_the_models_own_forward(family):
                     got = pipelined(model, inputs, stages)
                 # eager attention's own output is NaN at a left-padded query that sees no key: the same NaN
                 assert torch.equal(got.isnan(), want.isnan()), (attention, kind, side)
-                assert torch.equal(got.nan_to_num(), want.nan_to_num()), (attention, kind, side)
+                # equal to float64 rounding (the stages' calls round differently, 2e-16 on GPT-2), or to float32's
+                # where the family computes in float32 inside: its norms, or GPT-J's and CodeGen's eager attention
+                # (query and key cast to float32, which turns a 1e-17 difference into a 1e-10 one)
+                bound = 1e-7 if attention == "eager" and family.model_type in ("gptj", "codegen") else family.tolerance
+                error = (got.nan_to_num() - want.nan_to_num()).abs().max() / want.nan_to_num().abs().max()
+                assert error < bound, (attention, kind, side, float(error))
 
 
 def check_causal_step(family, stages, mode, tied, side):

@@ -1,0 +1,44 @@
+"""The self-check's comparison of one row's gradients (pipedp/runtime/self_check.py), alone: what it refuses,
+and the one case it may not judge (a micro-batch holding a sample with a non-finite gradient)."""
+
+import pytest
+import torch
+import torch.nn as nn
+
+from pipedp.errors import UnsupportedModelError
+from pipedp.runtime.self_check import Comparison
+
+
+def _add(comparison, want, have):
+    p = nn.Parameter(torch.zeros(3, dtype=torch.float64))
+    squared = float(have.pow(2).sum()) if torch.isfinite(have).all() else float("nan")
+    scale = float(want.norm())
+    comparison.add(p, "w", ("layer", "Linear"), True, want, have, squared, scale)
+
+
+def _no_sums():
+    return {}, {}
+
+
+def test_equal_gradients_pass_and_a_planted_difference_is_refused():
+    ok = Comparison(0, torch.float64)
+    _add(ok, torch.tensor([1.0, 2.0, 3.0], dtype=torch.float64), torch.tensor([1.0, 2.0, 3.0], dtype=torch.float64))
+    ok.refuse_if_any(_no_sums)
+    bad = Comparison(0, torch.float64)
+    _add(bad, torch.tensor([1.0, 2.0, 3.0], dtype=torch.float64), torch.tensor([1.0, 2.0, 3.1], dtype=torch.float64))
+    with pytest.raises(UnsupportedModelError, match="stage 0: the gradient of w"):
+        bad.refuse_if_any(_no_sums)
+
+
+def test_a_non_finite_reference_is_a_mismatch_unless_a_sample_of_the_micro_batch_is_non_finite():
+    nan = torch.tensor([float("nan"), 1.0, 1.0], dtype=torch.float64)
+    have = torch.tensor([1.0, 1.0, 1.0], dtype=torch.float64)
+    strict = Comparison(0, torch.float64)  # pipedp saw every norm finite: a NaN only autograd sees is a bug
+    _add(strict, nan, have)
+    with pytest.raises(UnsupportedModelError):
+        strict.refuse_if_any(_no_sums)
+    tainted = Comparison(1, torch.float64)
+    tainted.non_finite_rows = True  # a sample left out of the update made this row's reference NaN
+    _add(tainted, nan, have)
+    with pytest.warns(UserWarning, match="stage 1: the self-check could not verify w for this input shape"):
+        tainted.refuse_if_any(_no_sums)
