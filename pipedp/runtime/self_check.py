@@ -18,6 +18,7 @@ causes apart in the refusal. The comparison is exact up to the arithmetic of the
 
 from __future__ import annotations
 
+import math
 import warnings
 from dataclasses import dataclass
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
@@ -96,8 +97,10 @@ class Comparison:
 
     @staticmethod
     def scale(reference: Dict[nn.Parameter, torch.Tensor]) -> float:
-        """The norm of the row's whole gradient on the stage (the absolute floor's unit)."""
-        return float(sum(float(g.double().pow(2).sum()) for g in reference.values())) ** 0.5
+        """The norm of the row's whole gradient on the stage (the absolute floor's unit), over its finite
+        tensors: a non-finite one is judged by itself in add(), and must not make every floor NaN."""
+        squares = (float(g.double().pow(2).sum()) for g in reference.values())
+        return sum(s for s in squares if math.isfinite(s)) ** 0.5
 
     def add(
         self,

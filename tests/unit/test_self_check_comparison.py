@@ -42,3 +42,20 @@ def test_a_non_finite_reference_is_a_mismatch_unless_a_sample_of_the_micro_batch
     _add(tainted, nan, have)
     with pytest.warns(UserWarning, match="stage 1: the self-check could not verify w for this input shape"):
         tainted.refuse_if_any(_no_sums)
+
+
+def test_a_parameter_with_a_finite_gradient_is_still_judged_beside_a_non_finite_one():
+    """The row's scale (the absolute floor's unit) leaves the non-finite tensor out, so a finite parameter's
+    agreement is not lost to a NaN floor, and its planted difference is still found."""
+    nan = {nn.Parameter(torch.zeros(1)): torch.tensor([float("nan")], dtype=torch.float64)}
+    finite = torch.tensor([1.0, 2.0, 3.0], dtype=torch.float64)
+    scale = Comparison.scale({**nan, nn.Parameter(torch.zeros(3)): finite})
+    assert scale == float(finite.norm())
+    tainted = Comparison(0, torch.float64)
+    tainted.non_finite_rows = True
+    p = nn.Parameter(torch.zeros(3, dtype=torch.float64))
+    tainted.add(p, "w", ("layer", "Linear"), True, finite, finite.clone(), float(finite.pow(2).sum()), scale)
+    tainted.refuse_if_any(_no_sums)  # agreement: nothing to refuse
+    tainted.add(p, "w", ("layer", "Linear"), True, finite, finite + 0.1, float(finite.pow(2).sum()), scale)
+    with pytest.raises(UnsupportedModelError):
+        tainted.refuse_if_any(_no_sums)
