@@ -5,7 +5,6 @@ import signal
 import time
 
 import torch
-from steps import tiny_llama_config
 
 from pipedp import PipelineDPTrainer
 from pipedp.models import GPTConfig, tiny_gpt, token_loss
@@ -185,6 +184,7 @@ def report_listening_sockets(rank):
 def llama_export(rank, path):
     """One noisy DP step of a tiny Llama on 2 stages, then a Hugging Face folder written by rank 0."""
     import transformers
+    from steps import tiny_llama_config  # here: some launches put only this folder on the path
 
     cfg = tiny_llama_config()
     torch.manual_seed(0)
@@ -212,6 +212,7 @@ def llama_export(rank, path):
 def llama_padded_step(rank, inprocess=False):
     """One noisy step of a tiny Llama on a left-padded dict batch (input_ids + attention_mask)."""
     import transformers
+    from steps import tiny_llama_config  # here: some launches put only this folder on the path
 
     cfg = tiny_llama_config()
     torch.manual_seed(0)
@@ -241,6 +242,7 @@ def llama_padded_step(rank, inprocess=False):
 def tied_llama_step(rank, noise, inprocess=False):
     """One DP step of a tiny Llama whose embedding is tied to its head, on 2 stages."""
     import transformers
+    from steps import tiny_llama_config  # here: some launches put only this folder on the path
 
     cfg = tiny_llama_config(tie_word_embeddings=True)
     torch.manual_seed(0)
