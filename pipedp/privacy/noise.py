@@ -1,22 +1,29 @@
-"""Gaussian noise for the clipped sums.
+"""Gaussian noise for the clipped sums, added in place.
 
-Noise comes from Opacus's own generator function, drawn from a torch.Generator seeded by
-the (step, parameter name) noise stream (see streams.py): every parameter's noise is
-independent, every run with the same seed is reproducible, a resumed run draws the same
-noise as one that never stopped, and the noise does not depend on how the model is split
-(a run saved on 2 stages may resume on 3). In secure mode it comes from the OS CSPRNG
-instead (secure.py).
+Each parameter's noise is drawn from a torch.Generator seeded by its (step, parameter name)
+stream (see streams.py): every parameter's noise is independent, every run with the same seed is
+reproducible, a resumed run draws the same noise as one that never stopped, and the noise does not
+depend on how the model is split (a run saved on 2 stages may resume on 3). In secure mode it comes
+from the OS CSPRNG instead (secure.py).
+
+The draws are Opacus's (``_generate_noise``: ``torch.normal`` of the tensor's shape), made a piece at
+a time and added to the sum in place, so no full-size noise tensor ever exists (for a 32000 x 4096
+head in float32 that would be 500 MiB on top of the sum). On the CPU the pieces give exactly the
+values of one whole draw: torch fills a tensor of >= 16 elements with uniforms in order and turns
+each aligned group of 16 into normals, so pieces whose sizes are multiples of 16 (the last one at
+least 16) consume the generator alike; tests/unit/test_noise.py compares with Opacus's function.
 """
 
 from __future__ import annotations
 
-from typing import List
+from typing import Iterator, List
 
 import torch
-from opacus.optimizers.optimizer import _generate_noise
 
 from .secure import secure_gaussian_like
 from .streams import Stream, name_key, stream_seed
+
+PIECE = 1 << 22  # elements per draw (16 MiB of float32); a multiple of 16
 
 
 def add_noise(
@@ -27,8 +34,25 @@ def add_noise(
         return
     for g, name in zip(grads, names):
         if secure_mode:
-            g.add_(secure_gaussian_like(g, std))
+            for piece in _pieces(g):
+                piece.add_(secure_gaussian_like(piece, std))
             continue
         generator = torch.Generator(device=g.device)
         generator.manual_seed(stream_seed(Stream.NOISE, seed, step, name_key(name)))
-        g.add_(_generate_noise(std=std, reference=g, generator=generator))
+        for piece in _pieces(g):
+            piece.add_(torch.normal(0.0, std, piece.shape, generator=generator, dtype=g.dtype, device=g.device))
+
+
+def _pieces(g: torch.Tensor) -> Iterator[torch.Tensor]:
+    """Views covering ``g`` in order: PIECE elements each, the last one taking the remainder (and the
+    piece before it when the remainder is under 16 elements); ``g`` itself if it is not contiguous."""
+    if not g.is_contiguous() or g.numel() <= PIECE:
+        yield g
+        return
+    flat, start, total = g.view(-1), 0, g.numel()
+    while start < total:
+        end = start + PIECE
+        if total - end < 16:
+            end = total
+        yield flat[start:end]
+        start = end

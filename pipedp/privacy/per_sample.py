@@ -53,6 +53,22 @@ def clipped_grad_sum(layer: nn.Module, inputs: Sequence[torch.Tensor], scaled_ba
     return rule_for(layer).weight(layer, inputs, scaled_backprops)
 
 
+def add_clipped_grad_sum(
+    layer: nn.Module, inputs: Sequence[torch.Tensor], scaled_backprops: torch.Tensor, sums: Grads
+) -> None:
+    """``sums[p] += clipped_grad_sum(...)[p]`` for the layer's parameters, in place where its rule can (no
+    full-size temporary); a new entry is never a view of anything else (the kept path adds to it)."""
+    rule = rule_for(layer)
+    if rule.add_weight is not None:
+        rule.add_weight(layer, inputs, scaled_backprops, sums)
+        return
+    for p, g in rule.weight(layer, inputs, scaled_backprops).items():
+        if p in sums:
+            sums[p] += g
+        else:
+            sums[p] = g.clone(memory_format=torch.contiguous_format)
+
+
 def pools_positions(layer: nn.Module) -> bool:
     """May a privacy layer's rows be folded into positions for this layer (see privacy/units.py)?"""
     return rule_for(layer).pools_positions

@@ -29,6 +29,7 @@ from ..privacy.clipping import ClipRule, StageClip
 from ..privacy.per_sample import (
     KEEP_MEMORY_RATIO,
     GramCache,
+    add_clipped_grad_sum,
     clipped_grad_sum,
     ghost_squared_norms,
     per_sample_grads,
@@ -559,8 +560,7 @@ class Stage:
                     if any_dropped:
                         scaled = _zero_rows(scaled, dropped)
                         inputs = tuple(_zero_rows(a, dropped) if a.is_floating_point() else a for a in inputs)
-                    for p, g in clipped_grad_sum(layer, inputs, scaled).items():
-                        self._add_clipped(p, g)
+                    add_clipped_grad_sum(layer, inputs, scaled, self.clipped_sum)
         for name, grads in state.kept.items():  # sum_i c_i g_i of the kept per-sample gradients
             dropped = self.clip.of_layer(factors, name) == 0
             for p, g in grads.items():
@@ -572,12 +572,6 @@ class Stage:
                 # one in-place matrix-vector product: [P, n] @ [n] added to the running sum (a tensordot
                 # and an add cost three times as much at these sizes)
                 total.view(-1).addmv_(g.reshape(g.shape[0], -1).t(), factors_for(name, g.dtype, 1, rows=False))
-
-    def _add_clipped(self, p: nn.Parameter, g: torch.Tensor) -> None:
-        if p in self.clipped_sum:
-            self.clipped_sum[p] += g
-        else:  # contiguous: the kept path adds to it through a flat view
-            self.clipped_sum[p] = g.clone(memory_format=torch.contiguous_format)
 
     def take_tied_part(self) -> torch.Tensor:
         """Partner in one process: its clipped part of the tied weight, for the owner to add."""

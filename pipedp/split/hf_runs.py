@@ -20,12 +20,15 @@ Two helpers keep those runs compatible with per-sample capture (runtime/capture.
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 from contextlib import contextmanager
 from typing import Callable, Dict, Iterator, List, Sequence, Tuple
 
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
+from torch.overrides import TorchFunctionMode
 
 from ..errors import UnsupportedModelError
 from ..privacy.rules.registry import CONTAINERS
@@ -85,10 +88,36 @@ def standing_in(parts: Sequence[nn.Module], device, real_too: bool = False) -> I
                         zero = torch.zeros((), dtype=tensor.dtype, device=device, requires_grad=grad)
                         swapped.append((table, key, tensor))
                         table[key] = zero.expand(tensor.shape)
-        yield
+        stand_ins = {id(table[key]) for table, key, _ in swapped}
+        with _ZeroProducts(stand_ins) if stand_ins else contextlib.nullcontext():
+            yield
     finally:
         for table, key, tensor in reversed(swapped):
             table[key] = tensor
+
+
+class _ZeroProducts(TorchFunctionMode):
+    """``F.linear`` with a stood-in weight, computed without the weight: a matrix product first copies a
+    stride-0 weight into a full one (a 32000 x 4096 head: 250 MiB for a run on 2 x 3 tokens). The
+    product with a zero matrix is each row's ``sum(x * 0)`` (0, or NaN where x is not finite, as the
+    product), taken through the weight's own view so that the graph still reaches it."""
+
+    def __init__(self, stand_ins: set):
+        super().__init__()
+        self.stand_ins = stand_ins
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is F.linear and len(args) >= 2 and id(args[1]) in self.stand_ins:
+            x, weight = args[0], args[1]
+            bias = args[2] if len(args) > 2 else kwargs.get("bias")
+            dtype = torch.get_autocast_dtype(x.device.type) if torch.is_autocast_enabled(x.device.type) else None
+            zero = weight[(0,) * weight.dim()]  # a view: the graph goes through the stood-in weight
+            dtype = dtype or torch.promote_types(x.dtype, weight.dtype)
+            out = (x.to(dtype) * zero.to(dtype)).sum(-1, keepdim=True).expand(*x.shape[:-1], weight.shape[0])
+            out = out.contiguous()
+            return out if bias is None else out + bias.to(dtype)
+        return func(*args, **kwargs)
 
 
 @contextmanager
@@ -187,10 +216,9 @@ def read_outside_calls(output, modules: Dict[str, nn.Module], called: set, train
     their module never ran (``called``: ids of the modules that did): read functionally, e.g.
     ``F.conv1d(x, self.conv.weight)``, where per-sample capture cannot see them."""
     owners = [(p, n, m) for p, m in modules.items() for n, t in m._parameters.items() if (id(m), n) in trainable]
-    tensors = [m._parameters[n] for _, n, m in owners]
-    if not tensors or not isinstance(output, torch.Tensor) or not output.requires_grad:
+    if not owners or not isinstance(output, torch.Tensor) or not output.requires_grad:
         return []
-    grads = torch.autograd.grad(output.sum(), tensors, allow_unused=True, retain_graph=True)
+    reaches = reached_from(output)  # the graph walked, not differentiated: no parameter-sized gradient
 
     def reader(path: str, module: nn.Module) -> nn.Module:
         """A parameter container is read by the module holding it (PEFT's LoRA on an embedding, IA3): that
@@ -201,6 +229,23 @@ def read_outside_calls(output, modules: Dict[str, nn.Module], called: set, train
 
     return [
         f"{f'{p}.{n}' if p else n} (in a {type(m).__name__})"
-        for (p, n, m), g in zip(owners, grads)
-        if g is not None and id(reader(p, m)) not in called
+        for p, n, m in owners
+        if reaches(m._parameters[n]) and id(reader(p, m)) not in called
     ]
+
+
+def reached_from(output: torch.Tensor) -> Callable[[torch.Tensor], bool]:
+    """Whether ``output``'s autograd graph reaches a tensor (a leaf, or a view such as a stood-in weight):
+    where torch.autograd.grad with allow_unused=True would give a gradient (not None), found without
+    computing any."""
+    seen, stack, leaves = set(), [output.grad_fn], set()
+    while stack:
+        node = stack.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        variable = getattr(node, "variable", None)  # an AccumulateGrad node: its leaf
+        if variable is not None:
+            leaves.add(id(variable))
+        stack.extend(next_node for next_node, _ in node.next_functions)
+    return lambda t: t.grad_fn in seen if t.grad_fn is not None else id(t) in leaves

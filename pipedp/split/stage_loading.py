@@ -21,6 +21,7 @@ from ..errors import CheckpointError, PartitionError
 from .adapters import model_blocks
 from .blocks import Block
 from .partition import partition
+from .safetensors_read import check_shape, read_into
 
 WeightSource = Union[str, "os.PathLike[str]", Mapping[str, torch.Tensor]]
 
@@ -50,17 +51,15 @@ def _safetensors_keys(path: str) -> List[str]:
         return list(f.keys())
 
 
-def read_tensors(
-    source: WeightSource, names: List[str], twins: Optional[Dict[str, List[str]]] = None
-) -> Dict[str, torch.Tensor]:
-    """Read only ``names`` from ``source`` (``twins``: the other names of a tied tensor, one of which a
-    checkpoint may store instead)."""
+def _locate(
+    source: WeightSource, names: List[str], twins: Optional[Dict[str, List[str]]]
+) -> Dict[str, List[Tuple[str, str]]]:
+    """{file ("" for a mapping): [(name, the name it is stored under)]}, refusing a name the source lacks."""
     twins = twins or {}
-    if isinstance(source, Mapping):
-        stored_in: Dict[str, str] = {k: "" for k in source}
-    else:
-        stored_in = weight_map(os.fspath(source))
-    wanted: Dict[str, List[tuple]] = {}
+    stored_in: Dict[str, str] = (
+        {k: "" for k in source} if isinstance(source, Mapping) else weight_map(os.fspath(source))
+    )
+    wanted: Dict[str, List[Tuple[str, str]]] = {}
     for name in names:
         stored = next((n for n in [name] + twins.get(name, []) if n in stored_in), None)
         if stored is None:
@@ -69,6 +68,15 @@ def read_tensors(
                 "incomplete save"
             )
         wanted.setdefault(stored_in[stored], []).append((name, stored))
+    return wanted
+
+
+def read_tensors(
+    source: WeightSource, names: List[str], twins: Optional[Dict[str, List[str]]] = None
+) -> Dict[str, torch.Tensor]:
+    """Read only ``names`` from ``source`` (``twins``: the other names of a tied tensor, one of which a
+    checkpoint may store instead)."""
+    wanted = _locate(source, names, twins)
     if isinstance(source, Mapping):
         return {name: source[stored] for pairs in wanted.values() for name, stored in pairs}
     from safetensors import safe_open
@@ -79,6 +87,24 @@ def read_tensors(
             for name, stored in pairs:
                 out[name] = f.get_tensor(stored)
     return out
+
+
+def load_into(
+    source: WeightSource, targets: Dict[str, torch.Tensor], twins: Optional[Dict[str, List[str]]] = None
+) -> None:
+    """Fill each allocated tensor of ``targets`` ({name: tensor}) with the stored tensor of its name. From
+    safetensors files the bytes are read straight into the tensor's memory where dtype and layout allow
+    (``safetensors_read.read_into``): loading holds the stage's tensors once, not once more in a copy."""
+    wanted = _locate(source, list(targets), twins)
+    with torch.no_grad():
+        for path, pairs in wanted.items():
+            if not isinstance(source, Mapping):
+                read_into(path, [(targets[name], stored) for name, stored in pairs])
+                continue
+            for name, stored in pairs:  # a mapping: one tensor at a time
+                value = source[stored]
+                check_shape(stored, tuple(value.shape), targets[name])
+                targets[name].copy_(value)
 
 
 def _describe(source: WeightSource) -> str:
@@ -99,9 +125,9 @@ def materialize_stage(
                 "(register_buffer(..., persistent=False)) and were built on the meta device have no value; make "
                 "them persistent, compute them in forward, or build the model on the CPU"
             )
-        tensors = read_tensors(source, list(own.values()), twins)
         block.module.to_empty(device=device)
-        block.module.load_state_dict({k: tensors[q] for k, q in own.items()}, strict=True)
+        allocated = block.module.state_dict(keep_vars=True)
+        load_into(source, {q: allocated[k] for k, q in own.items()}, twins)
         for module in block.module.modules():  # Hugging Face: non-persistent buffers (rotary frequencies)
             if hasattr(module, "reset_buffers"):
                 module.reset_buffers(device)

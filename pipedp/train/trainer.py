@@ -317,8 +317,11 @@ class PipelineDPTrainer:
                 self._noised(stage, grads, std)
             grads = self.runtime.combine_tied(stage, grads)  # a tied embedding / head: both parts, noised once
             grads = self.runtime.sum_over_replicas(grads)
-            for p, g in zip(stage.parameters, grads):
-                p.grad = g.div_(self.privacy.expected_batch_size).to(p.dtype)
+            for k, p in enumerate(stage.parameters):
+                # in place, and each float32 sum dropped once it is the parameter's gradient: a bf16 model's
+                # float32 sums and bf16 gradients never exist all at once
+                p.grad = grads[k].div_(self.privacy.expected_batch_size).to(p.dtype)
+                grads[k] = None
             _check_finite(stage, [p.grad for p in stage.parameters], self.state.step + 1, "noisy clipped gradient")
         for stage, opt, scheduler in zip(stages, self.state.optimizers, self.state.schedulers):
             if opt is None:  # nothing to train on this stage

@@ -6,6 +6,7 @@ import torch
 import torch.nn as nn
 
 from pipedp.errors import UnsupportedModelError
+from pipedp.runtime import self_check
 from pipedp.runtime.self_check import Comparison
 
 
@@ -59,3 +60,17 @@ def test_a_parameter_with_a_finite_gradient_is_still_judged_beside_a_non_finite_
     tainted.add(p, "w", ("layer", "Linear"), True, finite, finite + 0.1, float(finite.pow(2).sum()), scale)
     with pytest.raises(UnsupportedModelError):
         tainted.refuse_if_any(_no_sums)
+
+
+def test_norms_in_pieces_equal_the_whole_float64_norms(monkeypatch):
+    monkeypatch.setattr(self_check, "PIECE", 7)  # several pieces, the last one short
+    torch.manual_seed(0)
+    want, have = torch.randn(5, 9), torch.randn(5, 9).to(torch.bfloat16)
+    w, h = want.double(), have.double()
+    expected = (float(w.norm()), float(h.norm()), float((h - w).norm()))
+    for got, exact in zip(self_check._norms(want, have), expected):
+        assert abs(got - exact) <= 1e-12 * exact
+    size, _, error = self_check._norms(None, have)  # a gradient pipedp has and autograd does not
+    assert size == 0 and abs(error - expected[1]) <= 1e-12 * expected[1]
+    size, have_size, error = self_check._norms(want, None)
+    assert have_size == 0 and abs(error - expected[0]) <= 1e-12 * expected[0] and size == error

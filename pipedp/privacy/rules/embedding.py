@@ -48,6 +48,19 @@ def weight(layer: nn.Module, inputs: Sequence[torch.Tensor], scaled: torch.Tenso
     return {layer.weight: total}
 
 
+def add_weight(layer: nn.Module, inputs: Sequence[torch.Tensor], scaled: torch.Tensor, sums: Grads) -> None:
+    """weight() scattered straight into the running sum (no vocabulary-sized temporary per micro-batch)."""
+    if not layer.weight.requires_grad:
+        return
+    g = scaled.reshape(-1, layer.embedding_dim)
+    total = sums.get(layer.weight)
+    if total is None:
+        total = sums[layer.weight] = torch.zeros_like(layer.weight, dtype=g.dtype)
+    total.index_add_(0, inputs[0].reshape(-1), g)
+    if layer.padding_idx is not None:
+        total[layer.padding_idx] = 0
+
+
 def norms(layer: nn.Module, inputs: Sequence[torch.Tensor], backprops: torch.Tensor, grams=None) -> Optional[Grads]:
     if not layer.weight.requires_grad:
         return {}
@@ -66,7 +79,7 @@ def _keeps_embedding_forward(layer: nn.Module) -> bool:
     return isinstance(layer, nn.Embedding) and type(layer).forward is nn.Embedding.forward
 
 
-EMBEDDING = LayerRule("embedding", grads, weight, norms, pools_positions=True)
+EMBEDDING = LayerRule("embedding", grads, weight, norms, pools_positions=True, add_weight=add_weight)
 register(nn.Embedding, EMBEDDING)
 register(_keeps_embedding_forward, EMBEDDING)
 

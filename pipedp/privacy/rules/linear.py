@@ -49,6 +49,29 @@ def weight(layer: nn.Module, inputs: Sequence[torch.Tensor], scaled: torch.Tenso
     return out
 
 
+def add_weight(layer: nn.Module, inputs: Sequence[torch.Tensor], scaled: torch.Tensor, sums: Grads) -> None:
+    """weight() added into ``sums``: the product accumulates in the running sum (addmm_), so a 32000 x 4096
+    head never has a second float32 copy of its gradient."""
+    a = inputs[0].reshape(-1, inputs[0].shape[-1]).to(scaled.dtype)
+    g = scaled.reshape(-1, scaled.shape[-1])
+    if layer.weight.requires_grad:
+        left, right = (a.t(), g) if _is_conv1d(layer) else (g.t(), a)
+        total = sums.get(layer.weight)
+        if total is None:
+            sums[layer.weight] = left @ right
+        else:
+            total.addmm_(left, right)
+    if layer.bias is not None and layer.bias.requires_grad:
+        _add(sums, layer.bias, g.sum(0))
+
+
+def _add(sums: Grads, p: nn.Parameter, g: torch.Tensor) -> None:
+    if p in sums:
+        sums[p] += g
+    else:
+        sums[p] = g
+
+
 def norms(
     layer: nn.Module, inputs: Sequence[torch.Tensor], backprops: torch.Tensor, grams: Optional[GramCache] = None
 ) -> Optional[Grads]:
@@ -73,6 +96,6 @@ def keepable(layer: nn.Module, inputs: Sequence[torch.Tensor], backprops: torch.
     return backprops.reshape(backprops.shape[0], -1, backprops.shape[-1]).shape[1] >= 2
 
 
-LINEAR = LayerRule("linear", grads, weight, norms, keepable, pools_positions=True)
+LINEAR = LayerRule("linear", grads, weight, norms, keepable, pools_positions=True, add_weight=add_weight)
 register(nn.Linear, LINEAR)
 register(_is_conv1d, LINEAR)

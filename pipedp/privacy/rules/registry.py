@@ -21,6 +21,9 @@ class LayerRule:
     # the math sums over every dimension between the first (the sample) and the features: the rows of a
     # privacy layer may be folded into positions (privacy/units.py)
     pools_positions: bool = False
+    # (layer, inputs, scaled backprops, sums) -> None: weight()'s result added into the running sums in
+    # place (no full-size temporary per micro-batch); None: weight(), then an add
+    add_weight: Optional[Callable[[nn.Module, Sequence[torch.Tensor], torch.Tensor, Grads], None]] = None
 
 
 RULES: Dict[type, LayerRule] = {}

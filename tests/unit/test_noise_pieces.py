@@ -1,0 +1,57 @@
+"""The noise drawn a piece at a time, in place, equals Opacus's one whole draw (privacy/noise.py)."""
+
+import pytest
+import torch
+from opacus.optimizers.optimizer import _generate_noise
+
+from pipedp.privacy import noise
+from pipedp.privacy.streams import Stream, name_key, stream_seed
+
+
+def opacus_noise(shape, dtype, std, seed, step, name):
+    generator = torch.Generator()
+    generator.manual_seed(stream_seed(Stream.NOISE, seed, step, name_key(name)))
+    return _generate_noise(std=std, reference=torch.zeros(shape, dtype=dtype), generator=generator)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("numel", [1, 15, 16, 17, 63, 64, 65, 79, 80, 81, 128, 200, 1000])
+def test_pieces_equal_one_draw(monkeypatch, dtype, numel):
+    monkeypatch.setattr(noise, "PIECE", 64)  # many pieces, every remainder case
+    shape = (numel,) if numel % 5 else (numel // 5, 5)
+    base = torch.randn(shape, dtype=dtype)
+    got = base.clone()
+    noise.add_noise([got], ["w"], 0.7, seed=3, step=11)
+    assert torch.equal(got, base + opacus_noise(shape, dtype, 0.7, 3, 11, "w"))
+
+
+def test_real_piece_size_equals_one_draw():
+    shape = (2 * noise.PIECE // 1024 + 1, 1024)  # three pieces, the last one 1024 elements
+    got = torch.zeros(shape)
+    noise.add_noise([got], ["lm_head.weight"], 1.3, seed=0, step=5)
+    assert torch.equal(got, opacus_noise(shape, torch.float32, 1.3, 0, 5, "lm_head.weight"))
+
+
+def test_a_non_contiguous_sum_gets_one_draw():
+    got = torch.zeros(40, 30).t()  # noise added to a transposed view, in its own (logical) order
+    noise.add_noise([got], ["w"], 1.0, seed=1, step=0)
+    assert torch.equal(got, opacus_noise((30, 40), torch.float32, 1.0, 1, 0, "w"))
+
+
+def test_planted_misaligned_pieces_are_caught(monkeypatch):
+    """Pieces that are not multiples of 16 draw other values: the comparison above would catch a
+    piece size that breaks the equality."""
+    monkeypatch.setattr(noise, "PIECE", 40)
+    got = torch.zeros(200)
+    noise.add_noise([got], ["w"], 1.0, seed=0, step=0)
+    assert not torch.equal(got, opacus_noise((200,), torch.float32, 1.0, 0, 0, "w"))
+
+
+def test_each_parameter_its_own_stream_and_secure_mode_in_place():
+    a, b = torch.zeros(300), torch.zeros(300)
+    noise.add_noise([a, b], ["a", "b"], 1.0, seed=0, step=0)
+    assert not torch.equal(a, b)
+    secure = torch.zeros(5000, dtype=torch.float64)
+    view = secure
+    noise.add_noise([secure], ["a"], 2.0, seed=0, step=0, secure_mode=True)
+    assert secure is view and 1.6 < float(secure.std()) < 2.4
