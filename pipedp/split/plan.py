@@ -150,8 +150,10 @@ class StaticBytes:
     buffer_bytes: int  # buffers (rotary frequencies, ...)
     grads: int  # the clipped sums (p.grad), float32 (float64 for float64 parameters)
     grad_copies: int  # at the step, p.grad in the parameter's dtype where it is not the sum's (bf16-true)
+    largest_copy: int  # the largest of those: it exists next to every sum (they are converted one at a time)
+    stepped_grads: int  # p.grad as the optimizer steps: the copies, and the sums that need none
     optimizer: int  # the optimizer's state, created at the first step
-    step_temporaries: int  # the step's largest transient: noise for one tensor, Adam's per-tensor temporaries
+    step_temporaries: int  # the optimizer's largest transient (Adam: one temporary of the largest tensor)
 
 
 def stage_tensors(blocks: Sequence[Block]) -> Tuple[List[nn.Parameter], List[torch.Tensor]]:
@@ -181,9 +183,8 @@ def static_bytes(blocks: Sequence[Block], optimizer: str = "adamw", momentum: fl
     grads = sum(p.numel() * sum_dtype(p).itemsize for p in trainable)
     copies = sum(size(p) for p in trainable if p.dtype != sum_dtype(p))
     per_param = {"adam": 2, "adamw": 2}.get(optimizer, 1 if momentum else 0)
-    largest = max((p.numel() for p in trainable), default=0)
-    widest = max((p.element_size() for p in trainable), default=4)
-    temporaries = 2 * largest * max(widest, 4) if trainable else 0
+    largest = max((size(p) for p in trainable), default=0)
+    largest_copy = max((size(p) for p in trainable if p.dtype != sum_dtype(p)), default=0)
     return StaticBytes(
         params=sum(p.numel() for p in params),
         trainable=sum(p.numel() for p in trainable),
@@ -192,8 +193,10 @@ def static_bytes(blocks: Sequence[Block], optimizer: str = "adamw", momentum: fl
         buffer_bytes=sum(size(t) for t in buffers),
         grads=grads,
         grad_copies=copies,
+        largest_copy=largest_copy,
+        stepped_grads=sum(size(p) if p.dtype != sum_dtype(p) else p.numel() * sum_dtype(p).itemsize for p in trainable),
         optimizer=per_param * sum(size(p) for p in trainable),
-        step_temporaries=temporaries,
+        step_temporaries=largest if per_param else 0,
     )
 
 
@@ -267,9 +270,12 @@ class StagePlan:
 
     @property
     def at_step(self) -> int:
-        """The optimizer step: weights, every clipped sum (and its copy), the state and the step's temporaries."""
+        """The update: weights and optimizer state, with every clipped sum (noised in place) while they become
+        the optimizer's gradients one at a time, or the gradients and the optimizer's temporary as it steps."""
         s = self.static
-        return self.weights + s.grads + s.grad_copies + s.optimizer + s.step_temporaries
+        converting = s.grads + s.largest_copy
+        stepping = s.stepped_grads + s.step_temporaries
+        return self.weights + s.optimizer + max(converting, stepping)
 
     @property
     def first_step(self) -> int:
