@@ -12,6 +12,7 @@ moved to the meta device (their memory is freed); only this rank's stage stays r
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, Callable, Dict, List, Optional, Sequence
@@ -55,6 +56,22 @@ class Mesh:
 
 
 CHECKSUM_PIECE = 1 << 20  # elements summed at a time
+BUCKET = 1 << 24  # elements of the sums all-reduced over replicas at a time (64 MiB of float32)
+
+
+def _buckets(grads: List[torch.Tensor]) -> List[List[torch.Tensor]]:
+    """The clipped sums in consecutive groups of one dtype and at most BUCKET elements (a larger sum alone),
+    for one all-reduce each."""
+    out: List[List[torch.Tensor]] = []
+    size = 0
+    for g in grads:
+        if out and out[-1][0].dtype == g.dtype and size + g.numel() <= BUCKET:
+            out[-1].append(g)
+            size += g.numel()
+        else:
+            out.append([g])
+            size = g.numel()
+    return out
 
 
 def _checksum(stage: Stage) -> float:
@@ -241,9 +258,17 @@ class DistributedRuntime:
     def sum_over_replicas(self, grads: List[torch.Tensor]) -> List[torch.Tensor]:
         if self.replicas == 1 or not grads:
             return grads
-        flat = torch.cat([g.reshape(-1) for g in grads])
-        self._collective("sum over replicas", lambda: dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=self.dp_group))
-        return [chunk.view_as(g) for chunk, g in zip(flat.split([g.numel() for g in grads]), grads)]
+        for bucket in _buckets(grads):
+            # in place, a bucket at a time: one flat copy of every sum would hold them all twice
+            alone = len(bucket) == 1 and bucket[0].is_contiguous()
+            flat = bucket[0].view(-1) if alone else torch.cat([g.reshape(-1) for g in bucket])
+            self._collective(
+                "sum over replicas", functools.partial(dist.all_reduce, flat, dist.ReduceOp.SUM, self.dp_group)
+            )
+            if not alone:
+                for g, chunk in zip(bucket, flat.split([g.numel() for g in bucket])):
+                    g.copy_(chunk.view_as(g))
+        return grads
 
     def combine_tied(self, stage: Stage, grads: List[torch.Tensor]) -> List[torch.Tensor]:
         if stage.tie is None or self.tie_group is None:
