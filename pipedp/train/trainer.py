@@ -126,6 +126,23 @@ def _warn_if_nothing_can_change(runtime: Runtime, optimizers: List[Optional[torc
         warnings.warn("the learning rate is 0: steps change nothing but are charged epsilon", stacklevel=3)
 
 
+def _warn_if_slow_bf16(precision: str, devices: List[torch.device]) -> None:
+    """On an x86 CPU without AVX-512 torch's bf16 matrix products skip oneDNN for a reference kernel, 40-500x
+    slower than float32 (pytorch/pytorch#146508): a 7B-wide bf16 backward takes minutes per micro-batch."""
+    import platform
+
+    if not precision.startswith("bf16") or not any(torch.device(d).type == "cpu" for d in devices):
+        return
+    capability = torch.backends.cpu.get_cpu_capability()
+    if platform.machine().lower() in ("x86_64", "amd64") and "AVX512" not in capability:
+        warnings.warn(
+            f"precision {precision!r} on a CPU without AVX-512 (torch's CPU capability: {capability}): torch's bf16 "
+            "matrix products run a reference kernel there, 40-500x slower than float32 (pytorch/pytorch#146508); "
+            "use precision '32' on this machine, or a CPU with AVX-512 or a GPU for bf16",
+            stacklevel=3,
+        )
+
+
 def _default_optimizer(params: List[nn.Parameter]) -> torch.optim.Optimizer:
     return torch.optim.SGD(params, lr=0.1)
 
@@ -229,6 +246,7 @@ class PipelineDPTrainer:
         )
         _check_optimizer_options(self.state.optimizers)
         _warn_if_nothing_can_change(self.runtime, self.state.optimizers)
+        _warn_if_slow_bf16(pipeline.precision, [stage.device for stage in self.runtime.local_stages])
 
     # ---- one DP-SGD step ---------------------------------------------------------------------
     def step(self, inputs: Inputs, targets: torch.Tensor, *, sampling: Optional[str] = None) -> float:

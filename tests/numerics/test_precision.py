@@ -99,3 +99,23 @@ def test_bf16_true_trains_bf16_weights_with_float32_per_sample_arithmetic(mode):
     got = dict(zip(names, [g for opt in t.state.optimizers for g in opt.seen]))
     err = max_relative_error(got, exact)
     assert err < 3e-2, err  # bf16 forward and backward; measured 7.4e-3
+
+
+ARGS = dict(noise_multiplier=0.0, max_grad_norm=CLIP, expected_batch_size=9)
+
+
+@pytest.mark.parametrize("capability, warns", [("AVX2", True), ("DEFAULT", True), ("AVX512", False)])
+def test_bf16_on_a_cpu_without_avx512_warns_of_the_reference_kernel(monkeypatch, capability, warns):
+    import platform
+    import warnings
+
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: capability)
+    monkeypatch.setattr(platform, "machine", lambda: "x86_64")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        PipelineDPTrainer(model(), token_loss, stages=2, precision="bf16-mixed", **ARGS).close()
+        PipelineDPTrainer(model(), token_loss, stages=2, **ARGS).close()  # float32: never
+    slow = [w for w in caught if "reference kernel" in str(w.message)]
+    assert len(slow) == (1 if warns else 0), [str(w.message) for w in caught]
+    if warns:
+        assert f"capability: {capability}" in str(slow[0].message) and "precision '32'" in str(slow[0].message)
