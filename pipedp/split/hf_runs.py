@@ -111,9 +111,10 @@ class _ZeroProducts(TorchFunctionMode):
         if func is F.linear and len(args) >= 2 and id(args[1]) in self.stand_ins:
             x, weight = args[0], args[1]
             bias = args[2] if len(args) > 2 else kwargs.get("bias")
-            dtype = torch.get_autocast_dtype(x.device.type) if torch.is_autocast_enabled(x.device.type) else None
+            device = x.device.type  # the dtype the product would have: autocast's, or the promoted one
+            autocast = torch.is_autocast_enabled(device)
+            dtype = torch.get_autocast_dtype(device) if autocast else torch.promote_types(x.dtype, weight.dtype)
             zero = weight[(0,) * weight.dim()]  # a view: the graph goes through the stood-in weight
-            dtype = dtype or torch.promote_types(x.dtype, weight.dtype)
             out = (x.to(dtype) * zero.to(dtype)).sum(-1, keepdim=True).expand(*x.shape[:-1], weight.shape[0])
             out = out.contiguous()
             return out if bias is None else out + bias.to(dtype)

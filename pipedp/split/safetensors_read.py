@@ -55,8 +55,8 @@ def read_into(path: str, pairs: List[Tuple[torch.Tensor, str]]) -> None:
         for target, name in pairs:
             entry = entries[name]
             check_shape(name, entry["shape"], target)
-            direct = DTYPES.get(entry["dtype"]) == target.dtype and target.device.type == "cpu"
-            if not (direct and target.is_contiguous()):
+            same_layout = DTYPES.get(entry["dtype"]) == target.dtype and target.is_contiguous()
+            if not (same_layout and target.device.type == "cpu"):
                 _copy_through_safetensors(path, name, target)
                 continue
             begin, end = entry["data_offsets"]

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import platform
 import warnings
 import weakref
 from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple, Union
@@ -129,9 +130,7 @@ def _warn_if_nothing_can_change(runtime: Runtime, optimizers: List[Optional[torc
 def _warn_if_slow_bf16(precision: str, devices: List[torch.device]) -> None:
     """On an x86 CPU without AVX-512 torch's bf16 matrix products skip oneDNN for a reference kernel, 40-500x
     slower than float32 (pytorch/pytorch#146508): a 7B-wide bf16 backward takes minutes per micro-batch."""
-    import platform
-
-    if not precision.startswith("bf16") or not any(torch.device(d).type == "cpu" for d in devices):
+    if not precision.startswith("bf16") or not any(d.type == "cpu" for d in devices):
         return
     capability = torch.backends.cpu.get_cpu_capability()
     if platform.machine().lower() in ("x86_64", "amd64") and "AVX512" not in capability:

@@ -38,14 +38,9 @@ def grads(layer: nn.Module, inputs: Sequence[torch.Tensor], backprops: torch.Ten
 
 
 def weight(layer: nn.Module, inputs: Sequence[torch.Tensor], scaled: torch.Tensor) -> Grads:
-    if not layer.weight.requires_grad:
-        return {}
-    ids = inputs[0].reshape(-1)
-    g = scaled.reshape(-1, layer.embedding_dim)
-    total = torch.zeros_like(layer.weight, dtype=g.dtype).index_add_(0, ids, g)
-    if layer.padding_idx is not None:
-        total[layer.padding_idx] = 0
-    return {layer.weight: total}
+    out: Grads = {}
+    add_weight(layer, inputs, scaled, out)
+    return out
 
 
 def add_weight(layer: nn.Module, inputs: Sequence[torch.Tensor], scaled: torch.Tensor, sums: Grads) -> None:

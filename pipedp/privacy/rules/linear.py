@@ -39,13 +39,8 @@ def grads(layer: nn.Module, inputs: Sequence[torch.Tensor], backprops: torch.Ten
 
 
 def weight(layer: nn.Module, inputs: Sequence[torch.Tensor], scaled: torch.Tensor) -> Grads:
-    a = inputs[0].reshape(-1, inputs[0].shape[-1]).to(scaled.dtype)
-    g = scaled.reshape(-1, scaled.shape[-1])
-    out = {}
-    if layer.weight.requires_grad:
-        out[layer.weight] = a.t() @ g if _is_conv1d(layer) else g.t() @ a
-    if layer.bias is not None and layer.bias.requires_grad:
-        out[layer.bias] = g.sum(0)
+    out: Grads = {}
+    add_weight(layer, inputs, scaled, out)
     return out
 
 
@@ -56,20 +51,15 @@ def add_weight(layer: nn.Module, inputs: Sequence[torch.Tensor], scaled: torch.T
     g = scaled.reshape(-1, scaled.shape[-1])
     if layer.weight.requires_grad:
         left, right = (a.t(), g) if _is_conv1d(layer) else (g.t(), a)
-        total = sums.get(layer.weight)
-        if total is None:
-            sums[layer.weight] = left @ right
+        if layer.weight in sums:
+            sums[layer.weight].addmm_(left, right)
         else:
-            total.addmm_(left, right)
+            sums[layer.weight] = left @ right
     if layer.bias is not None and layer.bias.requires_grad:
-        _add(sums, layer.bias, g.sum(0))
-
-
-def _add(sums: Grads, p: nn.Parameter, g: torch.Tensor) -> None:
-    if p in sums:
-        sums[p] += g
-    else:
-        sums[p] = g
+        if layer.bias in sums:
+            sums[layer.bias] += g.sum(0)
+        else:
+            sums[layer.bias] = g.sum(0)
 
 
 def norms(
