@@ -168,8 +168,12 @@ def stage_tensors(blocks: Sequence[Block]) -> Tuple[List[nn.Parameter], List[tor
     return list(params.values()), list(buffers.values())
 
 
-def static_bytes(blocks: Sequence[Block], optimizer: str = "adamw", momentum: float = 0.0) -> StaticBytes:
-    """``blocks`` as the trainer holds them (after LoRA and the precision's dtype changes)."""
+def static_bytes(
+    blocks: Sequence[Block], optimizer: str = "adamw", momentum: float = 0.0, fused: bool = True
+) -> StaticBytes:
+    """``blocks`` as the trainer holds them (after LoRA and the precision's dtype changes). ``fused``: Adam's
+    fused kernel (the CLI's, on CPU and CUDA): no temporaries, and with SGD the gradients are narrowed inside
+    the float32 sums' storage (train/narrowing.py), so no copy exists beside the sums."""
     params, buffers = stage_tensors(blocks)
     trainable = [p for p in params if p.requires_grad]
     frozen = [p for p in params if not p.requires_grad]
@@ -185,6 +189,10 @@ def static_bytes(blocks: Sequence[Block], optimizer: str = "adamw", momentum: fl
     per_param = {"adam": 2, "adamw": 2}.get(optimizer, 1 if momentum else 0)
     largest = max((size(p) for p in trainable), default=0)
     largest_copy = max((size(p) for p in trainable if p.dtype != sum_dtype(p)), default=0)
+    adam = optimizer in ("adam", "adamw")
+    in_storage = fused or not adam  # narrowing.steps_without_temporaries
+    if in_storage:  # each gradient keeps its sum's storage: no copy beside the sums, the sums' bytes stepped
+        largest_copy, copies = 0, 0
     return StaticBytes(
         params=sum(p.numel() for p in params),
         trainable=sum(p.numel() for p in trainable),
@@ -194,9 +202,9 @@ def static_bytes(blocks: Sequence[Block], optimizer: str = "adamw", momentum: fl
         grads=grads,
         grad_copies=copies,
         largest_copy=largest_copy,
-        stepped_grads=sum(size(p) if p.dtype != sum_dtype(p) else p.numel() * sum_dtype(p).itemsize for p in trainable),
+        stepped_grads=grads if in_storage else sum(size(p) for p in trainable),  # else p.grad in p's dtype
         optimizer=per_param * sum(size(p) for p in trainable),
-        step_temporaries=largest if per_param else 0,
+        step_temporaries=largest if per_param and not (adam and fused) else 0,
     )
 
 

@@ -55,6 +55,7 @@ from ..split.partition import block_costs, find_ties, partition
 from . import checkpoint
 from .export import save_pretrained
 from .loop import FitResult, fit
+from .narrowing import narrow_in_storage, steps_without_temporaries
 from .state import TrainingState
 
 OptimizerFactory = Callable[[List[nn.Parameter]], torch.optim.Optimizer]
@@ -328,17 +329,19 @@ class PipelineDPTrainer:
     def _apply_update(self) -> None:
         std = self.privacy.noise_multiplier * self.clip.sensitivity
         stages = self.runtime.local_stages
-        for stage in stages:  # every stage's update is set and checked before any optimizer steps
+        for stage, opt in zip(stages, self.state.optimizers):  # every update set and checked before any step
             grads = stage.take_clipped_sum()
             if self.runtime.replica == 0:  # noise once, before the sum over replicas
                 self._noised(stage, grads, std)
             grads = self.runtime.combine_tied(stage, grads)  # a tied embedding / head: both parts, noised once
             grads = self.runtime.sum_over_replicas(grads)
+            in_storage = opt is not None and steps_without_temporaries(opt)
             for k, p in enumerate(stage.parameters):
                 # in place, and each float32 sum dropped once it is the parameter's gradient: a bf16 model's
-                # float32 sums and bf16 gradients never exist all at once
-                p.grad = grads[k].div_(self.privacy.expected_batch_size).to(p.dtype)
-                grads[k] = None
+                # float32 sums and bf16 gradients never exist all at once (narrowing.py: which is less)
+                total = grads[k].div_(self.privacy.expected_batch_size)
+                p.grad = narrow_in_storage(total, p.dtype) if in_storage else total.to(p.dtype)
+                grads[k] = total = None
             _check_finite(stage, [p.grad for p in stage.parameters], self.state.step + 1, "noisy clipped gradient")
         for stage, opt, scheduler in zip(stages, self.state.optimizers, self.state.schedulers):
             if opt is None:  # nothing to train on this stage

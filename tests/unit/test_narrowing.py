@@ -1,0 +1,104 @@
+"""The float32 sum narrowed to bf16 / fp16 inside its own storage (pipedp/train/narrowing.py): bit for bit
+``.to(dtype)``, no copy of the tensor's size, and the unsafe cases fall back to a copy."""
+
+import pytest
+import torch
+
+from pipedp.train.narrowing import narrow_in_storage, steps_without_temporaries
+
+
+def _sums(n: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(n)
+    # values that round differently in bf16 and fp16, with overflow to inf in fp16
+    return torch.randn(n, generator=g, dtype=torch.float32) * torch.logspace(-8, 6, n).float()
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("n", [1, 2, 3, 7, 8, 9, 31, 32, 33, 100, 257, 1000, 4099])
+@pytest.mark.parametrize("piece", [1, 4, 8, 1 << 22])
+def test_equal_to_a_copy_bit_for_bit(dtype, n, piece):
+    total = _sums(n)
+    expected = total.to(dtype)
+    storage = total.untyped_storage().data_ptr()
+    out = narrow_in_storage(total, dtype, piece)
+    assert out.dtype == dtype and out.shape == total.shape
+    assert out.untyped_storage().data_ptr() == storage  # in the sum's storage
+    assert torch.equal(out.view(torch.int16), expected.view(torch.int16))  # bits (NaN-proof, -0 vs 0)
+
+
+def test_shapes_are_kept():
+    total = _sums(6 * 35).view(6, 35)
+    expected = total.to(torch.bfloat16)
+    assert torch.equal(narrow_in_storage(total, torch.bfloat16, piece=8), expected)
+
+
+def _backwards(total: torch.Tensor, dtype: torch.dtype, piece: int) -> torch.Tensor:
+    """A planted bug: the same pieces written from the end, so a piece's bf16 values overwrite float32
+    values of an earlier piece before it is read (torch's overlap check does not see it: the bytes of each
+    copy's source and destination are disjoint)."""
+    n = total.numel()
+    flat = total.view(-1)
+    out = flat.view(dtype)[:n]
+    for a in reversed(range(piece, n, piece)):
+        out[a : a + piece].copy_(flat[a : a + piece])
+    out[:piece].copy_(flat[:piece].to(dtype))
+    return out.view(total.shape)
+
+
+def test_the_planted_order_is_told_apart():
+    total = _sums(64)
+    expected = total.to(torch.bfloat16)
+    assert not torch.equal(_backwards(total.clone(), torch.bfloat16, 8), expected)
+    assert torch.equal(narrow_in_storage(total.clone(), torch.bfloat16, 8), expected)
+
+
+def test_no_copy_of_the_tensors_size():
+    n = 1 << 22
+    total = _sums(n)
+    expected = total.to(torch.bfloat16)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True) as prof:
+        out = narrow_in_storage(total, torch.bfloat16, piece=1 << 16)
+    largest = max((e.cpu_memory_usage for e in prof.events() if e.cpu_memory_usage > 0), default=0)
+    assert largest <= 2 * (1 << 16)  # the first piece's bf16 temporary
+    assert torch.equal(out, expected)
+    # the planted bug "copy": the plain conversion allocates the whole bf16 tensor, which the profile sees
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True) as prof:
+        _sums(n).to(torch.bfloat16)
+    assert max(e.cpu_memory_usage for e in prof.events()) >= 2 * n
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: _sums(64)[:32],  # a view of a larger storage: other values live in the second half
+        lambda: _sums(64)[8:],  # an offset
+        lambda: _sums(64).view(8, 8).t(),  # not contiguous
+        lambda: torch.empty(0),
+    ],
+)
+def test_unsafe_tensors_are_copied(make):
+    total = make()
+    base = total._base
+    before = base.clone() if base is not None else None
+    expected = total.to(torch.bfloat16)
+    out = narrow_in_storage(total, torch.bfloat16, piece=4)
+    assert torch.equal(out, expected)
+    if base is not None:
+        assert torch.equal(base, before)  # the storage it shares is untouched
+        assert out.untyped_storage().data_ptr() != base.untyped_storage().data_ptr()
+
+
+def test_not_a_narrowing_is_a_plain_conversion():
+    total = _sums(10)
+    assert narrow_in_storage(total, torch.float32) is total
+    assert narrow_in_storage(total.double(), torch.bfloat16).dtype == torch.bfloat16
+
+
+def test_which_optimizers_step_without_temporaries():
+    p = [torch.nn.Parameter(torch.zeros(3))]
+    assert steps_without_temporaries(torch.optim.SGD(p, lr=0.1, momentum=0.9))
+    assert steps_without_temporaries(torch.optim.AdamW(p, fused=True))
+    assert steps_without_temporaries(torch.optim.Adam(p, fused=True))
+    assert not steps_without_temporaries(torch.optim.AdamW(p))
+    assert not steps_without_temporaries(torch.optim.Adam(p, foreach=True))
+    assert not steps_without_temporaries(torch.optim.RMSprop(p))
