@@ -356,6 +356,7 @@ def _run_rank(rank: int, folder: str, args: Dict) -> Dict:
         sample_rate=0.01,
         sampling="poisson",
         balance=costs,
+        activation_checkpointing=args["activation_checkpointing"],
     )
     settle_process()
     build_s = time.perf_counter() - t0
@@ -363,11 +364,12 @@ def _run_rank(rank: int, folder: str, args: Dict) -> Dict:
     params = [p for stage in trainer.runtime.local_stages for p in stage.parameters]
     trainable_numel = sum(p.numel() for p in params)
     trainable_bytes = sum(p.numel() * p.element_size() for p in params)
-    times = []
+    times, busy = [], []
     for i in range(args["steps"]):
         dist.barrier()
-        t = time.perf_counter()
+        t, c = time.perf_counter(), time.thread_time()
         trainer.step(x, y)
+        busy.append(time.thread_time() - c)  # this thread's CPU time: the stage's work, not its waits
         dist.barrier()
         times.append(time.perf_counter() - t)
         if i == 0:
@@ -415,6 +417,8 @@ def _run_rank(rank: int, folder: str, args: Dict) -> Dict:
         "save_increase_mib": marks.phases["save"] - before_save,
         "checkpoint_mib": written * mib,
         "step_s": times,
+        "busy_s": busy,
+        "predicted_costs": list(trainer.partition_report.stage_costs),
         "load_s": load_s,
         "build_s": build_s,
         "save_s": save_s,
@@ -436,6 +440,7 @@ def run(
     grad_mode: str = "ghost",
     self_check: bool = True,
     checkpoint: Optional[str] = None,
+    activation_checkpointing: bool = False,
 ) -> Dict:
     from pipedp.runtime.launch import launch
 
@@ -453,6 +458,7 @@ def run(
         grad_mode=grad_mode,
         self_check=self_check,
         checkpoint=ckpt,
+        activation_checkpointing=activation_checkpointing,
     )
     start = time.perf_counter()
     try:
@@ -484,12 +490,15 @@ def summary_row(name: str, folder_bytes: int, r: Dict) -> Dict:
         return above(x, [k for k in x["phase_peak_mib"] if k != "activation probe"])
 
     steady = ranks[0]["step_s"][1:] or ranks[0]["step_s"]
+    busy = [statistics.median(x["busy_s"][1:] or x["busy_s"]) for x in ranks]  # later steps: no self-check
+    costs = ranks[0]["predicted_costs"]
     return {
         "model": f"{name}, {r['layers']} layers",
         "folder_gib": folder_bytes / 2**30,
         "mode": a["mode"],
         "stages": a["stages"],
         "self_check": a["self_check"],
+        "activation_checkpointing": a.get("activation_checkpointing", False),
         "batch": f"{a['batch']} x T={a['seq']}, m={a['microbatches']}",
         "must_hold_mib": [x["must_hold_total_mib"] for x in ranks],
         "peak_above_base_mib": [whole(x) for x in ranks],
@@ -497,6 +506,11 @@ def summary_row(name: str, folder_bytes: int, r: Dict) -> Dict:
         "peak_ratio": [whole(x) / x["must_hold_total_mib"] for x in ranks],
         "training_ratio": [above(x, TRAINING_PHASES) / x["must_hold_total_mib"] for x in ranks],
         "steady_ratio": [above(x, ("later steps", "save")) / x["must_hold_total_mib"] for x in ranks],
+        "steady_peak_mib": [above(x, ("later steps",)) for x in ranks],
+        # slowest / mean stage: the partition report's (from its costs) and the stages' CPU time per step
+        "predicted_imbalance": max(costs) / statistics.mean(costs),
+        "measured_imbalance": max(busy) / statistics.mean(busy),
+        "busy_s": busy,
         "save_ratio": [x["save_increase_mib"] / x["must_hold_mib"]["weights"] for x in ranks],
         "first_step_s": ranks[0]["step_s"][0],
         "step_s": statistics.median(steady),
@@ -518,18 +532,28 @@ def _per_rank(values, fmt: str, goal: Optional[float] = None) -> str:
     return text + (" (met)" if all(v <= goal for v in values) else " (**missed**)")
 
 
+def _imbalance(r: Dict) -> str:
+    if "measured_imbalance" not in r:
+        return ""
+    predicted, measured = r["predicted_imbalance"], r["measured_imbalance"]
+    met = abs(predicted / measured - 1) <= 0.10
+    return f"{predicted:.2f} / {measured:.2f}" + (" (met)" if met else " (**missed**)")
+
+
 def markdown_rows(rows: List[Dict]) -> List[str]:
     out = [
-        "| model | folder | mode | stages | self-check | batch | must hold, MiB per rank | whole run: peak above "
-        "base, MiB | whole run / must hold (goal <= 1.15) | steps + save / must hold | later steps + save / "
-        "must hold | save adds (of stage weights, goal <= 5%) | first step s | step s | load s | build s | "
-        "save s | cpu user / sys s (rank 0) | phase of the peak |",
-        "|---" * 19 + "|",
+        "| model | folder | mode | stages | self-check | activation checkpointing | batch | must hold, MiB per "
+        "rank | whole run: peak above base, MiB | whole run / must hold (goal <= 1.15) | steps + save / must hold "
+        "| later steps + save / must hold | later steps: peak above base, MiB | save adds (of stage weights, goal "
+        "<= 5%) | first step s | step s | stage CPU s per step | imbalance predicted / measured (goal: within 10%) "
+        "| load s | build s | save s | cpu user / sys s (rank 0) | phase of the peak |",
+        "|---" * 23 + "|",
     ]
     for r in rows:
         out.append(
             f"| {r['model']} | {r['folder_gib']:.1f} GiB | {r['mode']} | {r['stages']} | "
-            f"{'on' if r['self_check'] else 'off'} | {r['batch']} | "
+            f"{'on' if r['self_check'] else 'off'} | {'on' if r.get('activation_checkpointing') else 'off'} | "
+            f"{r['batch']} | "
             + " | ".join(
                 [
                     _per_rank(r["must_hold_mib"], "{:.0f}"),
@@ -537,10 +561,13 @@ def markdown_rows(rows: List[Dict]) -> List[str]:
                     _per_rank(r["peak_ratio"], "{:.2f}", 1.15),
                     _per_rank(r["training_ratio"], "{:.2f}"),
                     _per_rank(r["steady_ratio"], "{:.2f}"),
+                    _per_rank(r.get("steady_peak_mib", []), "{:.0f}"),
                     _per_rank([100 * v for v in r["save_ratio"]], "{:.1f}%", 5.0),
                 ]
             )
-            + f" | {r['first_step_s']:.1f} | {r['step_s']:.1f} | {r['load_s']:.0f} | {r['build_s']:.0f} | "
+            + f" | {r['first_step_s']:.1f} | {r['step_s']:.1f} | {_per_rank(r.get('busy_s', []), '{:.2f}')} | "
+            + _imbalance(r)
+            + f" | {r['load_s']:.0f} | {r['build_s']:.0f} | "
             f"{r['save_s']:.1f} | {r['user_s'][0]:.0f} / {r['sys_s'][0]:.0f} | " + " / ".join(r["worst_phase"]) + " |"
         )
     return out
@@ -574,13 +601,16 @@ def _free_gib() -> float:
     return 0.0
 
 
-# (config, layers or None for every layer, mode, stages, self_check): the default suite. Full fine-tuning of
+# (config, layers or None for every layer, mode, stages, self_check[, activation checkpointing]): the default suite. Full fine-tuning of
 # the Llama-3-8B slice is left out: its 128k-token embedding and head alone are 1.05B parameters, ~11 GiB per
 # rank on 2 stages with AdamW and the float32 clipped sum, more than this 24 GiB machine has for 2 ranks.
 PLAN = [
     ("llama-2-7b", 2, "lora", 2, True),
+    ("llama-2-7b", 2, "lora", 2, False),  # the later steps without and with activation checkpointing
+    ("llama-2-7b", 2, "lora", 2, False, True),
     ("llama-2-7b", 2, "lora", 4, True),
     ("llama-2-7b", 2, "full", 2, False),
+    ("llama-2-7b", 2, "full", 2, False, True),
     ("llama-2-7b", 2, "full", 4, False),
     ("llama-2-7b", 1, "full", 2, True),  # the self-check's first step at full fine-tuning (1 layer: it fits)
     ("llama-2-7b", 1, "full", 2, False),
@@ -635,8 +665,8 @@ def suite(
     memory is above what is available (less ``margin_gib``) is skipped, and listed as skipped."""
     rows, details, writes, skipped = [], [], [], []
     folders: Dict[tuple, List[tuple]] = {}
-    for name, layers, mode, stages, check in plan:
-        folders.setdefault((name, layers), []).append((mode, stages, check))
+    for name, layers, mode, stages, check, *recompute in plan:
+        folders.setdefault((name, layers), []).append((mode, stages, check, bool(recompute and recompute[0])))
     for (name, layers), runs in folders.items():
         folder = os.path.join(root, f"pipedp-scale-{name}-{layers or 'all'}")
         cfg = hf_config(name, layers)
@@ -654,8 +684,9 @@ def suite(
         )
         sizes: Dict[int, List[int]] = {}
         try:
-            for mode, stages, check in runs:
+            for mode, stages, check, recompute in runs:
                 label = f"{name} ({w['layers']} layers) {mode}, {stages} stages, self_check={check}"
+                label += ", activation checkpointing" if recompute else ""
                 if stages not in sizes:
                     sizes[stages] = stage_bytes(cfg, stages)
                 need, free = estimate_gib(sizes[stages], _layer_bytes(cfg), mode, check), _free_gib()
@@ -664,7 +695,17 @@ def suite(
                     print(f"  skipped {skipped[-1]}", flush=True)
                     continue
                 print(f"  {label} (needs ~{need:.0f} GiB, {free:.0f} available) ...", flush=True)
-                r = run(folder, mode, stages, steps, batch, microbatches, seq, self_check=check)
+                r = run(
+                    folder,
+                    mode,
+                    stages,
+                    steps,
+                    batch,
+                    microbatches,
+                    seq,
+                    self_check=check,
+                    activation_checkpointing=recompute,
+                )
                 row = summary_row(name, w["bytes"], r)
                 rows.append(row)
                 details.append((name, r))
@@ -748,7 +789,8 @@ def main(argv=None) -> Dict:
             r.add_argument("--full-depth", action="store_true", help="... or every layer of the configuration ...")
             r.add_argument("--modes", default="lora,full", help="... in these modes ...")
             r.add_argument("--stage-counts", default="2", help="... on these stage counts ...")
-            r.add_argument("--self-check", default="on", help="... with self_check on, off, or on,off")
+            r.add_argument("--self-check", default="on", help="... with self_check on, off, or on,off ...")
+            r.add_argument("--activation-checkpointing", default="off", help="... and this: off, on, or off,on")
             r.add_argument("--root", default=os.environ.get("TMPDIR", "/tmp"), help="where folders are written")
             r.add_argument("--no-record", action="store_true", help="do not add a section to bench/RESULTS.md")
             r.add_argument("--results", default=None, help="markdown file to add the section to (bench/RESULTS.md)")
@@ -760,6 +802,7 @@ def main(argv=None) -> Dict:
         r.add_argument("--seq", type=int, default=32)
         if name == "run":
             r.add_argument("--no-self-check", action="store_true", help="self_check=False (default: on, as shipped)")
+            r.add_argument("--activation-checkpointing", action="store_true", help="recompute each layer's activations")
     args = p.parse_args(argv)
     if args.command == "write":
         out = write_folder(args.config, args.folder, args.layers, args.shard_mib << 20)
@@ -775,6 +818,7 @@ def main(argv=None) -> Dict:
             args.microbatches,
             args.seq,
             self_check=not args.no_self_check,
+            activation_checkpointing=args.activation_checkpointing,
         )
         with open(os.path.join(args.folder, "model.safetensors.index.json")) as f:
             size = json.load(f)["metadata"]["total_size"]
@@ -793,11 +837,12 @@ def main(argv=None) -> Dict:
     else:
         layers = None if args.full_depth else args.layers
         plan = [
-            (name, layers, mode, int(stages), check == "on")
+            (name, layers, mode, int(stages), check == "on", recompute == "on")
             for name in args.configs.split(",")
             for mode in args.modes.split(",")
             for stages in args.stage_counts.split(",")
             for check in args.self_check.split(",")
+            for recompute in args.activation_checkpointing.split(",")
         ]
     from .run_all import machine
 
