@@ -48,7 +48,6 @@ from typing import Dict, List, Optional, Sequence
 import torch
 
 from .memory import PeakMemory
-from .presets import BALANCE
 
 STD = 0.02
 SHARD_BYTES = 1 << 30
@@ -313,13 +312,13 @@ def _run_rank(rank: int, folder: str, args: Dict) -> Dict:
     stages, m, lora = args["stages"], args["microbatches"], args["mode"] == "lora"
     marks = _Marks()
     t0 = time.perf_counter()
-    model = load_pipeline_stage(folder, stages, rank, balance=BALANCE)
+    model = load_pipeline_stage(folder, stages, rank, balance=args["balance"])
     load_s = time.perf_counter() - t0
     marks.end("load")
     weights = resident_parameter_bytes(model)
     hidden = model.config.hidden_size
     blocks = model_blocks(model)
-    costs = block_costs(blocks, BALANCE)
+    costs = block_costs(blocks, args["balance"])
     mine = partition(blocks, stages, costs)[rank]
     if lora:
         from peft import LoraConfig, get_peft_model
@@ -441,6 +440,7 @@ def run(
     self_check: bool = True,
     checkpoint: Optional[str] = None,
     activation_checkpointing: bool = False,
+    balance: str = "compute",
 ) -> Dict:
     from pipedp.runtime.launch import launch
 
@@ -459,6 +459,7 @@ def run(
         self_check=self_check,
         checkpoint=ckpt,
         activation_checkpointing=activation_checkpointing,
+        balance=balance,
     )
     start = time.perf_counter()
     try:
@@ -622,7 +623,7 @@ PLAN = [
 ]
 
 
-def stage_bytes(cfg, stages: int) -> List[int]:
+def stage_bytes(cfg, stages: int, balance: str = "compute") -> List[int]:
     """Bytes of each stage's bf16 parameters under the split the run uses (the model built on meta)."""
     from pipedp.split.adapters import model_blocks
     from pipedp.split.hf_loading import build_on_meta
@@ -630,7 +631,7 @@ def stage_bytes(cfg, stages: int) -> List[int]:
 
     blocks = model_blocks(build_on_meta(cfg))
     return [
-        sum(2 * p.numel() for b in part for p in b.module.parameters()) for part in partition(blocks, stages, BALANCE)
+        sum(2 * p.numel() for b in part for p in b.module.parameters()) for part in partition(blocks, stages, balance)
     ]
 
 
@@ -660,6 +661,7 @@ def suite(
     microbatches: int,
     seq: int,
     margin_gib: float = 2.0,
+    balance: str = "compute",
 ) -> Dict:
     """Each (config, layers) folder written once, its runs done, the folder deleted; a run whose estimated
     memory is above what is available (less ``margin_gib``) is skipped, and listed as skipped."""
@@ -688,7 +690,7 @@ def suite(
                 label = f"{name} ({w['layers']} layers) {mode}, {stages} stages, self_check={check}"
                 label += ", activation checkpointing" if recompute else ""
                 if stages not in sizes:
-                    sizes[stages] = stage_bytes(cfg, stages)
+                    sizes[stages] = stage_bytes(cfg, stages, balance)
                 need, free = estimate_gib(sizes[stages], _layer_bytes(cfg), mode, check), _free_gib()
                 if need > free - margin_gib:
                     skipped.append(f"{label}: needs ~{need:.0f} GiB, {free:.0f} GiB available")
@@ -705,6 +707,7 @@ def suite(
                     seq,
                     self_check=check,
                     activation_checkpointing=recompute,
+                    balance=balance,
                 )
                 row = summary_row(name, w["bytes"], r)
                 rows.append(row)
@@ -748,9 +751,13 @@ def record(result: Dict, command: str, results: str, figures: str, info: Dict) -
             f"{w['config']} {w['layers']} layers {w['bytes'] / 2**30:.1f} GiB: {w['writer_peak_mib']:.0f} MiB"
             for w in result["writes"]
         )
-        + "). Per rank, one process and one thread each; AdamW; LoRA r=8 on q_proj/v_proj with precision "
+        + "). Per rank, one process and one thread each; AdamW (torch's fused kernel); the split by balance="
+        + ", ".join(sorted({f"`{r['args'].get('balance', 'params')}`" for r in result["runs"]}))
+        + "; LoRA r=8 on q_proj/v_proj with precision "
         'bf16-mixed (bf16 base, float32 adapters), full fine-tuning with bf16-true. "Peak above base": the '
-        "largest phase peak of the run (load, build, steps, save) minus the RSS before loading.",
+        "largest phase peak of the run (load, build, steps, save) minus the RSS before loading. Imbalance: "
+        "slowest / mean stage, predicted by the partition report's costs and measured as each stage's "
+        "main-thread CPU time per later step (its work, not its waits).",
         "",
     ]
     lines += markdown_rows(result["rows"])
@@ -800,6 +807,9 @@ def main(argv=None) -> Dict:
         r.add_argument("--batch", type=int, default=4)
         r.add_argument("--microbatches", type=int, default=2)
         r.add_argument("--seq", type=int, default=32)
+        r.add_argument(
+            "--balance", choices=["compute", "params", "uniform"], default="compute", help="the split's rule"
+        )
         if name == "run":
             r.add_argument("--no-self-check", action="store_true", help="self_check=False (default: on, as shipped)")
             r.add_argument("--activation-checkpointing", action="store_true", help="recompute each layer's activations")
@@ -819,6 +829,7 @@ def main(argv=None) -> Dict:
             args.seq,
             self_check=not args.no_self_check,
             activation_checkpointing=args.activation_checkpointing,
+            balance=args.balance,
         )
         with open(os.path.join(args.folder, "model.safetensors.index.json")) as f:
             size = json.load(f)["metadata"]["total_size"]
@@ -847,7 +858,7 @@ def main(argv=None) -> Dict:
     from .run_all import machine
 
     info = machine()
-    result = suite(plan, args.root, args.steps, args.batch, args.microbatches, args.seq)
+    result = suite(plan, args.root, args.steps, args.batch, args.microbatches, args.seq, balance=args.balance)
     print("\n".join(markdown_rows(result["rows"])))
     if not args.no_record and result["rows"]:
         record(result, cmd, results_path, figures_path, info)

@@ -502,7 +502,8 @@ class OptimizerConfig:
 
     optimizer: str = option(
         "adamw",
-        "adamw (decoupled weight decay), adam (weight decay added to the gradient) or sgd",
+        "adamw (decoupled weight decay), adam (weight decay added to the gradient), both torch's fused kernel on "
+        "CPU and CUDA, or sgd",
         choices=OPTIMIZERS,
     )
     lr: float = option(3e-3, "learning rate (the peak, after any warmup)")
