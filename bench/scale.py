@@ -509,8 +509,8 @@ def summary_row(name: str, folder_bytes: int, r: Dict) -> Dict:
         "steady_ratio": [above(x, ("later steps", "save")) / x["must_hold_total_mib"] for x in ranks],
         "steady_peak_mib": [above(x, ("later steps",)) for x in ranks],
         # slowest / mean stage: the partition report's (from its costs) and the stages' CPU time per step
-        "predicted_imbalance": max(costs) / statistics.mean(costs),
-        "measured_imbalance": max(busy) / statistics.mean(busy),
+        "predicted_imbalance": max(costs) / statistics.mean(costs) if sum(costs) > 0 else 1.0,
+        "measured_imbalance": max(busy) / statistics.mean(busy) if sum(busy) > 0 else 1.0,
         "busy_s": busy,
         "save_ratio": [x["save_increase_mib"] / x["must_hold_mib"]["weights"] for x in ranks],
         "first_step_s": ranks[0]["step_s"][0],

@@ -27,8 +27,7 @@ def narrow_in_storage(total: torch.Tensor, dtype: torch.dtype, piece: int = PIEC
     to ``total.to(dtype)`` where that is not safe: not a float32 to 2-byte narrowing, or a tensor that does
     not own its whole storage (a view, an offset, a storage shared with other tensors)."""
     n = total.numel()
-    owns = total._base is None and total.storage_offset() == 0 and total.untyped_storage().nbytes() == 4 * n
-    if total.dtype != torch.float32 or dtype.itemsize != 2 or not total.is_contiguous() or not owns or n == 0:
+    if total.dtype != torch.float32 or dtype.itemsize != 2 or not total.is_contiguous() or not _owns(total) or n == 0:
         return total.to(dtype)
     flat = total.view(-1)
     out = flat.view(dtype)[:n]  # the storage's first 2n bytes, read as 2-byte values
@@ -42,13 +41,24 @@ def narrow_in_storage(total: torch.Tensor, dtype: torch.dtype, piece: int = PIEC
     return out.view(total.shape)
 
 
+def _owns(total: torch.Tensor) -> bool:
+    """``total`` is the only tensor on its whole storage: no view of it, no alias (``detach()``), no offset."""
+    storage = total.untyped_storage()
+    count = getattr(torch._C, "_storage_Use_Count", None)  # private: without it, nothing counts as owned
+    if count is None or total._base is not None or total.storage_offset() != 0 or storage.nbytes() != 4 * total.numel():
+        return False
+    return count(storage._cdata) == 2  # the tensor's reference and ``storage``'s
+
+
 def steps_without_temporaries(optimizer: torch.optim.Optimizer) -> bool:
-    """Whether the optimizer's step allocates at most one gradient-sized temporary at a time: SGD (momentum
-    in place; weight decay or Nesterov one temporary) and the fused Adam / AdamW kernels (none). There the
-    gradient may keep the float32 storage (``narrow_in_storage``): the step then holds no more than the
+    """Whether the optimizer's step allocates no gradient-sized temporaries: SGD without weight decay,
+    Nesterov or maximize (its momentum is in place) and the fused Adam / AdamW kernels. There the gradient may
+    keep the float32 storage (``narrow_in_storage``): the step then holds no more than the
     conversion did, and the conversion no bf16 copy beside the sums. Torch's other Adam paths make a
     square-root and a division temporary per tensor; for them the gradients are copied (the float32 sums
     freed one at a time), which holds less during their step."""
-    if isinstance(optimizer, torch.optim.SGD):
-        return True
-    return isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW)) and bool(optimizer.defaults.get("fused"))
+    groups = optimizer.param_groups
+    if isinstance(optimizer, torch.optim.SGD):  # each of these copies every gradient at once (foreach)
+        return all(not (g.get("weight_decay") or g.get("nesterov") or g.get("maximize")) for g in groups)
+    # the groups' own flags: a loaded state dict may have changed them from the defaults
+    return isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW)) and all(g.get("fused") for g in groups)

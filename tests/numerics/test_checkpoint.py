@@ -250,6 +250,43 @@ def test_the_saved_config_the_scheduler_and_the_optimizer_must_match(tmp_path):
     assert os.listdir(tmp_path)  # nothing was removed by the refusals
 
 
+def _adam_with(**options):
+    def factory(params):
+        groups = [
+            {"params": [p for p in params if p.dim() > 1], "lr": 0.05},
+            {"params": [p for p in params if p.dim() == 1], "lr": 0.02, "weight_decay": 0.01},
+        ]
+        return torch.optim.Adam(groups, **options)
+
+    return factory
+
+
+@pytest.mark.parametrize("saved, resumed", [({}, {"fused": True}), ({"fused": True}, {"foreach": True})])
+def test_how_torch_steps_is_the_resumed_runs_own_choice(tmp_path, saved, resumed):
+    """fused / foreach are how the step is computed, not what: a checkpoint written before the CLI took the
+    fused kernel resumes under it (and the reverse), with this run's choice kept; in float64 every kernel
+    computes the same update, so the resumed run equals the uninterrupted one."""
+    kw = dict(scheduler=warmup, stages=2, microbatches=2, noise_multiplier=0.7, max_grad_norm=0.3)
+    kw.update(expected_batch_size=8, sample_rate=0.1, seed=4, accountant="rdp")
+    straight = PipelineDPTrainer(model(), class_loss, _adam_with(**saved), **kw)
+    straight.fit(data(), steps=6)
+    PipelineDPTrainer(model(), class_loss, _adam_with(**saved), **kw).fit(data(), steps=3, checkpoint_dir=str(tmp_path))
+    again = PipelineDPTrainer(model(), class_loss, _adam_with(**resumed), **kw)
+    again.fit(data(), steps=6, checkpoint_dir=str(tmp_path), resume=True)
+    assert max_relative_error(again.model.state_dict(), straight.model.state_dict()) < 1e-10
+    for opt in again.state.optimizers:
+        for g in opt.param_groups:
+            assert all(
+                g[k] == resumed.get(k, torch.optim.Adam([torch.zeros(1)]).defaults[k]) for k in ("fused", "foreach")
+            )
+    # a hyperparameter is still the checkpoint's: the saved betas come back over this run's, the kernel does not
+    other = PipelineDPTrainer(model(), class_loss, _adam_with(betas=(0.5, 0.9), **resumed), **kw)
+    other.load_checkpoint(str(tmp_path))
+    groups = [g for opt in other.state.optimizers for g in opt.param_groups]
+    assert {g["betas"] for g in groups} == {(0.9, 0.999)}
+    assert {g["fused"] for g in groups} == {resumed.get("fused")}
+
+
 def _peak_rss_increase_mib(work):
     """VmHWM after ``work()`` minus VmRSS before it, the kernel's peak mark reset first (Linux)."""
 

@@ -73,19 +73,31 @@ def test_no_copy_of_the_tensors_size():
         lambda: _sums(64)[:32],  # a view of a larger storage: other values live in the second half
         lambda: _sums(64)[8:],  # an offset
         lambda: _sums(64).view(8, 8).t(),  # not contiguous
+        lambda: _sums(64)[:32].detach(),  # the same, without a _base: the storage is larger
+        lambda: _sums(64)[8:].detach(),  # an offset, without a _base
         lambda: torch.empty(0),
     ],
 )
 def test_unsafe_tensors_are_copied(make):
     total = make()
-    base = total._base
-    before = base.clone() if base is not None else None
+    before = torch.empty(0, dtype=torch.uint8).set_(total.untyped_storage().__copy__())  # its storage's bytes
     expected = total.to(torch.bfloat16)
     out = narrow_in_storage(total, torch.bfloat16, piece=4)
     assert torch.equal(out, expected)
-    if base is not None:
-        assert torch.equal(base, before)  # the storage it shares is untouched
-        assert out.untyped_storage().data_ptr() != base.untyped_storage().data_ptr()
+    after = torch.empty(0, dtype=torch.uint8).set_(total.untyped_storage())
+    assert torch.equal(after, before)  # the storage it shares is untouched
+    assert out.numel() == 0 or out.untyped_storage().data_ptr() != total.untyped_storage().data_ptr()
+
+
+def test_an_alias_of_the_whole_storage_is_not_overwritten():
+    # detach() shares the storage with no _base, no offset and the full size: only the use count tells
+    total = _sums(64)
+    alias = total.detach()
+    expected = total.clone()
+    out = narrow_in_storage(total, torch.bfloat16, piece=4)
+    assert torch.equal(alias, expected) and torch.equal(out, expected.to(torch.bfloat16))
+    del alias
+    assert narrow_in_storage(expected, torch.bfloat16, 4).untyped_storage().data_ptr() == expected.data_ptr()
 
 
 def test_not_a_narrowing_is_a_plain_conversion():
@@ -102,3 +114,9 @@ def test_which_optimizers_step_without_temporaries():
     assert not steps_without_temporaries(torch.optim.AdamW(p))
     assert not steps_without_temporaries(torch.optim.Adam(p, foreach=True))
     assert not steps_without_temporaries(torch.optim.RMSprop(p))
+    for option in ({"weight_decay": 0.1}, {"nesterov": True, "momentum": 0.9}, {"maximize": True}):
+        assert not steps_without_temporaries(torch.optim.SGD(p, lr=0.1, **option))  # a copy of every gradient
+    # the groups' flags count: a state dict loaded from a run without the fused kernel turns it off
+    fused, plain = torch.optim.AdamW(p, fused=True), torch.optim.AdamW(p)
+    fused.load_state_dict(plain.state_dict())
+    assert fused.param_groups[0]["fused"] is None and not steps_without_temporaries(fused)

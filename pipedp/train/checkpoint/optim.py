@@ -18,6 +18,9 @@ from ...errors import CheckpointError
 from .format import ParamState, StageRecord, decode, encode
 
 _NOT_HYPER = ("params", "param_names")  # a group's members, not its hyperparameters
+# how this run's torch computes the step, not what it computes: always this run's own (a checkpoint written
+# with fused=None resumes under the CLI's fused kernel, a CUDA run on a device without it)
+_IMPLEMENTATION = ("fused", "foreach", "capturable", "differentiable")
 _PER_GROUP = ("base_lrs", "_last_lr", "lr_lambdas", "min_lrs", "max_lrs")  # scheduler lists, one entry a group
 Source = Tuple[StageRecord, str]  # the saved stage holding a parameter, and the name it is saved under
 
@@ -78,7 +81,7 @@ def torch_state(
             if hyper is None:
                 hyper, first = theirs, name
                 origins.append((record, saved.group))
-            elif _canon(theirs) != _canon(hyper):
+            elif _canon(_options(theirs)) != _canon(_options(hyper)):
                 raise CheckpointError(
                     f"one param group of this run holds {first} and {name}, whose saved optimizer options differ "
                     f"({_diff(hyper, theirs)}): group the parameters as the checkpoint did"
@@ -98,11 +101,10 @@ def torch_state(
             origins.append(None)
             groups.append({k: v for k, v in group.items() if k not in _NOT_HYPER} | {"params": []})
             continue
-        options = decode(hyper, "param group", "manifest")
-        _same_kind(
-            options, {k: v for k, v in group.items() if k not in _NOT_HYPER}, f"the optimizer options of {first}"
-        )
-        groups.append({**options, "params": members})
+        options = _options(decode(hyper, "param group", "manifest"))
+        _same_kind(options, _options(group), f"the optimizer options of {first}")
+        mine = {k: group[k] for k in _IMPLEMENTATION if k in group}
+        groups.append({**options, **mine, "params": members})
     return {"state": state, "param_groups": groups}, origins
 
 
@@ -178,6 +180,11 @@ def _regroup(states: Dict[int, Any], sources: List[Optional[Tuple[int, int]]], c
             f"{where}: they cannot become one scheduler"
         )
     return first
+
+
+def _options(group: Dict[str, Any]) -> Dict[str, Any]:
+    """A group's hyperparameters: without its members and this run's implementation choices."""
+    return {k: v for k, v in group.items() if k not in _NOT_HYPER and k not in _IMPLEMENTATION}
 
 
 def _canon(value: Any) -> str:
