@@ -285,6 +285,59 @@ def _activation_bytes(stage_blocks, x, y, last: bool, autocast: bool, loss_fn) -
     return sum(seen.values())
 
 
+class _Autocast(torch.nn.Module):
+    """A stage's blocks under bf16 autocast (bf16-mixed) for torch's pipelining, which has no precision option."""
+
+    def __init__(self, blocks, autocast: bool):
+        super().__init__()
+        self.blocks = torch.nn.Sequential(*blocks)
+        self.autocast = autocast
+
+    def forward(self, x):
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=self.autocast):
+            out = self.blocks(x)
+        return out.float() if self.autocast and out.is_floating_point() else out
+
+
+def _plain_steps(stage_blocks, rank: int, stages: int, x, y, m: int, autocast: bool, steps: int, marks) -> List[float]:
+    """Non-private training of the same stage, split and batch under torch's Schedule1F1B (per-token mean
+    cross-entropy, fused AdamW): its step times; its memory is the phase ``marks`` records. Its optimizer
+    state and gradients are freed before returning (the DP run starts from the same state)."""
+    import torch.distributed as dist
+    import torch.nn.functional as F
+    from torch.distributed.pipelining import PipelineStage, Schedule1F1B
+
+    module = _Autocast([b.module for b in stage_blocks], autocast)
+    stage = PipelineStage(module, rank, stages, torch.device("cpu"))
+
+    def mean_loss(out, target):
+        return F.cross_entropy(out.reshape(-1, out.shape[-1]), target.reshape(-1))
+
+    schedule = Schedule1F1B(stage, n_microbatches=m, loss_fn=mean_loss)
+    trainable = [p for p in module.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(trainable, lr=1e-4, fused=True) if trainable else None
+    times = []
+    for _ in range(steps):
+        dist.barrier()
+        t = time.perf_counter()
+        if rank == 0:
+            schedule.step(x)
+        elif rank == stages - 1:
+            schedule.step(target=y)
+        else:
+            schedule.step()
+        if opt is not None:
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        dist.barrier()
+        times.append(time.perf_counter() - t)
+    marks.end("plain 1F1B steps")
+    for p in trainable:
+        p.grad = None
+    del opt, schedule, stage, module
+    return times
+
+
 def _preimport() -> None:
     """Every library the run uses, imported before the base RSS is taken (their code is not the stage's)."""
     import peft  # noqa: F401
@@ -338,6 +391,13 @@ def _run_rank(rank: int, folder: str, args: Dict) -> Dict:
     act = _activation_bytes(mine, sample, y[:size], rank == stages - 1, lora, token_loss)
     in_flight = min(m, stages - rank)
     marks.end("activation probe")
+    plain_s: List[float] = []
+    if args["baseline"]:
+        if lora:  # bf16-mixed as the trainer applies it: float32 trainable parameters
+            for p in model.parameters():
+                if p.requires_grad and p.dtype == torch.bfloat16:
+                    p.data = p.data.float()
+        plain_s = _plain_steps(mine, rank, stages, x, y, m, lora, args["steps"], marks)
     t0 = time.perf_counter()
     trainer = PipelineDPTrainer(
         model,
@@ -400,7 +460,7 @@ def _run_rank(rank: int, folder: str, args: Dict) -> Dict:
 
     usage = resource.getrusage(resource.RUSAGE_SELF)
     mib = 1 / 2**20
-    peak = max(v for k, v in marks.phases.items() if k != "activation probe")  # the probe is this bench's own
+    peak = max(v for k, v in marks.phases.items() if k not in NOT_DP)  # the probe and the baseline: not pipedp's
     return {
         "rank": rank,
         "base_rss_mib": marks.base,
@@ -417,6 +477,7 @@ def _run_rank(rank: int, folder: str, args: Dict) -> Dict:
         "checkpoint_mib": written * mib,
         "step_s": times,
         "busy_s": busy,
+        "plain_step_s": plain_s,
         "predicted_costs": list(trainer.partition_report.stage_costs),
         "load_s": load_s,
         "build_s": build_s,
@@ -441,6 +502,7 @@ def run(
     checkpoint: Optional[str] = None,
     activation_checkpointing: bool = False,
     balance: str = "compute",
+    baseline: bool = True,
 ) -> Dict:
     from pipedp.runtime.launch import launch
 
@@ -460,6 +522,7 @@ def run(
         checkpoint=ckpt,
         activation_checkpointing=activation_checkpointing,
         balance=balance,
+        baseline=baseline,
     )
     start = time.perf_counter()
     try:
@@ -478,6 +541,7 @@ def run(
 
 
 TRAINING_PHASES = ("first step", "later steps", "save")
+NOT_DP = ("activation probe", "plain 1F1B steps")  # this bench's own phases
 
 
 def summary_row(name: str, folder_bytes: int, r: Dict) -> Dict:
@@ -487,8 +551,11 @@ def summary_row(name: str, folder_bytes: int, r: Dict) -> Dict:
     def above(x, phases):
         return max(v for k, v in x["phase_peak_mib"].items() if k in phases) - x["base_rss_mib"]
 
-    def whole(x):  # every phase but this bench's own activation probe
-        return above(x, [k for k in x["phase_peak_mib"] if k != "activation probe"])
+    def whole(x):  # every phase but this bench's own
+        return above(x, [k for k in x["phase_peak_mib"] if k not in NOT_DP])
+
+    plain = [above(x, ("plain 1F1B steps",)) if "plain 1F1B steps" in x["phase_peak_mib"] else None for x in ranks]
+    plain_s = ranks[0].get("plain_step_s") or []
 
     steady = ranks[0]["step_s"][1:] or ranks[0]["step_s"]
     busy = [statistics.median(x["busy_s"][1:] or x["busy_s"]) for x in ranks]  # later steps: no self-check
@@ -508,6 +575,10 @@ def summary_row(name: str, folder_bytes: int, r: Dict) -> Dict:
         "training_ratio": [above(x, TRAINING_PHASES) / x["must_hold_total_mib"] for x in ranks],
         "steady_ratio": [above(x, ("later steps", "save")) / x["must_hold_total_mib"] for x in ranks],
         "steady_peak_mib": [above(x, ("later steps",)) for x in ranks],
+        # non-private torch Schedule1F1B on the same stages and batch (bench's own phase, before the DP run)
+        "plain_peak_mib": plain,
+        "dp_over_plain_peak": [above(x, ("later steps",)) / p if p else None for x, p in zip(ranks, plain)],
+        "plain_step_s": statistics.median(plain_s[1:] or plain_s) if plain_s else None,
         # slowest / mean stage: the partition report's (from its costs) and the stages' CPU time per step
         "predicted_imbalance": max(costs) / statistics.mean(costs) if sum(costs) > 0 else 1.0,
         "measured_imbalance": max(busy) / statistics.mean(busy) if sum(busy) > 0 else 1.0,
@@ -521,7 +592,7 @@ def summary_row(name: str, folder_bytes: int, r: Dict) -> Dict:
         "user_s": [x.get("user_s", 0.0) for x in ranks],
         "sys_s": [x.get("sys_s", 0.0) for x in ranks],
         "worst_phase": [
-            max((k for k in x["phase_peak_mib"] if k != "activation probe"), key=x["phase_peak_mib"].get) for x in ranks
+            max((k for k in x["phase_peak_mib"] if k not in NOT_DP), key=x["phase_peak_mib"].get) for x in ranks
         ],
     }
 
@@ -546,9 +617,10 @@ def markdown_rows(rows: List[Dict]) -> List[str]:
         "| model | folder | mode | stages | self-check | activation checkpointing | batch | must hold, MiB per "
         "rank | whole run: peak above base, MiB | whole run / must hold (goal <= 1.15) | steps + save / must hold "
         "| later steps + save / must hold | later steps: peak above base, MiB | save adds (of stage weights, goal "
-        "<= 5%) | first step s | step s | stage CPU s per step | imbalance predicted / measured (goal: within 10%) "
+        "<= 5%) | non-private torch 1F1B: peak above base, MiB | DP later steps / non-private peak | first step s "
+        "| step s | non-private step s | stage CPU s per step | imbalance predicted / measured (goal: within 10%) "
         "| load s | build s | save s | cpu user / sys s (rank 0) | phase of the peak |",
-        "|---" * 23 + "|",
+        "|---" * 26 + "|",
     ]
     for r in rows:
         out.append(
@@ -564,9 +636,13 @@ def markdown_rows(rows: List[Dict]) -> List[str]:
                     _per_rank(r["steady_ratio"], "{:.2f}"),
                     _per_rank(r.get("steady_peak_mib", []), "{:.0f}"),
                     _per_rank([100 * v for v in r["save_ratio"]], "{:.1f}%", 5.0),
+                    _per_rank([v for v in r.get("plain_peak_mib") or [] if v is not None], "{:.0f}"),
+                    _per_rank([v for v in r.get("dp_over_plain_peak") or [] if v is not None], "{:.2f}"),
                 ]
             )
-            + f" | {r['first_step_s']:.1f} | {r['step_s']:.1f} | {_per_rank(r.get('busy_s', []), '{:.2f}')} | "
+            + f" | {r['first_step_s']:.1f} | {r['step_s']:.1f} | "
+            + (f"{r['plain_step_s']:.1f}" if r.get("plain_step_s") else "")
+            + f" | {_per_rank(r.get('busy_s', []), '{:.2f}')} | "
             + _imbalance(r)
             + f" | {r['load_s']:.0f} | {r['build_s']:.0f} | "
             f"{r['save_s']:.1f} | {r['user_s'][0]:.0f} / {r['sys_s'][0]:.0f} | " + " / ".join(r["worst_phase"]) + " |"
@@ -662,6 +738,7 @@ def suite(
     seq: int,
     margin_gib: float = 2.0,
     balance: str = "compute",
+    baseline: bool = True,
 ) -> Dict:
     """Each (config, layers) folder written once, its runs done, the folder deleted; a run whose estimated
     memory is above what is available (less ``margin_gib``) is skipped, and listed as skipped."""
@@ -708,6 +785,7 @@ def suite(
                     self_check=check,
                     activation_checkpointing=recompute,
                     balance=balance,
+                    baseline=baseline,
                 )
                 row = summary_row(name, w["bytes"], r)
                 rows.append(row)
@@ -813,6 +891,7 @@ def main(argv=None) -> Dict:
         if name == "run":
             r.add_argument("--no-self-check", action="store_true", help="self_check=False (default: on, as shipped)")
             r.add_argument("--activation-checkpointing", action="store_true", help="recompute each layer's activations")
+        r.add_argument("--no-baseline", action="store_true", help="skip the non-private torch 1F1B steps")
     args = p.parse_args(argv)
     if args.command == "write":
         out = write_folder(args.config, args.folder, args.layers, args.shard_mib << 20)
@@ -830,6 +909,7 @@ def main(argv=None) -> Dict:
             self_check=not args.no_self_check,
             activation_checkpointing=args.activation_checkpointing,
             balance=args.balance,
+            baseline=not args.no_baseline,
         )
         with open(os.path.join(args.folder, "model.safetensors.index.json")) as f:
             size = json.load(f)["metadata"]["total_size"]
@@ -858,7 +938,16 @@ def main(argv=None) -> Dict:
     from .run_all import machine
 
     info = machine()
-    result = suite(plan, args.root, args.steps, args.batch, args.microbatches, args.seq, balance=args.balance)
+    result = suite(
+        plan,
+        args.root,
+        args.steps,
+        args.batch,
+        args.microbatches,
+        args.seq,
+        balance=args.balance,
+        baseline=not args.no_baseline,
+    )
     print("\n".join(markdown_rows(result["rows"])))
     if not args.no_record and result["rows"]:
         record(result, cmd, results_path, figures_path, info)

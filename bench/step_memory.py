@@ -52,7 +52,7 @@ def measure(folder: str, mode: str, stages: int = 2, batch: int = 4, microbatche
     trainer = PipelineDPTrainer(
         model,
         token_loss,
-        lambda p: torch.optim.AdamW(p, lr=1e-4),
+        lambda p: torch.optim.AdamW(p, lr=1e-4, fused=True),
         stages=stages,
         microbatches=microbatches,
         precision="bf16-mixed" if mode == "lora" else "bf16-true",
@@ -101,9 +101,13 @@ def main(argv=None):
     p.add_argument("folder")
     p.add_argument("--mode", choices=["lora", "full"], default="full")
     p.add_argument("--stages", type=int, default=2)
+    p.add_argument("--batch", type=int, default=4)
+    p.add_argument("--microbatches", type=int, default=2)
+    p.add_argument("--seq", type=int, default=32)
     args = p.parse_args(argv)
     torch.set_num_threads(2)
-    for i, (start, log) in enumerate(measure(args.folder, args.mode, args.stages)):
+    steps = measure(args.folder, args.mode, args.stages, args.batch, args.microbatches, args.seq)
+    for i, (start, log) in enumerate(steps):
         print(f"\nstep {i + 1}: RSS at the start {start:.0f} MiB")
         print("| phase | RSS before | peak | peak - before | RSS after |")
         print("|---|---|---|---|---|")
