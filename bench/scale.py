@@ -305,7 +305,7 @@ def _plain_steps(stage_blocks, rank: int, stages: int, x, y, m: int, autocast: b
     state and gradients are freed before returning (the DP run starts from the same state)."""
     import torch.distributed as dist
     import torch.nn.functional as F
-    from torch.distributed.pipelining import PipelineStage, Schedule1F1B
+    from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
     module = _Autocast([b.module for b in stage_blocks], autocast)
     stage = PipelineStage(module, rank, stages, torch.device("cpu"))
@@ -313,7 +313,9 @@ def _plain_steps(stage_blocks, rank: int, stages: int, x, y, m: int, autocast: b
     def mean_loss(out, target):
         return F.cross_entropy(out.reshape(-1, out.shape[-1]), target.reshape(-1))
 
-    schedule = Schedule1F1B(stage, n_microbatches=m, loss_fn=mean_loss)
+    # torch's 1F1B refuses m < stages; there 1F1B runs every forward before the first backward anyway, as GPipe
+    kind = Schedule1F1B if m >= stages else ScheduleGPipe
+    schedule = kind(stage, n_microbatches=m, loss_fn=mean_loss)
     trainable = [p for p in module.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(trainable, lr=1e-4, fused=True) if trainable else None
     times = []
