@@ -31,6 +31,12 @@ what the stage must hold, above the process's RSS before loading (Python, torch,
   (saved-tensor hooks, parameters excluded; the last stage with its loss), times the micro-batches 1F1B
   keeps in flight on the stage (min(m, stages - stage)).
 The save's own cost is the peak increment during ``save_checkpoint`` (the mark reset before it).
+
+Beside it (unless ``--no-baseline``): non-private training of the same stages, split and batch under
+torch's ``Schedule1F1B`` (GPipe where m < stages), in the same processes before the DP run; its peak above
+the base and its step time. And the balance: the partition report's predicted imbalance (slowest / mean
+stage cost, ``--balance``, default the trainer's ``compute``) beside the measured one (each stage's
+main-thread CPU time per later step). ``--activation-checkpointing`` turns the trainer's option on.
 """
 
 from __future__ import annotations
