@@ -101,7 +101,11 @@ def torch_state(
             origins.append(None)
             groups.append({k: v for k, v in group.items() if k not in _NOT_HYPER} | {"params": []})
             continue
-        options = _options(decode(hyper, "param group", "manifest"))
+        saved_group = decode(hyper, "param group", "manifest")
+        flags = {k: saved_group[k] for k in _IMPLEMENTATION if k in saved_group}
+        if any(v is not None and not isinstance(v, bool) for v in flags.values()):  # absent: an older torch
+            raise CheckpointError(f"the optimizer flags of {first} are not booleans ({flags}): a damaged manifest")
+        options = _options(saved_group)
         _same_kind(options, _options(group), f"the optimizer options of {first}")
         mine = {k: group[k] for k in _IMPLEMENTATION if k in group}
         groups.append({**options, **mine, "params": members})
