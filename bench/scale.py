@@ -367,6 +367,7 @@ def _run_rank(rank: int, folder: str, args: Dict) -> Dict:
     from pipedp.split.adapters import model_blocks
     from pipedp.split.hf_loading import load_pipeline_stage, resident_parameter_bytes
     from pipedp.split.partition import block_costs, partition
+    from pipedp.train.trainer import _float32_masters
 
     warnings.filterwarnings("ignore")
     _preimport()
@@ -402,9 +403,7 @@ def _run_rank(rank: int, folder: str, args: Dict) -> Dict:
     plain_s: List[float] = []
     if args["baseline"]:
         if lora:  # bf16-mixed as the trainer applies it: float32 trainable parameters
-            for p in model.parameters():
-                if p.requires_grad and p.dtype == torch.bfloat16:
-                    p.data = p.data.float()
+            _float32_masters(model)
         plain_s = _plain_steps(mine, rank, stages, x, y, m, lora, args["steps"], marks)
     t0 = time.perf_counter()
     trainer = PipelineDPTrainer(

@@ -30,7 +30,7 @@ from ..config import OptimizerConfig, PipelineConfig, PrivacyConfig
 from .flags import add_config_flags
 
 PLAN_SKIP = ("microbatch_size", "replicas", "timeout", "transport")  # (the last two are not flags anyway)
-OPTIMIZER_FLAGS = ("optimizer", "momentum")
+OPTIMIZER_FLAGS = ("optimizer", "momentum", "weight_decay")
 
 
 def _positive_int(text: str) -> int:
@@ -93,6 +93,7 @@ def run(args) -> int:
         pipeline=pipeline,
         optimizer=optim.optimizer,
         momentum=optim.momentum,
+        weight_decay=optim.weight_decay,
         device_memory=args.device_memory,
         seed=args.seed,
     )
@@ -116,6 +117,7 @@ def estimate(
     privacy: Optional[PrivacyConfig] = None,
     optimizer: str = "adamw",
     momentum: float = 0.0,
+    weight_decay: float = 0.0,
     device_memory: Optional[int] = None,
     seed: int = 0,
 ):
@@ -131,7 +133,9 @@ def estimate(
     privacy = privacy or PrivacyConfig()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        setup = _Setup(model, pipeline, privacy, seq_len, lora_r, tuple(lora_targets), seed, optimizer, momentum)
+        setup = _Setup(
+            model, pipeline, privacy, seq_len, lora_r, tuple(lora_targets), seed, optimizer, momentum, weight_decay
+        )
         plans = setup.plans(microbatch_size)
         plan = Plan(setup.describe(microbatch_size), microbatch_size, seq_len, plans, device_memory)
         if device_memory is not None:
@@ -178,7 +182,7 @@ def _fit(setup, plan, memory: int) -> None:
 class _Setup:
     """The model on meta, split and prepared as the trainer prepares it, and its fake twin for the passes."""
 
-    def __init__(self, name, pipeline, privacy, seq_len, lora_r, targets, seed, optimizer, momentum):
+    def __init__(self, name, pipeline, privacy, seq_len, lora_r, targets, seed, optimizer, momentum, weight_decay=0.0):
         from ..privacy.clipping import ClipRule
         from ..privacy.units import Units
         from ..runtime.capture import block_layers
@@ -202,7 +206,7 @@ class _Setup:
         clip = ClipRule.make(privacy.clipping, privacy.max_grad_norm, pipeline.stages, layers)
         self.tie = the_tie(find_ties(self.stage_blocks), clip.across_stages)
         self.options = stage_options(pipeline, clip, Units(privacy.unit_rows))
-        self.static = [static_bytes(b, optimizer, momentum) for b in self.stage_blocks]
+        self.static = [static_bytes(b, optimizer, momentum, weight_decay=weight_decay) for b in self.stage_blocks]
         self.optimizer = optimizer
         self._fake = None
         self._profiles: Dict[int, tuple] = {}

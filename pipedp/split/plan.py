@@ -169,11 +169,16 @@ def stage_tensors(blocks: Sequence[Block]) -> Tuple[List[nn.Parameter], List[tor
 
 
 def static_bytes(
-    blocks: Sequence[Block], optimizer: str = "adamw", momentum: float = 0.0, fused: bool = True
+    blocks: Sequence[Block],
+    optimizer: str = "adamw",
+    momentum: float = 0.0,
+    fused: bool = True,
+    weight_decay: float = 0.0,
 ) -> StaticBytes:
-    """``blocks`` as the trainer holds them (after LoRA and the precision's dtype changes). ``fused``: Adam's
-    fused kernel (the CLI's, on CPU and CUDA): no temporaries, and with SGD the gradients are narrowed inside
-    the float32 sums' storage (train/narrowing.py), so no copy exists beside the sums."""
+    """``blocks`` as the trainer holds them (after LoRA and the precision's dtype changes). With Adam's fused
+    kernel (``fused``, the CLI's on CPU and CUDA) or SGD without weight decay the gradients are narrowed
+    inside the float32 sums' storage, so no copy exists beside the sums (train/narrowing.py's
+    ``steps_without_temporaries``; SGD's weight decay is taken as applying to some trainable parameter)."""
     params, buffers = stage_tensors(blocks)
     trainable = [p for p in params if p.requires_grad]
     frozen = [p for p in params if not p.requires_grad]
@@ -190,7 +195,7 @@ def static_bytes(
     largest = max((size(p) for p in trainable), default=0)
     largest_copy = max((size(p) for p in trainable if p.dtype != sum_dtype(p)), default=0)
     adam = optimizer in ("adam", "adamw")
-    in_storage = fused or not adam  # narrowing.steps_without_temporaries
+    in_storage = fused if adam else not weight_decay  # narrowing.steps_without_temporaries
     if in_storage:  # each gradient keeps its sum's storage: no copy beside the sums, the sums' bytes stepped
         largest_copy, copies = 0, 0
     return StaticBytes(

@@ -120,3 +120,22 @@ def test_which_optimizers_step_without_temporaries():
     fused, plain = torch.optim.AdamW(p, fused=True), torch.optim.AdamW(p)
     fused.load_state_dict(plain.state_dict())
     assert fused.param_groups[0]["fused"] is None and not steps_without_temporaries(fused)
+
+
+@pytest.mark.parametrize(
+    "optimizer, weight_decay", [("sgd", 0.0), ("sgd", 0.1), ("adamw", 0.0), ("adamw", 0.1), ("adam", 0.1)]
+)
+def test_the_planner_counts_a_copy_exactly_where_the_trainer_makes_one(optimizer, weight_decay):
+    """The planner's model of the update (split/plan.py) and the trainer's choice (steps_without_temporaries on
+    the optimizer the CLI builds) agree: narrowed in place, or a bf16 copy beside the sums."""
+    from pipedp.cli.build import optimizer_factory
+    from pipedp.config import OptimizerConfig
+    from pipedp.split.adapters import model_blocks
+    from pipedp.split.plan import static_bytes
+
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 4)).to(torch.bfloat16)
+    optim = OptimizerConfig(optimizer=optimizer, weight_decay=weight_decay)
+    opt = optimizer_factory(optim, set(), list(model.parameters()))(list(model.parameters()))
+    planned = static_bytes(model_blocks(model), optimizer, weight_decay=weight_decay)
+    assert (planned.largest_copy == 0) == steps_without_temporaries(opt)
+    assert steps_without_temporaries(opt) == (optimizer != "sgd" or weight_decay == 0)  # fused Adam on the CPU
