@@ -14,6 +14,7 @@ from opacus.grad_sample import GradSampleModuleFastGradientClipping
 
 from .rules import Grads, layer_parameters, rule_for
 from .rules.grams import GramCache, gram_norms
+from .rules.registry import per_row
 
 NORM_SAMPLERS = GradSampleModuleFastGradientClipping.NORM_SAMPLERS  # Opacus's ghost norms (benchmarked against)
 KEEP_MEMORY_RATIO = 1.0  # kept per-sample gradients take at most the memory of the captures they free
@@ -26,6 +27,7 @@ __all__ = [
     "clipped_grad_sum",
     "keeps_per_sample_grads",
     "squared_norms",
+    "per_row",
     "pools_positions",
     "KEEP_MEMORY_RATIO",
     "NORM_SAMPLERS",
@@ -54,15 +56,17 @@ def clipped_grad_sum(layer: nn.Module, inputs: Sequence[torch.Tensor], scaled_ba
 
 
 def add_clipped_grad_sum(
-    layer: nn.Module, inputs: Sequence[torch.Tensor], scaled_backprops: torch.Tensor, sums: Grads
+    layer: nn.Module, inputs: Sequence[torch.Tensor], backprops: torch.Tensor, factors: torch.Tensor, sums: Grads
 ) -> None:
-    """``sums[p] += clipped_grad_sum(...)[p]`` for the layer's parameters, in place where its rule can (no
-    full-size temporary); a new entry is never a view of anything else (the kept path adds to it)."""
+    """``sums[p] += sum_i factors_i grad_i[p]`` for the layer's parameters (``factors``: [n], one per row
+    of ``backprops``, in its dtype), in place where its rule can (no full-size temporary); a new entry is
+    never a view of anything else (the kept path adds to it)."""
     rule = rule_for(layer)
     if rule.add_weight is not None:
-        rule.add_weight(layer, inputs, scaled_backprops, sums)
+        rule.add_weight(layer, inputs, backprops, factors, sums)
         return
-    for p, g in rule.weight(layer, inputs, scaled_backprops).items():
+    scaled = backprops * per_row(factors, backprops.dim())
+    for p, g in rule.weight(layer, inputs, scaled).items():
         if p in sums:
             sums[p] += g
         else:

@@ -542,36 +542,35 @@ class Stage:
         any_dropped = bool((factors == 0).any())
         shaped: Dict[tuple, torch.Tensor] = {}
 
-        def factors_for(name: str, dtype: torch.dtype, dim: int, rows: bool = True) -> torch.Tensor:
-            """The layer's clip factors in ``dtype``, broadcastable to a [n, ...] tensor of ``dim`` dimensions,
-            per row (captures) or per unit (kept gradients); converted once per call of weight."""
-            key = (dtype, dim, name if self.clip.per_layer else "", rows)
+        def factors_for(name: str, dtype: torch.dtype, rows: bool = True) -> torch.Tensor:
+            """The layer's clip factors in ``dtype``, [n]: per row (captures) or per unit (kept gradients);
+            converted once per call of weight."""
+            key = (dtype, name if self.clip.per_layer else "", rows)
             if key not in shaped:
                 row = self.clip.of_layer(factors, name)
-                row = self.units.expand(row) if rows else row
-                shaped[key] = row.to(dtype).reshape((-1,) + (1,) * (dim - 1))
+                shaped[key] = (self.units.expand(row) if rows else row).to(dtype)
             return shaped[key]
 
         for name, calls in state.calls.items():
-            layer, dropped = self.layers[name], self.units.expand(self.clip.of_layer(factors, name) == 0)
+            layer = self.layers[name]
+            dropped = self.units.expand(self.clip.of_layer(factors, name) == 0) if any_dropped else None
             with _naming(name, layer):
                 for call, bp in zip(calls, state.backprops[name]):
-                    scaled, inputs = bp * factors_for(name, bp.dtype, bp.dim()), call.inputs
-                    if any_dropped:
-                        scaled = _zero_rows(scaled, dropped)
+                    inputs = call.inputs
+                    if dropped is not None:
+                        bp = _zero_rows(bp, dropped)
                         inputs = tuple(_zero_rows(a, dropped) if a.is_floating_point() else a for a in inputs)
-                    add_clipped_grad_sum(layer, inputs, scaled, self.clipped_sum)
+                    add_clipped_grad_sum(layer, inputs, bp, factors_for(name, bp.dtype), self.clipped_sum)
         for name, grads in state.kept.items():  # sum_i c_i g_i of the kept per-sample gradients
-            dropped = self.clip.of_layer(factors, name) == 0
             for p, g in grads.items():
                 if any_dropped:
-                    g = _zero_rows(g, dropped)
+                    g = _zero_rows(g, self.clip.of_layer(factors, name) == 0)
                 total = self.clipped_sum.get(p)
                 if total is None:
                     total = self.clipped_sum[p] = torch.zeros(p.shape, dtype=g.dtype, device=g.device)
                 # one in-place matrix-vector product: [P, n] @ [n] added to the running sum (a tensordot
                 # and an add cost three times as much at these sizes)
-                total.view(-1).addmv_(g.reshape(g.shape[0], -1).t(), factors_for(name, g.dtype, 1, rows=False))
+                total.view(-1).addmv_(g.reshape(g.shape[0], -1).t(), factors_for(name, g.dtype, rows=False))
 
     def take_tied_part(self) -> torch.Tensor:
         """Partner in one process: its clipped part of the tied weight, for the owner to add."""

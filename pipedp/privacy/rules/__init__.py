@@ -7,6 +7,8 @@ batch-first ``inputs`` with output-gradients ``backprops``:
   sample's clip factor (W: one local vector-Jacobian product, no per-sample tensors);
 - ``norms`` (optional): the per-sample squared norms {param: [n]} without materializing the
   gradients (ghost norms), or None where no closed form applies or materializing is cheaper;
+- ``add_weight`` (optional): that sum added in place into the running sums, from the unscaled
+  backprops and the factors (the rule scales the cheaper tensor: a Linear its narrower side);
 - ``keepable`` (optional): whether this call's per-sample gradients are cheap enough in closed form
   to be computed once in I and kept until W (their memory is then checked by the caller).
 

@@ -16,7 +16,7 @@ import torch.nn as nn
 
 from ...errors import UnsupportedModelError
 from .grams import gram
-from .registry import Grads, LayerRule, register
+from .registry import Grads, LayerRule, per_row, register
 
 
 def without_padding_rows(layer: nn.Embedding, ids: torch.Tensor, backprops: torch.Tensor) -> torch.Tensor:
@@ -39,21 +39,28 @@ def grads(layer: nn.Module, inputs: Sequence[torch.Tensor], backprops: torch.Ten
 
 def weight(layer: nn.Module, inputs: Sequence[torch.Tensor], scaled: torch.Tensor) -> Grads:
     out: Grads = {}
-    add_weight(layer, inputs, scaled, out)
+    _scatter(layer, inputs, scaled, out)
     return out
 
 
-def add_weight(layer: nn.Module, inputs: Sequence[torch.Tensor], scaled: torch.Tensor, sums: Grads) -> None:
-    """weight() scattered straight into the running sum (no vocabulary-sized temporary per micro-batch)."""
+def add_weight(
+    layer: nn.Module, inputs: Sequence[torch.Tensor], backprops: torch.Tensor, factors: torch.Tensor, sums: Grads
+) -> None:
+    """The clipped sum scattered straight into the running sum (no vocabulary-sized temporary per micro-batch)."""
+    if layer.weight.requires_grad:
+        _scatter(layer, inputs, backprops * per_row(factors, backprops.dim()), sums)
+
+
+def _scatter(layer: nn.Module, inputs: Sequence[torch.Tensor], scaled: torch.Tensor, sums: Grads) -> None:
+    """The output-gradients added into the rows of the ids read. Those at ``padding_idx`` are dropped
+    before the add, not the row zeroed after it: a head tied to this weight adds to that row too."""
     if not layer.weight.requires_grad:
         return
-    g = scaled.reshape(-1, layer.embedding_dim)
+    g = without_padding_rows(layer, inputs[0], scaled).reshape(-1, layer.embedding_dim)
     total = sums.get(layer.weight)
     if total is None:
         total = sums[layer.weight] = torch.zeros_like(layer.weight, dtype=g.dtype)
     total.index_add_(0, inputs[0].reshape(-1), g)
-    if layer.padding_idx is not None:
-        total[layer.padding_idx] = 0
 
 
 def norms(layer: nn.Module, inputs: Sequence[torch.Tensor], backprops: torch.Tensor, grams=None) -> Optional[Grads]:

@@ -13,7 +13,7 @@ import torch
 import torch.nn as nn
 
 from .grams import GramCache, gram
-from .registry import Grads, LayerRule, register
+from .registry import Grads, LayerRule, per_row, register
 
 
 def _is_conv1d(layer: nn.Module) -> bool:
@@ -40,26 +40,49 @@ def grads(layer: nn.Module, inputs: Sequence[torch.Tensor], backprops: torch.Ten
 
 def weight(layer: nn.Module, inputs: Sequence[torch.Tensor], scaled: torch.Tensor) -> Grads:
     out: Grads = {}
-    add_weight(layer, inputs, scaled, out)
+    a3, g3 = _as_sequences(layer, inputs[0], scaled)
+    _accumulate(layer, a3, g3, out)
     return out
 
 
-def add_weight(layer: nn.Module, inputs: Sequence[torch.Tensor], scaled: torch.Tensor, sums: Grads) -> None:
-    """weight() added into ``sums``: the product accumulates in the running sum (addmm_), so a 32000 x 4096
-    head never has a second float32 copy of its gradient."""
-    a = inputs[0].reshape(-1, inputs[0].shape[-1]).to(scaled.dtype)
-    g = scaled.reshape(-1, scaled.shape[-1])
+def add_weight(
+    layer: nn.Module, inputs: Sequence[torch.Tensor], backprops: torch.Tensor, factors: torch.Tensor, sums: Grads
+) -> None:
+    """sum_i factors_i grad_i added into ``sums``. The gradient is bilinear in the input and the
+    output-gradient, so the factors scale the narrower one (fc1 of a d -> 4d MLP: a quarter of the
+    elements); the bias then weights each sample's output-gradient sum."""
+    n = backprops.shape[0]
+    a3, g3 = inputs[0].reshape(n, -1, inputs[0].shape[-1]), backprops.reshape(n, -1, backprops.shape[-1])
+    if a3.shape[-1] >= g3.shape[-1] and layer.weight.requires_grad:
+        _accumulate(layer, a3.to(g3.dtype), g3 * per_row(factors, 3), sums)
+        return
+    bias = None  # the output-gradient stays unscaled: the bias weights its per-sample sums
+    if layer.bias is not None and layer.bias.requires_grad:
+        bias = g3.sum(1).t() @ factors
+    if layer.weight.requires_grad:  # (one pass: a bf16 capture promotes against the float32 factors)
+        a3 = (a3 * per_row(factors, 3)).to(g3.dtype)
+    _accumulate(layer, a3, g3, sums, bias)
+
+
+def _accumulate(
+    layer: nn.Module, a3: torch.Tensor, g3: torch.Tensor, sums: Grads, bias: Optional[torch.Tensor] = None
+) -> None:
+    """``sums`` += the weight's product of [n, T, in] inputs and [n, T, out] output-gradients and the bias's
+    part (``bias``, or the output-gradients' sum). The product accumulates in the running sum (addmm_),
+    so a 32000 x 4096 head never has a second float32 copy of its gradient."""
     if layer.weight.requires_grad:
+        a, g = a3.reshape(-1, a3.shape[-1]), g3.reshape(-1, g3.shape[-1])
         left, right = (a.t(), g) if _is_conv1d(layer) else (g.t(), a)
         if layer.weight in sums:
             sums[layer.weight].addmm_(left, right)
         else:
             sums[layer.weight] = left @ right
     if layer.bias is not None and layer.bias.requires_grad:
+        part = bias if bias is not None else g3.sum((0, 1))
         if layer.bias in sums:
-            sums[layer.bias] += g.sum(0)
+            sums[layer.bias] += part
         else:
-            sums[layer.bias] = g.sum(0)
+            sums[layer.bias] = part
 
 
 def norms(

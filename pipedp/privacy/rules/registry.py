@@ -21,9 +21,11 @@ class LayerRule:
     # the math sums over every dimension between the first (the sample) and the features: the rows of a
     # privacy layer may be folded into positions (privacy/units.py)
     pools_positions: bool = False
-    # (layer, inputs, scaled backprops, sums) -> None: weight()'s result added into the running sums in
-    # place (no full-size temporary per micro-batch); None: weight(), then an add
-    add_weight: Optional[Callable[[nn.Module, Sequence[torch.Tensor], torch.Tensor, Grads], None]] = None
+    # (layer, inputs, backprops, factors, sums) -> None: the clipped sum sum_i factors_i grad_i added into
+    # the running sums in place (no full-size temporary per micro-batch), from the unscaled backprops and
+    # the per-row factors [n] (the rule chooses which tensor to scale); None: weight() of the scaled
+    # backprops, then an add
+    add_weight: Optional[Callable[[nn.Module, Sequence[torch.Tensor], torch.Tensor, torch.Tensor, Grads], None]] = None
 
 
 RULES: Dict[type, LayerRule] = {}
@@ -36,6 +38,11 @@ def register(layer: "type | Callable[[nn.Module], bool]", rule: LayerRule) -> No
         RULES[layer] = rule
     else:
         PREDICATES.append((layer, rule))
+
+
+def per_row(factors: torch.Tensor, dim: int) -> torch.Tensor:
+    """[n] factors as [n, 1, ...], broadcastable to a [n, ...] tensor of ``dim`` dimensions."""
+    return factors.reshape((-1,) + (1,) * (dim - 1))
 
 
 CONTAINERS = (nn.ParameterDict, nn.ParameterList)

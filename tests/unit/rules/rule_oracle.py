@@ -18,7 +18,7 @@ def per_sample_autograd(layer, inputs, backprops):
 
 def check_rule(layer, inputs, backprops, tol=1e-10):
     """The registered rule's per-sample gradients, norms and clipped sum against the oracle."""
-    from pipedp.privacy.per_sample import clipped_grad_sum, ghost_squared_norms, per_sample_grads
+    from pipedp.privacy.per_sample import add_clipped_grad_sum, clipped_grad_sum, ghost_squared_norms, per_sample_grads
 
     want = per_sample_autograd(layer, inputs, backprops)
     got = per_sample_grads(layer, inputs, backprops)
@@ -32,7 +32,14 @@ def check_rule(layer, inputs, backprops, tol=1e-10):
     factors = torch.linspace(0.2, 1.0, backprops.shape[0], dtype=backprops.dtype)
     scaled = backprops * factors.reshape((-1,) + (1,) * (backprops.dim() - 1))
     summed = clipped_grad_sum(layer, inputs, scaled)
+    added = {}  # the in-place path W takes: unscaled backprops and the factors, into empty then running sums
+    add_clipped_grad_sum(layer, inputs, backprops, factors, added)
+    start = {p: torch.full_like(g, 0.5) for p, g in added.items()}
+    running = {p: g.clone() for p, g in start.items()}
+    add_clipped_grad_sum(layer, inputs, backprops, factors, running)
     for p in want:
         expected = (want[p] * factors.reshape((-1,) + (1,) * p.dim())).sum(0)
         assert torch.allclose(summed[p], expected, atol=tol, rtol=tol)
+        assert torch.allclose(added[p], expected, atol=tol, rtol=tol)
+        assert torch.allclose(running[p] - start[p], expected, atol=tol, rtol=tol)
     return norms is not None
