@@ -47,6 +47,11 @@ def validate_model(model: nn.Module) -> None:
                 "computed from the private batch and would be released without noise (Opacus: 'we do not support "
                 "tracking running stats with differential privacy'); use track_running_stats=False"
             )
+        if isinstance(module, (nn.Embedding, nn.EmbeddingBag)) and module.max_norm is not None:
+            problems.append(  # (the forward's own check would refuse it too, after the rows were changed)
+                f"layer {name!r} is {type(module).__name__}(max_norm={module.max_norm}): its forward renormalizes, in "
+                "place, the rows the private batch reads, un-noised; use max_norm=None"
+            )
     if not problems:
         # Opacus's own validators (LSTM -> DPLSTM, MultiheadAttention -> DPMultiheadAttention, ...); only its
         # "model in eval mode" error is dropped: evaluation mode is the user's choice, nothing leaks from it

@@ -192,13 +192,14 @@ class Stage:
         targets=None,
         side_inputs: Optional[Dict[str, torch.Tensor]] = None,
         size: Optional[int] = None,
-        check_buffers: bool = False,
+        check_state: bool = False,
     ):
         """``x``: the micro-batch's inputs (first stage: a tensor or a dict of tensors) or the previous
         stage's output (a tensor or a tuple of tensors); ``side_inputs``: the micro-batch's input dict,
         handed to every block whose forward takes ``side_inputs`` (e.g. Hugging Face layers reading the
-        attention mask); ``size``: the micro-batch's rows (default: read from ``x``); ``check_buffers``:
-        refuse a forward that changes a buffer (a statistic of the private batch, un-noised)."""
+        attention mask); ``size``: the micro-batch's rows (default: read from ``x``); ``check_state``:
+        refuse a forward that changes a parameter or a buffer in place (a function of the private batch,
+        un-noised)."""
         if not self.is_first:  # the received tensors become leaves whose gradients go back
             x = tuple(_leaf(t) for t in x) if isinstance(x, tuple) else _leaf(x)
         first = tensors_of(x)[0]
@@ -207,7 +208,7 @@ class Stage:
         if not self.is_first:
             state.inputs = tuple(t for t in tensors_of(x) if t.is_floating_point())
             state.tuple_input = isinstance(x, tuple)
-        before = self._buffer_versions() if check_buffers else None
+        before = self._state_versions() if check_state else None
         with self.capture.recording(mb, size), self._compute_precision(first.device):
             out = x
             for b in self.blocks:
@@ -218,7 +219,7 @@ class Stage:
             if self.is_last:
                 losses = self.loss_fn(out, targets) if self.loss_fn is not None else out
         if before is not None:
-            self._refuse_changed_buffers(before)
+            self._refuse_changed_state(before)
         state.output = self._checked_losses(losses, size) if self.is_last else self._checked_output(out)
         self.pending[mb] = state
         return state.output
@@ -249,16 +250,26 @@ class Stage:
             )
         return out
 
-    def _buffer_versions(self) -> Dict[str, Tuple[int, int]]:
+    def _state_versions(self) -> Dict[str, Tuple[bool, int, int]]:
+        """{qualified name: (is a parameter, the tensor's id, its version)} of the stage's parameters and buffers."""
         return {
-            b.qualified(name): (id(buffer), buffer._version)
+            b.qualified(name): (is_parameter, id(t), t._version)
             for b in self.blocks
-            for name, buffer in b.module.named_buffers()
+            for is_parameter, named in ((True, b.module.named_parameters()), (False, b.module.named_buffers()))
+            for name, t in named
         }
 
-    def _refuse_changed_buffers(self, before: Dict[str, Tuple[int, int]]) -> None:
-        after = self._buffer_versions()
+    def _refuse_changed_state(self, before: Dict[str, Tuple[bool, int, int]]) -> None:
+        after = self._state_versions()
         changed = sorted(k for k in set(before) | set(after) if before.get(k) != after.get(k))
+        parameters = [k for k in changed if (before.get(k) or after[k])[0]]
+        if parameters:
+            raise UnsupportedModelError(
+                f"stage {self.index}: the training forward changes the parameters {parameters[:6]} in place (e.g. "
+                "nn.Embedding(max_norm=...) renormalizes the rows the batch reads): their new values depend on the "
+                "private batch, un-noised, and their gradients are taken at values the samples did not see. Drop the "
+                "in-place change (max_norm=None; renormalize after the noisy step if needed)"
+            )
         if changed:
             raise UnsupportedModelError(
                 f"stage {self.index}: the training forward changes the buffers {changed[:6]}: statistics of the private "

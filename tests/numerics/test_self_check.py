@@ -140,6 +140,57 @@ def test_a_buffer_the_forward_changes_is_refused_by_name():
         step(model, class_loss, x, y)
 
 
+def test_an_embedding_with_max_norm_is_refused_at_construction():
+    model = nn.Sequential(nn.Embedding(6, 4, max_norm=0.5), nn.Flatten(), nn.Linear(12, 3)).double()
+    with pytest.raises(UnsupportedModelError, match=r"layer '0' is Embedding\(max_norm=0.5\).*use max_norm=None"):
+        step(model, class_loss, torch.zeros(4, 3, dtype=torch.long), torch.zeros(4, dtype=torch.long))
+
+
+@pytest.mark.parametrize("self_check", [True, False])
+def test_a_forward_that_changes_a_parameter_in_place_is_refused_by_name(self_check, monkeypatch):
+    """max_norm renormalizes, in place and un-noised, the rows the private batch reads. With the
+    construction check planted away, the forward's own check refuses it on every step's first
+    micro-batch, self-check or not."""
+    monkeypatch.setattr("pipedp.train.trainer.validate_model", lambda model: None)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Embedding(6, 4, max_norm=0.5), nn.Flatten(), nn.Linear(12, 3)).double()
+    x, y = torch.tensor([[0, 1, 2], [3, 0, 0], [4, 5, 1], [0, 0, 0]]), torch.tensor([0, 1, 2, 1])
+    with pytest.raises(UnsupportedModelError, match=r"changes the parameters \['0.weight'\] in place .*max_norm=None"):
+        step(model, class_loss, x, y, self_check=self_check)
+
+
+def test_a_parameter_changed_in_place_on_a_later_step_is_refused():
+    class Drifting(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc, self.calls = nn.Linear(4, 4), 0
+
+        def forward(self, x):
+            self.calls += 1
+            if self.calls > 1:  # not on the first (self-checked) step
+                with torch.no_grad():
+                    self.fc.weight.mul_(1.0 + x.detach().abs().mean())
+            return self.fc(x)
+
+    torch.manual_seed(0)
+    model = nn.Sequential(Drifting(), nn.Tanh(), nn.Linear(4, 3)).double()
+    trainer = PipelineDPTrainer(
+        model,
+        class_loss,
+        lambda p: torch.optim.SGD(p, lr=0.1),
+        stages=2,
+        noise_multiplier=0.0,
+        max_grad_norm=1.0,
+        expected_batch_size=4,
+        sampling="poisson",
+        sample_rate=0.1,
+    )
+    x, y = torch.randn(4, 4, dtype=torch.float64), torch.randint(0, 3, (4,))
+    trainer.step(x, y)
+    with pytest.raises(UnsupportedModelError, match=r"changes the parameters \['0.fc.weight'\]"):
+        trainer.step(x, y)
+
+
 def test_instance_norm_with_running_statistics_is_refused_at_construction():
     model = nn.Sequential(nn.Linear(4, 8), nn.InstanceNorm1d(8, track_running_stats=True), nn.Linear(8, 3))
     with pytest.raises(UnsupportedModelError, match=r"layer '1' is InstanceNorm1d\(track_running_stats=True\)"):

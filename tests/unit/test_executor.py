@@ -29,8 +29,8 @@ class FakeStage:
     def passed_check(self, inputs):
         self.calls.append("checked")
 
-    def forward(self, mb, x, targets, side, size, check_buffers=False):
-        self.calls.append(("F", mb, check_buffers))
+    def forward(self, mb, x, targets, side, size, check_state=False):
+        self.calls.append(("F", mb, check_state))
         return 2 * x
 
     def backward_input(self, mb, grad, probe=None):
