@@ -91,5 +91,8 @@ def tiny_gpt(cfg: GPTConfig = GPTConfig()) -> nn.Sequential:
 def token_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     """Per-sample loss of a token model: each sequence's mean next-token cross-entropy over its
     target tokens (targets of -100, e.g. padding, are ignored, as in Hugging Face's labels)."""
-    losses = F.cross_entropy(logits.transpose(1, 2), targets, reduction="none")  # 0 where the target is -100
+    # over [tokens, vocab] rows: a transposed [n, vocab, T] input makes the backward copy the whole
+    # logits-sized gradient once more (and log-softmax run over a strided dimension)
+    flat = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1), reduction="none")
+    losses = flat.view(targets.shape)  # 0 where the target is -100
     return losses.sum(dim=1) / (targets != -100).sum(dim=1).clamp(min=1)
