@@ -16,6 +16,9 @@ One process, one thread, every stage in turn (no pipeline, no transport: compute
    dispatched per step) fitted as a + m * (b + c * L) by least squares, for pipedp (ghost, keep, one
    stage) and plain training, so c is the fixed cost per block and micro-batch, b the rest per
    micro-batch. Plain and DP alternate, median of the repetitions.
+3. By operator (small preset): each aten operator's time in a plain and a DP step (auto), the largest
+   differences first, and both steps' matrix-product FLOPs: their ratio is the most DP can reach at
+   plain's FLOP rate.
 """
 
 from __future__ import annotations
@@ -216,14 +219,80 @@ def fixed_costs(layers=(2, 4, 8), ms=(2, 8), rows: int = 4, reps: int = 5, round
     return {"samples": samples, "fits": fits, "rows": rows}
 
 
+class _OperatorTimes(TorchDispatchMode):
+    """Each aten operator's wall time summed per operator (the dispatch included: a small operator's
+    figure is inflated by this wrapper), and the matrix products' floating-point operations."""
+
+    PRODUCTS = {"mm", "addmm", "addmm_", "bmm", "baddbmm", "baddbmm_", "mv", "addmv", "addmv_"}
+
+    def __init__(self):
+        super().__init__()
+        self.ms: Dict[str, float] = defaultdict(float)
+        self.flops = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        start = time.perf_counter()
+        out = func(*args, **(kwargs or {}))
+        name = func.overloadpacket.__name__
+        product = name in self.PRODUCTS  # (one row: plain's weight gradients are mm, W's addmm_)
+        self.ms["matrix products" if product else name] += 1000 * (time.perf_counter() - start)
+        if product:  # 2 x (output elements) x (the contracted length)
+            contracted = [a for a in args if isinstance(a, torch.Tensor) and a.dim() >= 1][-1]
+            length = contracted.shape[-2] if contracted.dim() >= 2 else contracted.shape[-1]
+            self.flops += 2 * out.numel() * length
+        return out
+
+
+def by_operator(preset_name: str = "small", reps: int = 3) -> Dict:
+    """Plain micro-batched training and pipedp's default step (grad_mode auto) on the preset: each aten
+    operator's time (median over reps) on both sides, and both steps' matrix-product FLOPs, whose ratio
+    bounds the DP / plain speed where DP's products ran at plain's rate and nothing else cost."""
+    preset = PRESETS[preset_name]
+    m, batch = preset.microbatches, preset.batch
+    x, y = preset.make_batch(batch, 0)
+    torch.manual_seed(0)
+    steps = {"plain": _plain_step(preset.build(), preset, x, y, m)}
+    torch.manual_seed(0)
+    trainer = _trainer(preset.build(), preset, m, "auto", 2, batch)
+    steps["dp"] = lambda: trainer.step(x, y)
+    for step in steps.values():
+        step()
+        step()
+    times: Dict[str, Dict[str, List[float]]] = {name: defaultdict(list) for name in steps}
+    flops: Dict[str, int] = {}
+    for _ in range(reps):
+        for name, step in steps.items():
+            with _OperatorTimes() as timer:
+                step()
+            for op, ms in timer.ms.items():
+                times[name][op].append(ms)
+            flops[name] = timer.flops
+    trainer.close()
+    median = {name: {op: statistics.median(v) for op, v in t.items()} for name, t in times.items()}
+    ops = sorted(
+        set(median["plain"]) | set(median["dp"]), key=lambda op: -(median["dp"].get(op, 0) - median["plain"].get(op, 0))
+    )
+    rows = [(op, median["plain"].get(op, 0.0), median["dp"].get(op, 0.0)) for op in ops]
+    return {
+        "preset": preset_name,
+        "rows": rows,
+        "total ms": {name: sum(t.values()) for name, t in median.items()},
+        "flops": flops,
+    }
+
+
 def measure(quick: bool = False) -> Dict:
     torch.set_num_threads(1)
     from pipedp import settle_process
 
     settle_process()
     if quick:
-        return {"phases": phases("tiny", reps=1), "fixed": fixed_costs(layers=(1, 2), ms=(1, 2), reps=1, rounds=1)}
-    return {"phases": phases("small"), "fixed": fixed_costs()}
+        return {
+            "phases": phases("tiny", reps=1),
+            "operators": by_operator("tiny", reps=1),
+            "fixed": fixed_costs(layers=(1, 2), ms=(1, 2), reps=1, rounds=1),
+        }
+    return {"phases": phases("small"), "operators": by_operator("small"), "fixed": fixed_costs()}
 
 
 def markdown(result: Dict) -> List[str]:
@@ -243,6 +312,7 @@ def markdown(result: Dict) -> List[str]:
             f"{r['weight ms']:.1f} | {r['rest ms']:.1f} | {r['ops per micro-batch']:.0f} ({r['forward ops per micro-batch']:.0f} / "
             f"{r['backward_input ops per micro-batch']:.0f} / {r['weight ops per micro-batch']:.0f}) |"
         )
+    lines += _operator_lines(result["operators"])
     lines += [
         "",
         f"Fixed costs (narrow GPT d=32, T=16, {fx['rows']}-row micro-batches, L blocks x m micro-batches, step time fitted "
@@ -257,6 +327,33 @@ def markdown(result: Dict) -> List[str]:
             f"{f['per block and micro-batch ms']:.3f} | {f['ops per step']:.0f} / {f['ops per micro-batch']:.0f} / "
             f"{f['ops per block and micro-batch']:.0f} |"
         )
+    return lines
+
+
+def _operator_lines(op: Dict, top: int = 14) -> List[str]:
+    plain, dp = op["total ms"]["plain"], op["total ms"]["dp"]
+    lines = [
+        "",
+        f"By operator ({op['preset']} preset, the same 2 stages in turn; plain training against pipedp's default, "
+        "grad_mode auto; ms per step, median of the repetitions, each operator timed through a dispatch wrapper, "
+        "which inflates the small ones), the largest differences first:",
+        "",
+        "| operator | plain ms | pipedp ms | pipedp - plain ms |",
+        "|---|---|---|---|",
+    ]
+    for name, a, b in op["rows"][:top]:
+        lines.append(f"| {name} | {a:.1f} | {b:.1f} | {b - a:+.1f} |")
+    rest_a = sum(a for _, a, _ in op["rows"][top:])
+    rest_b = sum(b for _, _, b in op["rows"][top:])
+    lines.append(f"| the other {len(op['rows']) - top} | {rest_a:.1f} | {rest_b:.1f} | {rest_b - rest_a:+.1f} |")
+    lines.append(f"| all operators | {plain:.1f} | {dp:.1f} | {dp - plain:+.1f} (plain / pipedp {plain / dp:.2f}) |")
+    fp, fd = op["flops"]["plain"], op["flops"]["dp"]
+    lines += [
+        "",
+        f"Matrix-product FLOPs per step: plain {fp / 1e9:.2f} G, pipedp {fd / 1e9:.2f} G (the ghost norms' Gram "
+        f"matrices and W's products): at plain's FLOP rate, with nothing else costing, pipedp / plain could reach "
+        f"at most **{fp / fd:.2f}x**.",
+    ]
     return lines
 
 

@@ -32,7 +32,7 @@ import torch.distributed as dist
 from .memory import PeakMemory
 from .presets import PRESETS, Preset
 
-PIPEDP_VARIANTS = [("1f1b", "ghost"), ("dp-zb", "ghost"), ("1f1b", "keep"), ("dp-zb", "keep")]
+PIPEDP_VARIANTS = [("1f1b", "auto"), ("1f1b", "ghost"), ("dp-zb", "ghost"), ("1f1b", "keep"), ("dp-zb", "keep")]
 GOALS = {"dp-cost": None, "naive": None, "lora": 0.97, "opacus": 1.5, "self-check-steady": 0.97}
 
 
