@@ -52,6 +52,12 @@ def validate_model(model: nn.Module) -> None:
                 f"layer {name!r} is {type(module).__name__}(max_norm={module.max_norm}): its forward renormalizes, in "
                 "place, the rows the private batch reads, un-noised; use max_norm=None"
             )
+        if isinstance(module, (nn.Embedding, nn.EmbeddingBag)) and module.scale_grad_by_freq:
+            problems.append(  # (the self-check catches it too, if on)
+                f"layer {name!r} is {type(module).__name__}(scale_grad_by_freq=True): its gradient divides each row "
+                "by the id's count in the whole batch, which couples the samples, so the clipped sum would not be a "
+                "sum of per-sample gradients; use scale_grad_by_freq=False"
+            )
     if not problems:
         # Opacus's own validators (LSTM -> DPLSTM, MultiheadAttention -> DPMultiheadAttention, ...); only its
         # "model in eval mode" error is dropped: evaluation mode is the user's choice, nothing leaks from it

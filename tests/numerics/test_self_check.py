@@ -146,6 +146,26 @@ def test_an_embedding_with_max_norm_is_refused_at_construction():
         step(model, class_loss, torch.zeros(4, 3, dtype=torch.long), torch.zeros(4, dtype=torch.long))
 
 
+@pytest.mark.parametrize("bag", [False, True])
+def test_an_embedding_scaling_gradients_by_batch_frequency_is_refused_at_construction(bag, monkeypatch):
+    """The batch's id counts couple the samples. Planted away, the check lets a step run whose clipped
+    sum is off the loop oracle with the self-check off."""
+    torch.manual_seed(0)
+    if bag:
+        model = nn.Sequential(nn.EmbeddingBag(6, 4, mode="sum", scale_grad_by_freq=True), nn.Linear(4, 3))
+    else:
+        model = nn.Sequential(nn.Embedding(6, 4, scale_grad_by_freq=True), nn.Flatten(), nn.Linear(12, 3))
+    model = model.double()
+    x, y = torch.tensor([[0, 1, 1], [3, 0, 0], [4, 5, 1], [0, 0, 1]]), torch.tensor([0, 1, 2, 1])
+    kind = "EmbeddingBag" if bag else "Embedding"
+    with pytest.raises(UnsupportedModelError, match=rf"layer '0' is {kind}\(scale_grad_by_freq=True\)"):
+        step(copy.deepcopy(model), class_loss, x, y)
+    monkeypatch.setattr("pipedp.train.trainer.validate_model", lambda model: None)
+    want = loop_clipped_sum(copy.deepcopy(model), class_loss, x, y, 0.5)
+    got = step(model, class_loss, x, y, self_check=False)
+    assert max_relative_error(got, want) > 1e-3
+
+
 @pytest.mark.parametrize("self_check", [True, False])
 def test_a_forward_that_changes_a_parameter_in_place_is_refused_by_name(self_check, monkeypatch):
     """max_norm renormalizes, in place and un-noised, the rows the private batch reads. With the
