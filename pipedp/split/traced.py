@@ -96,11 +96,12 @@ def traced_blocks(model: nn.Module) -> Optional[List[Block]]:
         for k, cut in enumerate(marks):
             _check_mark(model, k, cut, placeholders + body, len(placeholders), kept_together, meta)
         cuts = sorted({c for c in marks if 0 < c < len(body)})
-    else:  # after any top-level call where only tensors cross and no layer is used on both sides
+    else:  # after any top-level call (or the last index into its tuple) where only tensors cross and no
+        # layer is used on both sides
         cuts = [
             i + 1
             for i, node in enumerate(body[:-1])
-            if node.op == "call_module"
+            if (node.op == "call_module" or _ends_indexing_of_a_call(node))
             and not any(a <= i < b for a, b in kept_together)
             and _only_tensors_cross(placeholders + body, len(placeholders) + i + 1, meta)
         ]
@@ -221,6 +222,12 @@ def _non_tensor_values(nodes: List[fx.Node]) -> Set[fx.Node]:
         elif n.op == "call_function" and args and all(a in meta for a in args) and not _indexes_a_call(n):
             meta.add(n)  # operator.getitem / mul / ... on sizes
     return meta
+
+
+def _ends_indexing_of_a_call(n: fx.Node) -> bool:
+    """``out[:, -1]`` after ``out, _ = self.lstm(x)``: the last index into a layer's tuple result, where a
+    cut sends a tensor (the call itself, a tuple, never crosses: ``_only_tensors_cross`` sees to that)."""
+    return _indexes_a_call(n) and not any(_indexes_a_call(u) for u in n.users)
 
 
 def _indexes_a_call(n: fx.Node) -> bool:

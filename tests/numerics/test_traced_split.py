@@ -198,6 +198,41 @@ def test_a_module_called_twice_stays_on_one_stage_and_is_exact():
     )
 
 
+class LastStep(torch.nn.Module):
+    """A recurrent classifier written the usual way: nothing before the LSTM, whose (out, (h, c)) is
+    unpacked, so the only cut that sends tensors is after an index into that tuple."""
+
+    def __init__(self, with_state):
+        super().__init__()
+        from opacus.layers import DPLSTM
+
+        self.with_state = with_state
+        self.rnn = DPLSTM(4, 5, batch_first=True)
+        self.head = torch.nn.Linear(5, 3)
+
+    def forward(self, x):
+        out, (h, c) = self.rnn(x)
+        last = out[:, -1]
+        return self.head(last + h[0] * c[0] if self.with_state else last)
+
+
+@pytest.mark.parametrize("with_state", [False, True])
+def test_a_cut_after_the_index_into_an_lstm_tuple_is_exact(with_state, monkeypatch):
+    from pipedp.split import traced
+
+    torch.manual_seed(0)
+    model = LastStep(with_state).double()
+    blocks = model_blocks(model)
+    assert len(blocks) == 2 and "rnn" in dict(blocks[0].module.named_children())  # the tuple stays on stage 0
+    g = torch.Generator().manual_seed(5)
+    x, y = torch.randn(6, 7, 4, generator=g, dtype=torch.float64), torch.randint(0, 3, (6,), generator=g)
+    assert class_step_error(model, x, y) < 1e-10
+    # planted: cuts after module calls only (the old rule) find none here, and the model is refused
+    monkeypatch.setattr(traced, "_ends_indexing_of_a_call", lambda n: False)
+    with pytest.raises(UnsupportedModelError, match="don't know how to split LastStep"):
+        model_blocks(LastStep(with_state))
+
+
 def test_what_the_graph_shows_cannot_be_clipped_is_refused_by_name():
     class Functional(torch.nn.Module):
         def __init__(self):
