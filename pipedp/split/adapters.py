@@ -52,13 +52,20 @@ def _adapted(model: nn.Module, untie_weights: bool) -> List[Block]:
         blocks = captured_blocks(model)
     if blocks is None:
         blocks = traced_blocks(model)  # the fallback: trace the forward, cut where only tensors cross
-    if blocks is None:
-        raise UnsupportedModelError(
-            f"don't know how to split {type(model).__name__} into pipeline stages (tried: pipeline_blocks(), "
-            "nn.Sequential, the Hugging Face adapters, pipe_split() marks, and tracing its forward, which found "
-            "no call of a submodule after which only tensors cross, e.g. a size read at the start and used at "
-            "the end): pass an nn.Sequential of blocks, give the model a "
-            "pipeline_blocks() method returning [(name, module), ...] in forward order, or mark split points "
-            "with torch.distributed.pipelining.pipe_split() in its forward and wrap it with pipedp.SplitModel"
-        )
+        if blocks is None:
+            raise UnsupportedModelError(unsplittable(model))
+        if len(blocks) == 1:  # the whole forward: it runs on one stage; more are refused, saying why
+            blocks = [replace(blocks[0], unsplittable=unsplittable(model))]
     return blocks
+
+
+def unsplittable(model: nn.Module) -> str:
+    """Why ``model`` cannot be split into stages, and the ways out."""
+    return (
+        f"don't know how to split {type(model).__name__} into pipeline stages (tried: pipeline_blocks(), "
+        "nn.Sequential, the Hugging Face adapters, pipe_split() marks, and tracing its forward, which found "
+        "no call of a submodule after which only tensors cross, e.g. a size read at the start and used at "
+        "the end): run it on one stage, pass an nn.Sequential of blocks, give the model a "
+        "pipeline_blocks() method returning [(name, module), ...] in forward order, or mark split points "
+        "with torch.distributed.pipelining.pipe_split() in its forward and wrap it with pipedp.SplitModel"
+    )

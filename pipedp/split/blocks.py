@@ -19,6 +19,8 @@ class Block:
     # a first block whose forward takes the micro-batch's input dict entries as positional
     # arguments, in this order (a traced model whose forward has several inputs); () otherwise
     input_names: Tuple[str, ...] = ()
+    # a whole model no cut could split (one traced piece): why, the error any split into 2+ stages raises
+    unsplittable: str = ""
 
     def qualified(self, key: str) -> str:
         return f"{self.name}.{key}" if self.name else key

@@ -8,7 +8,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import torch.nn as nn
 
 from ..config import Balance
-from ..errors import PartitionError
+from ..errors import PartitionError, UnsupportedModelError
 from .blocks import Block
 
 
@@ -115,6 +115,8 @@ def partition(
     """Group blocks into stages: "compute" (multiply-adds per token), "uniform" (block counts), "params"
     (parameter counts), a list of
     per-block costs, or a function of the blocks returning such a list (e.g. measured_costs)."""
+    if stages > 1 and len(blocks) == 1 and blocks[0].unsplittable:
+        raise UnsupportedModelError(blocks[0].unsplittable)
     if balance == "uniform":
         ranges = uniform_split(len(blocks), stages)
     else:

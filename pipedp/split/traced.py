@@ -76,7 +76,8 @@ class _TopLevelTracer(fx.Tracer):
 
 
 def traced_blocks(model: nn.Module) -> Optional[List[Block]]:
-    """Blocks cut from the traced forward, or None when fewer than two pieces come out."""
+    """Blocks cut from the traced forward (one, the whole forward, where no cut sends only tensors), or
+    None for an empty forward."""
     graph = _trace(model)
     nodes = list(graph.nodes)
     placeholders = [n for n in nodes if n.op == "placeholder"]
@@ -107,7 +108,7 @@ def traced_blocks(model: nn.Module) -> Optional[List[Block]]:
         ]
     bounds = [0] + cuts + [len(body)]
     pieces = [body[a:b] for a, b in zip(bounds, bounds[1:]) if b > a]
-    if len(pieces) < 2:
+    if not pieces:
         return None
     output = next(n for n in nodes if n.op == "output")
     blocks, incoming = [], placeholders

@@ -227,10 +227,11 @@ def test_a_cut_after_the_index_into_an_lstm_tuple_is_exact(with_state, monkeypat
     g = torch.Generator().manual_seed(5)
     x, y = torch.randn(6, 7, 4, generator=g, dtype=torch.float64), torch.randint(0, 3, (6,), generator=g)
     assert class_step_error(model, x, y) < 1e-10
-    # planted: cuts after module calls only (the old rule) find none here, and the model is refused
+    # planted: cuts after module calls only (the old rule) find none here: one block, refused on 2 stages
     monkeypatch.setattr(traced, "_ends_indexing_of_a_call", lambda n: False)
+    assert len(model_blocks(LastStep(with_state))) == 1
     with pytest.raises(UnsupportedModelError, match="don't know how to split LastStep"):
-        model_blocks(LastStep(with_state))
+        PipelineDPTrainer(LastStep(with_state), F.cross_entropy, stages=2, expected_batch_size=2)
 
 
 def test_what_the_graph_shows_cannot_be_clipped_is_refused_by_name():
@@ -261,6 +262,45 @@ def test_what_the_graph_shows_cannot_be_clipped_is_refused_by_name():
 
     with pytest.raises(UnsupportedModelError, match="tried: pipeline_blocks.*only tensors cross, e.g. a size"):
         PipelineDPTrainer(SizeAtTheEnd(), seq_loss, stages=2, expected_batch_size=2)
+
+
+def test_a_model_no_cut_can_split_trains_exactly_on_one_stage():
+    """A size read at the start and used at the end crosses every cut: one block, the whole forward,
+    which one stage runs (it was refused on any stage count)."""
+
+    class SizeAtTheEnd(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = torch.nn.Linear(4, 6), torch.nn.Linear(6, 3)
+
+        def forward(self, x):
+            steps = x.shape[1]
+            return self.b(torch.tanh(self.a(x))).sum(1) / steps
+
+    torch.manual_seed(0)
+    model = SizeAtTheEnd().double()
+    assert len(model_blocks(model)) == 1
+    g = torch.Generator().manual_seed(6)
+    x, y = torch.randn(6, 5, 4, generator=g, dtype=torch.float64), torch.randint(0, 3, (6,), generator=g)
+
+    def ce(o, t):
+        return F.cross_entropy(o, t, reduction="none")
+
+    want = loop_clipped_sum(copy.deepcopy(model), ce, x, y, 0.1)
+    for mode in ("ghost", "keep"):
+        trial = copy.deepcopy(model)
+        trainer = PipelineDPTrainer(
+            trial,
+            ce,
+            sgd,
+            stages=1,
+            microbatches=2,
+            grad_mode=mode,
+            noise_multiplier=0.0,
+            max_grad_norm=0.1,
+            expected_batch_size=1,
+        )
+        assert max_relative_error(step_update(trial, trainer, x, y), want) < 1e-10
 
 
 def test_the_inputs_of_a_two_input_model_must_be_a_dict_with_its_argument_names():

@@ -67,8 +67,10 @@ def test_unknown_model_without_split_points():
         def forward(self, x):
             return self.lin(x)
 
-    with pytest.raises(UnsupportedModelError, match="Opaque"):
-        model_blocks(Opaque())
+    blocks = model_blocks(Opaque())  # one block: the whole forward, for one stage
+    assert len(blocks) == 1 and partition(blocks, 1)[0] == blocks
+    with pytest.raises(UnsupportedModelError, match="don't know how to split Opaque.*run it on one stage"):
+        partition(blocks, 2)
 
 
 class Repeated(nn.Module):
