@@ -3,7 +3,8 @@
 - embed(inputs):       the forward up to the first decoder layer; its input is the hidden state.
 - layer_call(i, ...):  what the forward gives layer i besides the hidden state, from a run without
                        gradients that stops at the last layer (one run per micro-batch and stage:
-                       every layer block of the stage reads the same record).
+                       every layer block of the stage reads the same record; the run leaves the
+                       random state as it found it, see rng_kept).
 - head(hidden, ...):   the forward with the last layer's output replaced by the stage's hidden
                        state, on to the logits (before it, nothing is recorded for gradients).
 
@@ -92,7 +93,7 @@ class Driver:
 
         inputs = self._inputs(hidden, side)
         self._check_context()
-        with torch.no_grad(), layers_replaced(self.s.body, self.s.layers_name, on_call):
+        with torch.no_grad(), rng_kept(hidden.device), layers_replaced(self.s.body, self.s.layers_name, on_call):
             with standing_in(list(self.s.pre.values()), hidden.device):
                 try:
                     call_forward(self.s.base, inputs)
@@ -129,6 +130,15 @@ class Driver:
                     "checkpoints have no value there): build the model with pipedp.split.hf_loading.build_on_meta or "
                     "load it with load_pipeline_stage, which compute them, or build it on a real device"
                 )
+
+
+def rng_kept(device: torch.device):
+    """The global random state (CPU and ``device``) restored after a run whose results are thrown away: the
+    probe runs inside a layer block, before the layer, only when the record misses, and its embeddings draw
+    dropout masks. Activation checkpointing's recomputation restores the random state the block's forward
+    started from but finds the record: had the probe moved the state, the layer would draw other masks."""
+    accelerator = device.type not in ("cpu", "meta")
+    return torch.random.fork_rng(devices=[device] if accelerator else [], device_type=device.type)
 
 
 def _same_values(kept: Dict[str, torch.Tensor], side: Dict[str, torch.Tensor]) -> bool:

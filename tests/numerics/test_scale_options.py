@@ -1,5 +1,6 @@
 """Options for big models (issue #25): activation checkpointing, float32 master weights under
-bf16-mixed, stages on several devices in one process; each against an independent oracle."""
+bf16-mixed, stages on several devices in one process; each against an independent oracle.
+Activation checkpointing with dropout: test_checkpointing_rng.py."""
 
 import copy
 
