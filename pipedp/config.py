@@ -2,8 +2,8 @@
 
 Every option the trainer, the CLI, the rank-agreement check and the checkpoint check know
 is a field here, written once, with its help text, its choices and whether it is a CLI
-flag. ``validate()`` is the one place where options are checked; ``steps_for_epochs`` is
-the one rule that turns epochs into steps. Both classes are frozen: a resolved option
+flag. ``validate()`` is the one place where options are checked; ``FitConfig.planned_steps`` is
+the one rule for the run's length (``steps`` or ``epochs``). The classes are frozen: a resolved option
 (e.g. the calibrated noise multiplier) is a new object, made with ``dataclasses.replace``.
 
 Layer: bottom. Imports only ``pipedp.errors`` and the pure ``schedules`` package.
@@ -209,15 +209,19 @@ class PrivacyConfig:
     delta: float = option(1e-5, "target delta of the (epsilon, delta) guarantee")
     target_epsilon: Optional[float] = option(
         None,
-        "calibrate noise_multiplier to reach this epsilon at the end of the planned steps (total_steps or epochs; "
-        "the CLI's --steps or --epochs)",
+        "calibrate noise_multiplier to reach this epsilon at the end of the run (FitConfig's steps or epochs, "
+        "given to the trainer; the CLI's --steps or --epochs)",
         exclusive="noise",
     )
-    total_steps: Optional[int] = option(None, "steps the calibration plans for", cli=False)
-    epochs: Optional[float] = option(None, "epochs the calibration plans for (steps = ceil(epochs / q))", cli=False)
     max_epsilon: Optional[float] = option(None, "budget guard: stop before a step would exceed this epsilon")
     secure_mode: bool = option(False, "noise and sampling from the OS CSPRNG (not reproducible)")
-    seed: int = option(0, "seed of the noise and sampling streams", resume=True)
+    seed: Optional[int] = option(
+        None,
+        "seed of the noise and sampling streams; unset (the default): a secret one drawn from the OS's entropy and "
+        "kept in the checkpoint only. A given seed makes the run reproducible, and anyone who learns it can "
+        "regenerate the noise and strip it (no privacy left): keep it secret",
+        resume=True,
+    )
 
     def validate(self) -> "PrivacyConfig":
         if self.expected_batch_size is None:
@@ -239,6 +243,8 @@ class PrivacyConfig:
         _one_of(self, "clipping")
         _one_of(self, "accountant")
         _at_least(self, "unit_rows", 1)
+        if self.seed is not None:
+            _at_least(self, "seed", 0)
         if self.sample_rate is not None and not (math.isfinite(self.sample_rate) and 0 < self.sample_rate <= 1):
             raise ConfigError(f"sample_rate: must be in (0, 1], got {self.sample_rate}", "sample_rate")
         if not (math.isfinite(self.delta) and 0 < self.delta < 1):
@@ -261,11 +267,9 @@ class PrivacyConfig:
                 "sampling",
             )
 
-        for name in ("target_epsilon", "max_epsilon", "epochs"):
+        for name in ("target_epsilon", "max_epsilon"):
             if getattr(self, name) is not None:
                 _finite(self, name, minimum=0.0, strict=True)
-        if self.total_steps is not None:
-            _at_least(self, "total_steps", 1)
         if self.max_epsilon is not None and self.sample_rate is None and self.sampling == "poisson":
             raise ConfigError(
                 "max_epsilon needs sample_rate (the Poisson rate) to account the privacy spent", "max_epsilon"
@@ -288,19 +292,12 @@ class PrivacyConfig:
                 raise ConfigError(
                     "target_epsilon needs sample_rate (the Poisson rate) to calibrate the noise", "target_epsilon"
                 )
-            if (self.total_steps is None) == (self.epochs is None):
-                raise ConfigError(
-                    "target_epsilon needs exactly one of total_steps or epochs to calibrate the noise", "target_epsilon"
-                )
         return self
 
-    def planned_steps(self) -> Optional[int]:
-        """The steps the noise calibration plans for (None without a target epsilon)."""
-        if self.total_steps is not None:
-            return self.total_steps
-        if self.epochs is not None and self.sample_rate is not None:
-            return steps_for_epochs(self.epochs, self.sample_rate)
-        return None
+    def public_seed(self) -> int:
+        """The seed of what needs no secrecy (the model's and LoRA's initialisation, the evaluation split, the
+        generated corpus): the given seed, else 0. Never the noise's or the sampling's (privacy/streams.py run_seed)."""
+        return self.seed if self.seed is not None else 0
 
 
 @dataclass(frozen=True)
@@ -308,7 +305,11 @@ class FitConfig:
     """How ``fit`` runs: its length, its checkpoints and its batch cap (the mechanism is PrivacyConfig's)."""
 
     steps: Optional[int] = option(None, "total DP steps, including those before a resume", exclusive="length")
-    epochs: Optional[float] = option(None, "epochs: ceil(epochs / sample_rate) steps", exclusive="length")
+    epochs: Optional[float] = option(
+        None,
+        "epochs: ceil(epochs / sample_rate) Poisson steps, or ceil(epochs x ceil(N / batch)) shuffled ones",
+        exclusive="length",
+    )
     checkpoint_dir: Optional[str] = option(None, "save checkpoints here; the folder is locked while training")
     checkpoint_every: Optional[int] = option(None, "steps between checkpoints (default: only at the end)")
     resume: bool = option(False, "continue from the newest checkpoint in checkpoint_dir, as if never stopped")
@@ -334,14 +335,26 @@ class FitConfig:
             raise ConfigError("resume needs checkpoint_dir", "resume")
         return self
 
-    def total_steps(self, sample_rate: Optional[float]) -> int:
-        """The steps to train: ``steps``, or ceil(epochs / sample_rate)."""
+    def planned_steps(self, privacy: PrivacyConfig) -> int:
+        """The steps of the run, the one rule the calibration, fit() and the CLI use: ``steps``; or for
+        ``epochs``, ceil(epochs / sample_rate) Poisson steps, or with PrivacyConfig.sampling='shuffle'
+        ceil(epochs x steps_per_epoch) shuffled steps (a fractional epoch runs its first batches)."""
         if self.steps is not None:
             return self.steps
-        if sample_rate is None:
-            raise ConfigError("fit(epochs=...) needs the trainer's sample_rate to turn epochs into steps", "epochs")
-        assert self.epochs is not None
-        return steps_for_epochs(self.epochs, sample_rate)
+        if self.epochs is None:
+            raise ConfigError("the run length is not given: pass steps= or epochs= (FitConfig)", "steps")
+        if privacy.sampling == "shuffle":
+            if privacy.dataset_size is None or privacy.expected_batch_size is None:
+                raise ConfigError(
+                    "epochs of shuffled batches need dataset_size and expected_batch_size (an epoch is "
+                    "ceil(dataset_size / expected_batch_size) steps; fit() sets dataset_size from its data)",
+                    "dataset_size",
+                )
+            per_epoch = steps_per_epoch(privacy.dataset_size, privacy.expected_batch_size)
+            return max(1, math.ceil(self.epochs * per_epoch - 1e-9))
+        if privacy.sample_rate is None:
+            raise ConfigError("epochs of Poisson batches need sample_rate to turn epochs into steps", "epochs")
+        return steps_for_epochs(self.epochs, privacy.sample_rate)
 
 
 def _suggested_delta(records: int) -> float:
@@ -358,20 +371,23 @@ def steps_for_epochs(epochs: float, sample_rate: float) -> int:
     return max(1, math.ceil(epochs / sample_rate - 1e-9))
 
 
-def split_options(options: Dict[str, Any]) -> Tuple[Dict[str, Any], Dict[str, Any]]:
-    """Sort keyword options into (PipelineConfig fields, PrivacyConfig fields); refuse unknown ones."""
-    pipeline_names = {f.name for f in fields(PipelineConfig)}
-    privacy_names = {f.name for f in fields(PrivacyConfig)}
-    unknown = sorted(set(options) - pipeline_names - privacy_names)
+def steps_per_epoch(num_examples: int, batch_size: int) -> int:
+    """Shuffled batches of one epoch: ceil(N / B) (the last one holds the rest)."""
+    return max(1, math.ceil(num_examples / batch_size))
+
+
+def split_options(options: Dict[str, Any]) -> Tuple[Dict[str, Any], ...]:
+    """Sort keyword options into (PipelineConfig, PrivacyConfig, FitConfig fields); refuse unknown ones."""
+    if "total_steps" in options:
+        raise TypeError("total_steps: the run length is FitConfig's: pass steps= (or epochs=) instead")
+    names = [{f.name for f in fields(cls)} for cls in (PipelineConfig, PrivacyConfig, FitConfig)]
+    unknown = sorted(set(options).difference(*names))
     if unknown:
         raise TypeError(
-            f"unknown option(s) {unknown}: PipelineDPTrainer takes the fields of PipelineConfig "
-            f"{sorted(pipeline_names)} and PrivacyConfig {sorted(privacy_names)}"
+            f"unknown option(s) {unknown}: PipelineDPTrainer takes the fields of PipelineConfig {sorted(names[0])}, "
+            f"PrivacyConfig {sorted(names[1])} and FitConfig {sorted(names[2])}"
         )
-    return (
-        {k: v for k, v in options.items() if k in pipeline_names},
-        {k: v for k, v in options.items() if k in privacy_names},
-    )
+    return tuple({k: v for k, v in options.items() if k in group} for group in names)
 
 
 def describe(config: Any, only_resume: bool = False) -> Dict[str, Any]:

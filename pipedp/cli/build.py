@@ -58,7 +58,7 @@ def build_model(job: Job, rank: int) -> nn.Module:
     if job.model.name == TINY_GPT:
         from ..models import GPTConfig, tiny_gpt
 
-        torch.manual_seed(job.privacy.seed)
+        torch.manual_seed(job.privacy.public_seed())
         return tiny_gpt(GPTConfig(vocab_size=256, seq_len=job.data.seq_len, **TINY_GPT_SHAPE))
     from ..split.hf_loading import load_local_model, load_pipeline_stage, resident_parameter_bytes
 
@@ -142,7 +142,7 @@ def build_trainer(job: Job, rank: int):
         from dataclasses import replace
 
         pipeline = replace(pipeline, balance=block_costs(model_blocks(model, pipeline.untie_weights), "compute"))
-        model = with_lora(model, job.lora_r, job.lora_targets, job.privacy.seed)
+        model = with_lora(model, job.lora_r, job.lora_targets, job.privacy.public_seed())
     no_decay = no_decay_parameters(model, job.optim.no_decay_kinds())
     return PipelineDPTrainer(
         model,

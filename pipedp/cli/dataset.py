@@ -41,7 +41,7 @@ def rank_data(job: Job) -> RankData:
     rows = _rows(job.train_rows)
     data = job.data
     units = user_units(rows, job.rows_per_unit) if data.privacy_unit == "user" else record_units(rows)
-    train_units, held = hold_out(len(units), data.eval_fraction, job.privacy.seed)
+    train_units, held = hold_out(len(units), data.eval_fraction, job.privacy.public_seed())
     ids, labels, mask = assemble(rows, units, train_units)
     train = (_inputs(job, ids, mask), labels)
     if held:

@@ -21,6 +21,7 @@ import os
 import time
 from typing import Any, Dict, List, Optional
 
+from ..privacy.accounting import adjacency
 from .dataset import RankData
 from .record import METRICS, TENSORBOARD
 from .spec import Job
@@ -54,9 +55,9 @@ class Monitor:
         if lead and job.progress:
             from tqdm import tqdm
 
-            self.bar = tqdm(
-                total=job.steps, initial=self.start_step, desc="DP training", unit="step", dynamic_ncols=True
-            )
+            # the bar shows eps: say what it is for
+            desc = f"DP training (eps: {adjacency(job.privacy.sampling, job.data.privacy_unit)})"
+            self.bar = tqdm(total=job.steps, initial=self.start_step, desc=desc, unit="step", dynamic_ncols=True)
 
     # ---- outputs ----------------------------------------------------------------------------------
     def _open_log(self):

@@ -11,13 +11,12 @@ here), the data (read, tokenised once into the cache, grouped into privacy units
 from __future__ import annotations
 
 import importlib.util
-import math
 import os
 import time
 from dataclasses import replace
 from typing import Callable, List, Tuple
 
-from ..config import DataConfig, FitConfig, OptimizerConfig, PipelineConfig, PrivacyConfig, steps_for_epochs
+from ..config import DataConfig, FitConfig, OptimizerConfig, PipelineConfig, PrivacyConfig
 from ..errors import ConfigError, PipeDPError
 from .flags import DEFAULT_STEPS, config_from_args
 from .record import RunFolder
@@ -36,7 +35,6 @@ def check_flags(args) -> Tuple[PipelineConfig, PrivacyConfig, FitConfig, DataCon
     replace(
         privacy,
         sample_rate=args.sample_rate or 1.0,
-        total_steps=1 if privacy.target_epsilon is not None else None,
         sampling=privacy.sampling if privacy.sampling != "shuffle" else None,
     ).validate()
     if args.checkpoint_dir == "":
@@ -229,10 +227,9 @@ def _progress_bar(enabled: bool):
 
 # ---- 5. the privacy -----------------------------------------------------------------------------------
 def resolve_privacy(args, privacy: PrivacyConfig, fit: FitConfig, units: int, per_unit: int, say: Say):
-    """(privacy with its sample rate, batch, N and noise multiplier; the total steps). Everything counts
-    privacy units: records, or users of ``per_unit`` rows each."""
-    from ..privacy.sampling import steps_per_epoch
-
+    """(privacy with its sample rate, batch, N and noise multiplier; fit with its steps, from the one rule of
+    the run length, FitConfig.planned_steps). Everything counts privacy units: records, or users of ``per_unit``
+    rows each."""
     if args.sample_rate is not None:
         sample_rate = args.sample_rate
         batch = max(1, round(sample_rate * units))
@@ -245,32 +242,19 @@ def resolve_privacy(args, privacy: PrivacyConfig, fit: FitConfig, units: int, pe
             )
         sample_rate = batch / units
     shuffle = privacy.sampling == "shuffle"
-    if args.steps:
-        steps = args.steps
-    elif args.epochs:
-        steps = (
-            max(1, math.ceil(args.epochs * steps_per_epoch(units, batch)))
-            if shuffle
-            else steps_for_epochs(args.epochs, sample_rate)
-        )
-    else:
-        steps = DEFAULT_STEPS
     privacy = replace(
-        privacy,
-        sample_rate=sample_rate,
-        expected_batch_size=batch,
-        dataset_size=units,
-        unit_rows=per_unit,
-        total_steps=steps if privacy.target_epsilon is not None else None,
+        privacy, sample_rate=sample_rate, expected_batch_size=batch, dataset_size=units, unit_rows=per_unit
     ).validate()  # delta < 1/N is checked here
+    steps = fit.planned_steps(privacy)
     if privacy.target_epsilon is not None:  # calibrate once here, so every rank gets the same sigma
-        from ..privacy.accounting import calibrated
+        from ..privacy.accounting import adjacency, calibrated
 
         say(
-            f"calibrating the noise for epsilon {privacy.target_epsilon:g} at delta {privacy.delta:g} over {steps} steps"
+            f"calibrating the noise for epsilon {privacy.target_epsilon:g} at delta {privacy.delta:g} "
+            f"({adjacency(privacy.sampling, args.privacy_unit)}) over {steps} steps"
         )
-        sigma = calibrated(privacy, progress=lambda line: say("  " + line)).noise_multiplier
-        privacy = replace(privacy, noise_multiplier=sigma, target_epsilon=None, total_steps=None)
+        sigma = calibrated(privacy, fit, progress=lambda line: say("  " + line)).noise_multiplier
+        privacy = replace(privacy, noise_multiplier=sigma, target_epsilon=None)
     if privacy.max_epsilon is not None and not shuffle and privacy.noise_multiplier > 0:
         from ..privacy.accounting import steps_within_budget
 
@@ -298,7 +282,7 @@ def resolve(args, say: Say = print, lead: bool = True) -> Job:
     pipeline, privacy, fit, data, optim = check_flags(args)
     folder = check_folder(args, say, lead)
     model = check_model(args, pipeline)
-    train_file, eval_file, units, per_unit = prepare_data(args, data, folder, privacy.seed, model, say)
+    train_file, eval_file, units, per_unit = prepare_data(args, data, folder, privacy.public_seed(), model, say)
     privacy, fit = resolve_privacy(args, privacy, fit, units, per_unit, say)
     job = Job(
         pipeline=pipeline,

@@ -8,6 +8,7 @@ import math
 import os
 from typing import Optional
 
+from ..privacy.accounting import adjacency
 from .monitor import Monitor, rate_text
 from .record import CONFIG_TOML, METRICS, PLOT, SUMMARY
 from .spec import Job
@@ -36,7 +37,8 @@ def describe_job(job: Job) -> str:
             f"privacy: unit {unit}, N = {q.dataset_size}, {sampling} sampling at rate {q.sample_rate:.4g} (expected "
             f"batch {q.expected_batch_size}), noise multiplier {q.noise_multiplier:.4g}, max grad norm "
             f"{q.max_grad_norm} ({q.clipping}), {q.accountant} accountant, delta {q.delta:g}, {job.steps} steps"
-            + (f", budget {q.max_epsilon:g}" if q.max_epsilon is not None else ""),
+            + (f", budget {q.max_epsilon:g}" if q.max_epsilon is not None else "")
+            + f" ({adjacency(q.sampling, d.privacy_unit)})",
             f"optimizer: {o.optimizer}, lr {o.lr:g} ({schedule}), {decay}",
             f"run folder: {job.run_dir} ({CONFIG_TOML}, {METRICS}, ...); {checkpoints}",
         ]
@@ -63,7 +65,9 @@ def plot(job: Job, monitor: Monitor) -> Optional[str]:
     left.legend()
     right.plot(h["eps_step"], h["epsilon"], "o-", ms=3)
     right.set_xlabel("step")
-    right.set_ylabel(f"epsilon at delta {job.privacy.delta:g}")
+    right.set_ylabel(
+        f"epsilon at delta {job.privacy.delta:g}\n({adjacency(job.privacy.sampling, job.data.privacy_unit)})"
+    )
     fig.tight_layout()
     path = os.path.join(job.run_dir, PLOT)
     fig.savefig(path, dpi=100)
@@ -98,8 +102,8 @@ def summarise(job: Job, trainer, result, monitor: Monitor, lead: bool) -> dict:
     first = summary["first_loss"] if summary["first_loss"] is not None else float("nan")
     lines = [
         f"done: {result.steps} steps in {monitor.train_s:.1f}s, {rate_text(summary['samples_per_s'])} samples/s | "
-        f"loss {first:.3f} -> {result.loss:.3f} | epsilon {result.epsilon:.3f} at delta {privacy.delta:g} (noise "
-        f"multiplier {privacy.noise_multiplier:.3f}, sample rate {privacy.sample_rate:.4f}, {privacy.accountant})"
+        f"loss {first:.3f} -> {result.loss:.3f} | epsilon {result.epsilon:.3f} at delta {privacy.delta:g} "
+        f"({adjacency(privacy.sampling, job.data.privacy_unit)}; noise multiplier {privacy.noise_multiplier:.3f}, sample rate {privacy.sample_rate:.4f}, {privacy.accountant})"
     ]
     if monitor.last_eval:
         lines.append(

@@ -4,9 +4,10 @@ the epsilon spent, the budget guard and the noise calibration.
 What a step is charged depends on how its batch was drawn (``PrivacyConfig.sampling``):
 - ``"poisson"``: every record independently with probability q: the accountant's subsampled
   Gaussian at rate q (amplification by subsampling);
-- ``"shuffle"``: each epoch a random permutation cut into batches: a record is in exactly one
-  step per epoch, so each epoch is charged one Gaussian mechanism at rate 1, at its first step
-  (no amplification: a valid bound whatever the permutation);
+- ``"shuffle"``: each epoch a random permutation cut into batches of at most expected_batch_size: a
+  record is in exactly one step per epoch, so each epoch is charged one Gaussian mechanism at rate 1,
+  at its first step (no amplification: a valid bound whatever the permutation); the epochs are counted
+  by the units the batches hold (``Charges``), and a Poisson step inside an epoch is refused;
 - undeclared (caller-made batches): any step may hold any record: every step is charged at rate 1.
 The last two assume a record appears at most once in a batch, and that removing it leaves the
 other records' batches as they were (add/remove adjacency, like the Poisson case).
@@ -22,7 +23,7 @@ from typing import Callable, List, Optional, Sequence, Tuple
 
 from opacus.accountants import IAccountant, create_accountant
 
-from ..config import PrivacyConfig
+from ..config import FitConfig, PrivacyConfig, steps_per_epoch
 from ..errors import ConfigError, PipeDPError
 
 Entry = Tuple[float, float, int]  # (noise multiplier, sample rate, steps): an Opacus history entry
@@ -30,18 +31,64 @@ MAX_SIGMA = 1e6  # as Opacus's calibration: beyond it the budget counts as unrea
 CALIBRATION_LIMIT_S = 300.0  # a calibration that takes longer is stopped with advice
 
 
-def charged_rate(
-    sampling: Optional[str], sample_rate: Optional[float], step: int, steps_per_epoch: int
-) -> Optional[float]:
-    """The sample rate the accountant records for step ``step`` (0-based), or None when the step adds
-    nothing to any record's privacy loss (a later step of a shuffled epoch already charged)."""
-    if sampling == "poisson":
-        if sample_rate is None:
-            raise PipeDPError("Poisson-sampled steps need the trainer's sample_rate to be accounted")
-        return sample_rate
-    if sampling == "shuffle":
-        return 1.0 if step % steps_per_epoch == 0 else None
-    return 1.0
+class Charges:
+    """What the accountant records for each step, from how its batch was drawn (the module's rules). Shuffled
+    batches are counted by the privacy units they hold: an epoch is charged once, at its first batch, and
+    ends once dataset_size units have been seen, so four epochs cannot pass for one whatever the step count."""
+
+    def __init__(self) -> None:
+        self.seen = 0  # units of the shuffled epoch in progress (0: none in progress)
+
+    def rate(self, sampling: Optional[str], privacy: PrivacyConfig, n: Optional[int] = None) -> Optional[float]:
+        """The sample rate to record for a step of ``n`` units (None: any size), or None when the step adds
+        nothing to any record's privacy loss (a later batch of a shuffled epoch already charged). Refuses a
+        batch the charge would not cover."""
+        if sampling == "poisson":
+            if self.seen:
+                raise ConfigError(
+                    f"a Poisson step while a shuffled epoch is in progress ({self.seen} of {privacy.dataset_size} "
+                    "units seen): its records just had an unamplified step, so amplification would not hold; finish "
+                    "the epoch with sampling='shuffle' first, or take this step undeclared (charged at rate 1)",
+                    "sampling",
+                )
+            if privacy.sample_rate is None:
+                raise PipeDPError("Poisson-sampled steps need the trainer's sample_rate to be accounted")
+            return privacy.sample_rate
+        if sampling == "shuffle":
+            size, batch = privacy.dataset_size, privacy.expected_batch_size
+            if size is None or batch is None:
+                raise ConfigError(
+                    "sampling='shuffle' needs dataset_size: an epoch is charged once, and ends after dataset_size "
+                    "units (fit() sets it from its data)",
+                    "sampling",
+                )
+            if n is not None and n > batch:
+                raise ConfigError(
+                    f"a shuffled batch of {n} units is larger than expected_batch_size={batch}: cut each epoch's "
+                    f"permutation into batches of {batch} (the last may be smaller), or set expected_batch_size to "
+                    "the batch size you use",
+                    "expected_batch_size",
+                )
+            if n is not None and self.seen + n > size:
+                raise ConfigError(
+                    f"a shuffled batch of {n} units after {self.seen} of this epoch's {size}: an epoch holds every "
+                    f"unit once, so its last batch holds the remaining {size - self.seen}",
+                    "sampling",
+                )
+            return 1.0 if self.seen == 0 else None
+        return 1.0
+
+    def record(self, sampling: Optional[str], privacy: PrivacyConfig, n: int) -> None:
+        """A step of ``n`` units drawn by ``sampling`` ran (after ``rate`` allowed it)."""
+        if sampling == "shuffle":
+            assert privacy.dataset_size is not None
+            self.seen = (self.seen + n) % privacy.dataset_size  # a full epoch: the next batch starts a new one
+
+
+def adjacency(sampling: Optional[str], unit: str = "record") -> str:
+    """The neighbouring datasets an epsilon is for, to print beside it: one privacy unit added or removed (for
+    shuffled epochs the other units' batches taken as fixed, one unamplified charge per epoch)."""
+    return f"add/remove adjacency, {unit} level" + (", shuffled epochs unamplified" if sampling == "shuffle" else "")
 
 
 def _quiet_epsilon(accountant: IAccountant, delta: float) -> float:
@@ -171,30 +218,29 @@ def calibrate_noise(
     return high
 
 
-def planned_charges(privacy: PrivacyConfig) -> Tuple[float, int]:
-    """(sample rate, number of charges) the planned steps will be accounted with, as declared: Poisson
-    steps at q (fit()'s sampler when nothing is declared but a sample rate); a shuffled epoch once at
-    rate 1; undeclared steps each at rate 1."""
-    steps = privacy.planned_steps()
-    if steps is None:
-        raise PipeDPError("calibrating the noise needs total_steps or epochs")
-    if privacy.sampling == "poisson" or (privacy.sampling is None and privacy.sample_rate is not None):
-        assert privacy.sample_rate is not None
-        return privacy.sample_rate, steps
+def planned_charges(privacy: PrivacyConfig, fit: FitConfig) -> Tuple[float, int]:
+    """(sample rate, number of charges) fit() makes over its run (FitConfig.planned_steps): Poisson steps
+    (fit()'s sampler unless sampling='shuffle') each at q; shuffled steps once per epoch they touch at rate 1
+    (10 units in batches of 4 over 1.2 epochs: 4 steps, 2 charges)."""
+    steps = fit.planned_steps(privacy)
     if privacy.sampling == "shuffle":
         if privacy.dataset_size is None or privacy.expected_batch_size is None:
             raise ConfigError(
                 "target_epsilon with sampling='shuffle' needs dataset_size (an epoch is charged once)", "sampling"
             )
-        return 1.0, math.ceil(steps / math.ceil(privacy.dataset_size / privacy.expected_batch_size))
-    return 1.0, steps
+        return 1.0, math.ceil(steps / steps_per_epoch(privacy.dataset_size, privacy.expected_batch_size))
+    if privacy.sample_rate is None:
+        raise ConfigError("target_epsilon needs sample_rate (the Poisson rate) to calibrate the noise", "sample_rate")
+    return privacy.sample_rate, steps
 
 
-def calibrated(privacy: PrivacyConfig, progress: Optional[Callable[[str], None]] = None) -> PrivacyConfig:
-    """``privacy`` with the noise multiplier that meets its target_epsilon over its planned steps, for the
-    sampling it declares (the one place both the trainer and the CLI calibrate); the target is kept."""
+def calibrated(
+    privacy: PrivacyConfig, fit: FitConfig, progress: Optional[Callable[[str], None]] = None
+) -> PrivacyConfig:
+    """``privacy`` with the noise multiplier that meets its target_epsilon over the charges fit() makes in the
+    run ``fit`` declares (the one place both the trainer and the CLI calibrate); the target is kept."""
     assert privacy.target_epsilon is not None
-    rate, charges = planned_charges(privacy)
+    rate, charges = planned_charges(privacy, fit)
     sigma = calibrate_noise(privacy.target_epsilon, privacy.delta, rate, charges, privacy.accountant, progress)
     return dataclasses.replace(privacy, noise_multiplier=sigma)
 

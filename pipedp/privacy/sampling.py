@@ -9,12 +9,12 @@ distribution from one running generator; this one is keyed by step instead.
 
 from __future__ import annotations
 
-import math
 from typing import Optional
 
 import torch
 from scipy.stats import binom
 
+from ..config import steps_per_epoch
 from .secure import secure_uniform
 from .streams import Stream, stream_seed
 
@@ -26,11 +26,6 @@ def poisson_indices(num_examples: int, sample_rate: float, seed: int, step: int,
         g = torch.Generator().manual_seed(stream_seed(Stream.SAMPLING, seed, step))
         draws = torch.rand(num_examples, generator=g, dtype=torch.float64)
     return torch.nonzero(draws < sample_rate).flatten()
-
-
-def steps_per_epoch(num_examples: int, batch_size: int) -> int:
-    """Shuffled batches of one epoch: ceil(N / B) (the last one holds the rest)."""
-    return max(1, math.ceil(num_examples / batch_size))
 
 
 def shuffled_indices(num_examples: int, batch_size: int, seed: int, step: int) -> torch.Tensor:

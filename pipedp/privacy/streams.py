@@ -7,12 +7,17 @@ different purposes, steps or stages are different children of one root, so no no
 stream can coincide with a sampling stream (an earlier scheme put the purpose constant
 at another position of the key, and the noise of step 0x5A11 met the sampling of step
 ``stage``).
+
+The root seed is secret by default (``run_seed``): pipedp's code is public, so anyone who knows the seed
+regenerates every step's noise, subtracts it, and reads the noiseless clipped sum.
 """
 
 from __future__ import annotations
 
 import enum
 import hashlib
+import secrets
+from typing import Optional
 
 import numpy as np
 
@@ -39,3 +44,9 @@ def stream_seed(purpose: Stream, seed: int, *keys: int) -> int:
         raise ValueError(f"stream {purpose.name} takes {KEY_LENGTH[purpose]} keys, got {keys}")
     sequence = np.random.SeedSequence(entropy=int(seed), spawn_key=(int(purpose), *(int(k) for k in keys)))
     return int(sequence.generate_state(1, dtype=np.uint64)[0] >> 1)
+
+
+def run_seed(given: Optional[int]) -> int:
+    """The root seed of a run's noise and sampling streams: ``given``, else 63 bits of the OS's entropy (a
+    secret: the trainer keeps it in its checkpoints only, never in a file meant to be shared)."""
+    return int(given) if given is not None else secrets.randbits(63)

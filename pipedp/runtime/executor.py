@@ -79,6 +79,8 @@ class Executor:
         self.position = 0  # index of the next action to run
         self.pass_actions = actions  # this pass's list: the schedule's, or evaluation's forward-only one
         self.state: Optional[PassState] = None  # None between passes
+        self._values: Optional[Dict[str, tuple]] = None  # the state's digests at the start of a watched pass
+        self._watched = False  # a pass was watched (the run's first is)
 
     def start_pass(self, batch: PassBatch, actions: Optional[List[Action]] = None) -> None:
         """``actions``: another action list for this pass only (evaluation's forward-only one)."""
@@ -89,22 +91,30 @@ class Executor:
         self.state = PassState(batch, zero, zero.clone(), zero.clone(), evaluating=evaluating, probe=probe)
         self.pass_actions = actions if actions is not None else self.actions
         self.position = 0
+        # the values of every parameter and buffer, at a checked pass and at the run's first (state_watch.py)
+        watch = not evaluating and (probe is not None or not self._watched)
+        self._values = self.stage.watch_values() if watch else None
+        self._watched = self._watched or watch
 
     def end_pass(self) -> None:
-        """Every stage finished the pass: a self-check it ran has passed on all of them."""
-        state = self._pass
-        if state.probe is not None:
-            self.stage.passed_check(state.batch.inputs[0])
+        """Every stage finished the pass: refuse it if it changed the model's state (a watched pass)."""
+        if self._values is not None:
+            values, self._values = self._values, None
+            self.stage.refuse_changed_values(values)
 
     @property
     def done(self) -> bool:
         return self.position >= len(self.pass_actions)
 
     def totals(self) -> torch.Tensor:
-        """float64 [3]: the sum of the last pass's real-row losses, how many real privacy units were left
+        """float64 [4]: the sum of the last pass's real-row losses, how many real privacy units were left
         out because their gradient norm was not finite, and how many were clipped (clip factor < 1), all
-        counted on the last stage only."""
-        return torch.stack([self._pass.loss_sum, self._pass.dropped, self._pass.clipped])
+        counted on the last stage only; and 1 where this stage's self-check of the pass was inconclusive
+        (the sum over every stage decides: Stage.conclude_check)."""
+        state = self._pass
+        inconclusive = state.probe is not None and not self.stage.check_conclusive
+        flag = torch.tensor(float(inconclusive), dtype=torch.float64, device=state.loss_sum.device)
+        return torch.stack([state.loss_sum, state.dropped, state.clipped, flag])
 
     @property
     def _pass(self) -> PassState:
@@ -139,8 +149,9 @@ class Executor:
         if state.evaluating:
             out = stage.evaluate(x, targets, side, size)
         else:
-            # every step's first micro-batch (a dict of versions: no cost), self-checked or not
-            out = stage.forward(mb, x, targets, side, size=size, check_state=mb == 0)
+            # every micro-batch (a dict of versions: no cost), self-checked or not
+            rows = state.probe.rows if mb == 0 and state.probe is not None else ()
+            out = stage.forward(mb, x, targets, side, size=size, check_state=True, probe_rows=rows)
         if stage.is_last:
             real = state.batch.masks[mb] > 0
             state.loss_sum += torch.where(real, out.detach().to(torch.float64), 0.0).sum()

@@ -1,7 +1,7 @@
 """The self-check: at the first step of each input shape, pipedp's per-sample gradients are compared
 with each sample's gradient computed alone — a check that verifies rather than guesses.
 
-For a few rows r of the pass's first micro-batch, every stage also backpropagates the gradient of
+For every real row r of the pass's first micro-batch, every stage also backpropagates the gradient of
 row r's loss alone (a separate backward through the stage's retained graph, seeded on the last stage
 by the loss of row r and then by the probe messages each stage sends back behind its gradient), and
 compares, for each trainable parameter p of the stage:
@@ -18,6 +18,7 @@ causes apart in the refusal. The comparison is exact up to the arithmetic of the
 
 from __future__ import annotations
 
+import copy
 import math
 import warnings
 from dataclasses import dataclass
@@ -28,8 +29,6 @@ import torch.nn as nn
 
 from ..errors import UnsupportedModelError
 from .microbatch import Activation, Inputs
-
-CHECKED_ROWS = 3  # rows of the first micro-batch checked: its first, middle and last real rows
 
 # (relative tolerance, absolute floor as a fraction of the sample's gradient norm on the stage)
 TOLERANCE = {
@@ -50,18 +49,74 @@ class Probe:
 
 
 def signature(inputs: Inputs) -> tuple:
-    """The per-sample shapes and dtypes of a micro-batch's inputs: a new one is checked anew."""
+    """The shapes and dtypes of a micro-batch's inputs, its rows included (a cross-sample effect shows only
+    where a micro-batch holds two samples or more): a new one is checked anew."""
     if isinstance(inputs, dict):
-        return tuple((k, tuple(v.shape[1:]), v.dtype) for k, v in sorted(inputs.items()))
-    return (tuple(inputs.shape[1:]), inputs.dtype)
+        return tuple((k, tuple(v.shape), v.dtype) for k, v in sorted(inputs.items()))
+    return (tuple(inputs.shape), inputs.dtype)
 
 
 def rows_to_check(mask: torch.Tensor) -> Tuple[int, ...]:
-    real = torch.nonzero(mask > 0).flatten().tolist()
-    if not real:
-        return ()
-    picks = [real[0], real[len(real) // 2], real[-1]][:CHECKED_ROWS]
-    return tuple(sorted(set(picks)))
+    """Every real row (privacy unit) of the micro-batch: a model that mixes two rows is caught whichever."""
+    return tuple(torch.nonzero(mask > 0).flatten().tolist())
+
+
+def refuse_coupled_loss(stage: int, loss_fn, out, targets, losses, size: int, spans: Sequence[slice]) -> None:
+    """A per-sample loss depends on its own sample only: each checked unit's loss computed from its own outputs
+    and targets alone must equal its loss in the batch. A loss reading other samples (a contrastive loss
+    against in-batch targets, a loss normalised over the batch) passes the gradient check, since its gradients
+    are per-sample functions of the parameters, yet one record moves every other sample's loss, so the clipped
+    sum's sensitivity is no longer C."""
+    if not any(isinstance(t, torch.Tensor) and t.dim() and t.shape[0] == size for t in _leaves(out)):
+        return  # no batch-first output to take a sample's rows of: nothing to compare
+    rtol = TOLERANCE.get(losses.dtype, TOLERANCE[torch.float32])[0]
+    for span in spans:
+        try:
+            alone = loss_fn(_rows(out, span, size), targets[span])
+        except Exception as exc:
+            raise UnsupportedModelError(
+                f"stage {stage}: loss_fn fails on one sample's outputs and targets alone ({type(exc).__name__}: "
+                f"{str(exc)[:160]}): a per-sample loss must be computable from its own sample only"
+            ) from exc
+        want = losses[span].detach().double()
+        if not isinstance(alone, torch.Tensor) or alone.shape != want.shape:
+            continue  # a shape error of the loss is _checked_losses's to name
+        if not bool(torch.isclose(alone.double(), want, rtol=rtol, atol=rtol, equal_nan=True).all()):
+            raise UnsupportedModelError(
+                f"stage {stage}: loss_fn reads other samples: the loss of rows {span.start}..{span.stop - 1} is "
+                f"{want.tolist()} in the micro-batch and {alone.double().tolist()} computed alone (e.g. a "
+                "contrastive loss such as InfoNCE against in-batch targets, or a loss normalised over the batch). "
+                "One record would move every other sample's loss, so the clipped sum's sensitivity is not the clip "
+                "norm: compute each sample's loss from its own outputs and targets only (negatives from a fixed, "
+                "public set, or from inside the sample)"
+            )
+
+
+def _leaves(value) -> List[torch.Tensor]:
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if isinstance(value, (tuple, list)):
+        return [t for v in value for t in _leaves(v)]
+    if isinstance(value, dict):
+        return [t for v in value.values() for t in _leaves(v)]
+    return []
+
+
+def _rows(value, span: slice, size: int):
+    """``value`` (a model's output: a tensor, a tuple or list, a dict such as a Hugging Face ModelOutput) with
+    only the rows ``span`` of its batch-first tensors of ``size`` rows; everything else as it is."""
+    if isinstance(value, torch.Tensor):
+        return value[span] if value.dim() and value.shape[0] == size else value
+    if isinstance(value, tuple) and hasattr(value, "_fields"):  # a named tuple
+        return type(value)(*(_rows(v, span, size) for v in value))
+    if isinstance(value, (tuple, list)):
+        return type(value)(_rows(v, span, size) for v in value)
+    if isinstance(value, dict):
+        out = copy.copy(value)
+        for k, v in value.items():
+            out[k] = _rows(v, span, size)
+        return out
+    return value
 
 
 def compute_dtype(precision: str, parameters: Sequence[nn.Parameter], inputs: Sequence[torch.Tensor]) -> torch.dtype:
@@ -181,6 +236,8 @@ def _message(stage: int, findings: List[Finding]) -> str:
     size = (
         f"(each sample's gradient computed alone differs from pipedp's by up to {first.error:.2g} of the sample's "
         "whole gradient on the stage)"
+        if first.error < 1e6
+        else "(each sample's gradient computed alone is zero on the stage, and pipedp's is not)"
     )
     if first.norm_only:
         lead = f"the per-sample norms of {names} disagree with their per-sample gradients {size}"

@@ -39,7 +39,7 @@ from ..privacy.per_sample import (
 from ..privacy.rules import layer_parameters
 from ..privacy.units import Units
 from ..split.blocks import Block
-from . import grad_modes, self_check
+from . import grad_modes, self_check, state_watch
 from .capture import ActivationCapture, LayerCall, block_layers
 from .microbatch import Activation, tensors_of
 from .self_check import Probe
@@ -135,6 +135,8 @@ class Stage:
         }
         self._ways: Dict[tuple, str] = {}  # (layer, input and output-grad shapes) -> keep / ghost / materialize
         self.checked: set = set()  # input signatures the self-check has passed
+        self.checking: set = set()  # signatures checked in this step: passed once every stage concludes so
+        self.check_conclusive = False  # this pass's check compared at least two finite samples (or could not mix)
         self.device = next(
             (t.device for b in self.blocks for t in _tensors(b.module) if not t.is_meta), torch.device("cpu")
         )
@@ -147,6 +149,7 @@ class Stage:
         self.pending.clear()
         self.capture.reset()
         self.clipped_sum = {}
+        self.checking.clear()
 
     def close(self) -> None:
         """Remove the capture hooks from the user's modules (the stage cannot run afterwards)."""
@@ -193,13 +196,14 @@ class Stage:
         side_inputs: Optional[Dict[str, torch.Tensor]] = None,
         size: Optional[int] = None,
         check_state: bool = False,
+        probe_rows: Sequence[int] = (),
     ):
         """``x``: the micro-batch's inputs (first stage: a tensor or a dict of tensors) or the previous
         stage's output (a tensor or a tuple of tensors); ``side_inputs``: the micro-batch's input dict,
         handed to every block whose forward takes ``side_inputs`` (e.g. Hugging Face layers reading the
         attention mask); ``size``: the micro-batch's rows (default: read from ``x``); ``check_state``:
         refuse a forward that changes a parameter or a buffer in place (a function of the private batch,
-        un-noised)."""
+        un-noised); ``probe_rows``: the self-checked units, whose losses alone must equal theirs in the batch."""
         if not self.is_first:  # the received tensors become leaves whose gradients go back
             x = tuple(_leaf(t) for t in x) if isinstance(x, tuple) else _leaf(x)
         first = tensors_of(x)[0]
@@ -208,7 +212,7 @@ class Stage:
         if not self.is_first:
             state.inputs = tuple(t for t in tensors_of(x) if t.is_floating_point())
             state.tuple_input = isinstance(x, tuple)
-        before = self._state_versions() if check_state else None
+        before = state_watch.versions(self._named_state()) if check_state else None
         with self.capture.recording(mb, size), self._compute_precision(first.device):
             out = x
             for b in self.blocks:
@@ -219,7 +223,13 @@ class Stage:
             if self.is_last:
                 losses = self.loss_fn(out, targets) if self.loss_fn is not None else out
         if before is not None:
-            self._refuse_changed_state(before)
+            state_watch.refuse_changes(
+                self.index, before, state_watch.versions(self._named_state()), "the training forward"
+            )
+        if self.is_last and probe_rows and self.loss_fn is not None:
+            spans = [self.units.rows_of(r) for r in probe_rows]
+            with torch.no_grad(), self._compute_precision(first.device):
+                self_check.refuse_coupled_loss(self.index, self.loss_fn, out, targets, losses, size, spans)
         state.output = self._checked_losses(losses, size) if self.is_last else self._checked_output(out)
         self.pending[mb] = state
         return state.output
@@ -250,32 +260,20 @@ class Stage:
             )
         return out
 
-    def _state_versions(self) -> Dict[str, Tuple[bool, int, int]]:
-        """{qualified name: (is a parameter, the tensor's id, its version)} of the stage's parameters and buffers."""
-        return {
-            b.qualified(name): (is_parameter, id(t), t._version)
-            for b in self.blocks
-            for is_parameter, named in ((True, b.module.named_parameters()), (False, b.module.named_buffers()))
-            for name, t in named
-        }
+    def _named_state(self):
+        """(qualified name, is a parameter, tensor) of the stage's parameters and buffers."""
+        for b in self.blocks:
+            for is_parameter, named in ((True, b.module.named_parameters()), (False, b.module.named_buffers())):
+                for name, t in named:
+                    yield b.qualified(name), is_parameter, t
 
-    def _refuse_changed_state(self, before: Dict[str, Tuple[bool, int, int]]) -> None:
-        after = self._state_versions()
-        changed = sorted(k for k in set(before) | set(after) if before.get(k) != after.get(k))
-        parameters = [k for k in changed if (before.get(k) or after[k])[0]]
-        if parameters:
-            raise UnsupportedModelError(
-                f"stage {self.index}: the training forward changes the parameters {parameters[:6]} in place (e.g. "
-                "nn.Embedding(max_norm=...) renormalizes the rows the batch reads): their new values depend on the "
-                "private batch, un-noised, and their gradients are taken at values the samples did not see. Drop the "
-                "in-place change (max_norm=None; renormalize after the noisy step if needed)"
-            )
-        if changed:
-            raise UnsupportedModelError(
-                f"stage {self.index}: the training forward changes the buffers {changed[:6]}: statistics of the private "
-                "batch (e.g. running means) would reach state_dict(), checkpoints and exports without noise. Freeze "
-                "them (eval() on that layer, track_running_stats=False) or make them trainable parameters"
-            )
+    def watch_values(self) -> Dict[str, tuple]:
+        """Every parameter's and buffer's digest (state_watch.py), for ``refuse_changed_values`` after a pass."""
+        return state_watch.digests(self._named_state())
+
+    def refuse_changed_values(self, before: Dict[str, tuple]) -> None:
+        """Refuse a pass that changed a parameter's or buffer's values, through ``.data`` included."""
+        state_watch.refuse_changes(self.index, before, self.watch_values(), "the training pass")
 
     def evaluate(self, x, targets=None, side_inputs: Optional[Dict[str, torch.Tensor]] = None, size: int = 0):
         """The forward of a micro-batch with no capture, no gradient and no state kept (evaluation):
@@ -441,14 +439,27 @@ class Stage:
 
     # ---- the self-check (see self_check.py) -------------------------------------------------
     def check_plan(self, inputs, mask: torch.Tensor) -> Optional[Probe]:
-        """The rows of a pass's first micro-batch to check, at the first pass of a new input signature."""
+        """Every real privacy unit of a pass's first micro-batch, at the first pass of a new input signature
+        (its rows included) until a check of it concludes (``conclude_check``)."""
         if not self.options.self_check:  # (the same decision on every stage: the probes travel through all)
             return None
         key = self_check.signature(inputs)
-        if key in self.checked:
+        if key in self.checked or key in self.checking:
             return None
-        rows = self_check.rows_to_check(self.units.mask(mask))  # units, in fact
-        return Probe(rows) if rows else None
+        units = self_check.rows_to_check(self.units.mask(mask))
+        if not units:
+            return None
+        self.checking.add(key)
+        self.check_conclusive = False
+        return Probe(units)
+
+    def conclude_check(self, conclusive: bool) -> None:
+        """The step ended; ``conclusive``: every stage's check of it compared at least two samples with finite
+        gradients (or micro-batches of one sample, which nothing can mix). Otherwise a one-sample micro-batch, or a
+        sample left out as non-finite, could hide a cross-sample effect: the shape is checked again."""
+        if conclusive:
+            self.checked |= self.checking
+        self.checking.clear()
 
     def _check(
         self,
@@ -498,6 +509,8 @@ class Stage:
             for p, want in reference.items():  # reached by autograd, by no layer call pipedp captured
                 comparison.add(p, names[id(p)], owners[p], owners[p][0] in called, want, None, 0.0, scale)
         comparison.refuse_if_any(lambda: self._sums(state, outputs, output_grads))
+        finite = [r for r in probe.rows if all(bool(torch.isfinite(v[r])) for v in per_param.values())]
+        self.check_conclusive = state.units == 1 or (len(finite) >= 2 and not comparison.unverified)
         return messages
 
     def _seeds(self, outputs, selected: List[bool], probe: Probe, k: int, row: int) -> List[torch.Tensor]:
@@ -539,10 +552,6 @@ class Stage:
                     total[p] = total[p] + g if p in total else g
         summed = torch.autograd.grad(outputs, list(self.trainable), output_grads, retain_graph=True, allow_unused=True)
         return total, {p: g for p, g in zip(self.trainable, summed) if g is not None}
-
-    def passed_check(self, inputs) -> None:
-        """The self-check passed for this input signature (all stages: the executor says so)."""
-        self.checked.add(self_check.signature(inputs))
 
     # ---- W -------------------------------------------------------------------------------
     def weight(self, mb: int, factors: torch.Tensor) -> None:

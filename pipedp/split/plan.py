@@ -67,7 +67,7 @@ class MemoryTracker(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if self.answer_reads and func in _READS and _is_fake(args[0]):
+        if self.answer_reads and func in _READS and is_fake(args[0]):
             t = args[0]
             if func is not _aten._local_scalar_dense.default:
                 return True
@@ -128,7 +128,7 @@ def _key(t: torch.Tensor) -> int:
     return t.untyped_storage()._cdata
 
 
-def _is_fake(t: torch.Tensor) -> bool:
+def is_fake(t: torch.Tensor) -> bool:
     return t.is_meta or type(t).__name__ == "FakeTensor"
 
 

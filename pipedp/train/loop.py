@@ -15,7 +15,7 @@ import torch
 
 from ..config import FitConfig, PrivacyConfig
 from ..errors import CheckpointError, PipeDPError, PrivacyBudgetExceeded
-from ..privacy.sampling import poisson_indices, shuffled_indices, steps_per_epoch, truncate, truncation_probability
+from ..privacy.sampling import poisson_indices, shuffled_indices, truncate, truncation_probability
 from ..privacy.units import Units
 from ..runtime.microbatch import Inputs, rows, take
 from . import checkpoint
@@ -29,6 +29,9 @@ class Trainable(Protocol):
 
     @property
     def steps_taken(self) -> int: ...
+
+    @property
+    def seed(self) -> int: ...  # the root seed of the sampling (and noise) streams
 
     @property
     def runtime(self) -> Any: ...  # rank and broadcast: rank 0 locks the folder, secure draws come from rank 0
@@ -89,7 +92,8 @@ def fit(
     whose probability is at most T * p with p = P(|B| > cap), on each of two neighbouring datasets;
     so (epsilon, delta) becomes (epsilon, delta + (1 + e^epsilon) * T * p), reported as
     FitResult.truncation_delta. With ``resume``, training continues from the newest checkpoint
-    exactly as if it had never stopped (same batches, same noise). A max_epsilon on the trainer stops
+    exactly as if it had never stopped (same batches, same noise; a shuffled run resumed inside an epoch
+    charges that epoch once more, as where it stood is not saved). A max_epsilon on the trainer stops
     the loop before the step that would exceed it, after saving a checkpoint. While it runs, the
     checkpoint folder is locked: a second job on it is refused.
     """
@@ -104,7 +108,7 @@ def fit(
         raise PipeDPError("fit() draws Poisson batches: give the trainer a sample_rate (expected batch / records)")
     if config.max_logical_batch is not None and sampling != "poisson":
         raise PipeDPError("max_logical_batch caps Poisson batches; shuffled batches have a fixed size already")
-    total = _total_steps(config, trainer.privacy, sampling)
+    total = config.planned_steps(trainer.privacy)  # the one rule of the run length (the calibration's too)
     lock = _lock(trainer, config.checkpoint_dir) if config.checkpoint_dir else None
     try:
         trunc, last_loss, stopped = _train(trainer, inputs, targets, total, config, sampling, callback)
@@ -114,15 +118,6 @@ def fit(
     eps = trainer.epsilon() if trainer.steps_taken else 0.0
     extra_delta = (1 + math.exp(min(eps, 700.0))) * total * trunc if trunc else 0.0
     return FitResult(trainer.steps_taken, last_loss, eps, privacy.delta, stopped, extra_delta)
-
-
-def _total_steps(config: FitConfig, privacy: PrivacyConfig, sampling: str) -> int:
-    """config.steps, or the steps of config.epochs: ceil(epochs / q) Poisson steps, or whole shuffled
-    epochs of ceil(records / batch) steps each (the last batch of an epoch the smaller)."""
-    if sampling == "poisson" or config.steps is not None:
-        return config.total_steps(privacy.sample_rate)
-    assert privacy.expected_batch_size is not None and privacy.dataset_size is not None and config.epochs
-    return max(1, math.ceil(config.epochs * steps_per_epoch(privacy.dataset_size, privacy.expected_batch_size)))
 
 
 def _lock(trainer: Trainable, directory: str) -> checkpoint.FolderLock:
@@ -143,13 +138,13 @@ def _lock(trainer: Trainable, directory: str) -> checkpoint.FolderLock:
 
 def _draw(trainer: Trainable, n: int, step: int, sampling: str, cap: Optional[int]) -> torch.Tensor:
     """The indices of step ``step``'s batch (every rank draws the same)."""
-    privacy = trainer.privacy
+    privacy, seed = trainer.privacy, trainer.seed
     if sampling == "shuffle":
         assert privacy.expected_batch_size is not None
-        return shuffled_indices(n, privacy.expected_batch_size, privacy.seed, step)
+        return shuffled_indices(n, privacy.expected_batch_size, seed, step)
     assert privacy.sample_rate is not None
-    index = poisson_indices(n, privacy.sample_rate, privacy.seed, step, privacy.secure_mode)
-    index = truncate(index, cap, privacy.seed, step)
+    index = poisson_indices(n, privacy.sample_rate, seed, step, privacy.secure_mode)
+    index = truncate(index, cap, seed, step)
     if privacy.secure_mode:  # OS randomness differs per rank: every rank takes rank 0's draw
         index = trainer.runtime.broadcast(index)
     return index

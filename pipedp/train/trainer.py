@@ -26,9 +26,10 @@ from schedules import Kind
 
 from ..config import SAMPLINGS, FitConfig, PipelineConfig, PrivacyConfig, describe, split_options
 from ..errors import ConfigError, NonFiniteError, PrivacyBudgetExceeded, UnsupportedModelError
-from ..privacy.accounting import BudgetGuard, calibrated, charged_rate, spent_epsilon
+from ..privacy.accounting import BudgetGuard, calibrated, planned_charges, spent_epsilon
 from ..privacy.clipping import ClipRule
 from ..privacy.noise import add_noise
+from ..privacy.streams import run_seed
 from ..privacy.units import Units
 from ..privacy.validation import validate_model
 from ..runtime.capture import block_layers
@@ -160,10 +161,11 @@ class PipelineDPTrainer:
     the same per layer.
 
     Options are the fields of ``PipelineConfig`` (stages, microbatches, schedule, schedule_costs,
-    microbatch_size, grad_mode, replicas, balance, untie_weights, timeout, transport) and
+    microbatch_size, grad_mode, replicas, balance, untie_weights, timeout, transport),
     ``PrivacyConfig`` (expected_batch_size, noise_multiplier, max_grad_norm, clipping,
-    sample_rate, accountant, delta, target_epsilon, total_steps, epochs, max_epsilon,
-    secure_mode, seed), passed as keywords or as the config objects themselves.
+    sample_rate, accountant, delta, target_epsilon, max_epsilon, secure_mode, seed) and
+    ``FitConfig`` (``fit()``'s defaults: the run length steps or epochs, which target_epsilon
+    calibrates for, and the checkpoints), passed as keywords or as the config objects themselves.
 
     With torch.distributed initialised and world size > 1 (or ``transport="distributed"``),
     each rank runs one stage of one data-parallel replica; otherwise every stage runs in
@@ -184,13 +186,17 @@ class PipelineDPTrainer:
         scheduler: Optional[SchedulerFactory] = None,
         pipeline: Optional[PipelineConfig] = None,
         privacy: Optional[PrivacyConfig] = None,
+        fit_config: Optional[FitConfig] = None,
         **options: Any,
     ):
-        pipeline_options, privacy_options = split_options(options)
+        pipeline_options, privacy_options, fit_options = split_options(options)
         pipeline = dataclasses.replace(pipeline or PipelineConfig(), **pipeline_options).validate()
         privacy = dataclasses.replace(privacy or PrivacyConfig(), **privacy_options).validate()
-        if privacy.target_epsilon is not None:
-            privacy = calibrated(privacy)
+        self.fit_config = dataclasses.replace(fit_config or FitConfig(), **fit_options)  # fit()'s defaults
+        if self.fit_config.steps is not None or self.fit_config.epochs is not None:
+            self.fit_config.validate()
+        if privacy.target_epsilon is not None:  # over the charges fit() will make in the run declared here
+            privacy = calibrated(privacy, self.fit_config)
         self.pipeline, self.privacy = pipeline, privacy
         action_costs = (
             None if pipeline.schedule_costs is None else dict(zip((Kind.F, Kind.I, Kind.W), pipeline.schedule_costs))
@@ -243,6 +249,7 @@ class PipelineDPTrainer:
             accountant=create_accountant(mechanism=privacy.accountant),
             optimizers=optimizers,
             schedulers=[scheduler(opt) if scheduler is not None and opt is not None else None for opt in optimizers],
+            seed=self.runtime.broadcast(run_seed(privacy.seed)),  # rank 0's draw: the ranks' streams must agree
         )
         _check_optimizer_options(self.state.optimizers)
         _warn_if_nothing_can_change(self.runtime, self.state.optimizers)
@@ -257,11 +264,13 @@ class PipelineDPTrainer:
         decides what the accountant charges (see pipedp.privacy.accounting). A step that raises
         leaves the trainer as it was before it: the next step is the one it would have been."""
         n = self.units.count(check_batch(inputs, targets))  # privacy units (rows, by default)
-        charge = self._charge(sampling if sampling is not None else self.privacy.sampling)
+        sampling = sampling if sampling is not None else self.privacy.sampling
+        charge = self._charge(sampling, n)
         self.last_batch_size = n
         self._check_budget(charge)
         self.runtime.check_same_batch(inputs, targets)
-        totals = torch.zeros(3, dtype=torch.float64)  # loss sum, units left out (non-finite norm), clipped
+        # loss sum, units left out (non-finite norm), clipped, stages whose self-check was inconclusive
+        totals = torch.zeros(4, dtype=torch.float64)
         try:
             for batch in self._passes(inputs, targets):
                 totals = totals + self.runtime.run_pass(batch)
@@ -271,10 +280,13 @@ class PipelineDPTrainer:
             raise
         if charge is not None:
             self.state.accountant.step(noise_multiplier=charge[0], sample_rate=charge[1])
+        self.state.charges.record(sampling, self.privacy, n)
         for stage in self.runtime.local_stages:
             self.partition_report.ways.update(stage.ways)
         self.state.step += 1
-        loss_sum, dropped, clipped = (float(v) for v in self.runtime.total(totals))
+        loss_sum, dropped, clipped, inconclusive = (float(v) for v in self.runtime.total(totals))
+        for stage in self.runtime.local_stages:  # every stage of every replica agrees: the sum is over all ranks
+            stage.conclude_check(inconclusive == 0)
         self.last_dropped_samples = int(dropped)
         # a diagnostic computed from the private batch without noise: not itself private
         self.last_clipped_fraction = clipped / n if n else 0.0
@@ -300,9 +312,8 @@ class PipelineDPTrainer:
             span = slice(part.start * size_of, part.stop * size_of)
             yield make_pass(take(inputs, span), targets[span], pipeline.microbatches, size)
 
-    def _charge(self, sampling: Optional[str]) -> Optional[Tuple[float, float]]:
-        """(noise multiplier, sample rate) the accountant records for the next step, or None."""
-        privacy = self.privacy
+    def _charge(self, sampling: Optional[str], n: Optional[int] = None) -> Optional[Tuple[float, float]]:
+        """(noise multiplier, sample rate) the accountant records for the next step (of ``n`` units), or None."""
         if sampling is not None and sampling not in SAMPLINGS:
             raise ConfigError(f"unknown sampling {sampling!r}: choose one of {list(SAMPLINGS)}", "sampling")
         if sampling is None and not self._warned_unamplified:
@@ -313,18 +324,8 @@ class PipelineDPTrainer:
                 "are Poisson-sampled at sample_rate (e.g. Opacus's DPDataLoader), or let fit() draw them",
                 stacklevel=3,
             )
-        per_epoch = 1
-        if sampling == "shuffle":
-            if privacy.dataset_size is None:
-                raise ConfigError(
-                    "sampling='shuffle' needs dataset_size: an epoch is dataset_size / expected_batch_size steps "
-                    "(fit() sets it from its data)",
-                    "sampling",
-                )
-            assert privacy.expected_batch_size is not None  # validate()
-            per_epoch = math.ceil(privacy.dataset_size / privacy.expected_batch_size)
-        rate = charged_rate(sampling, privacy.sample_rate, self.state.step, per_epoch)
-        return None if rate is None else (privacy.noise_multiplier, rate)
+        rate = self.state.charges.rate(sampling, self.privacy, n)
+        return None if rate is None else (self.privacy.noise_multiplier, rate)
 
     def _apply_update(self) -> None:
         std = self.privacy.noise_multiplier * self.clip.sensitivity
@@ -361,7 +362,7 @@ class PipelineDPTrainer:
             [grads[k] for k in keep],
             [names[k] for k in keep],
             std,
-            self.privacy.seed,
+            self.state.seed,
             self.state.step,
             self.privacy.secure_mode,
         )
@@ -396,6 +397,12 @@ class PipelineDPTrainer:
         return self.state.step
 
     @property
+    def seed(self) -> int:
+        """The root seed of the noise and sampling streams: PrivacyConfig.seed if given, else drawn from the OS's
+        entropy at construction (or restored from a checkpoint). Secret: whoever knows it can strip the noise."""
+        return self.state.seed
+
+    @property
     def noise_multiplier(self) -> float:
         """sigma (calibrated from target_epsilon when one was given)."""
         return self.privacy.noise_multiplier
@@ -424,7 +431,7 @@ class PipelineDPTrainer:
         if n == 0:
             return math.nan
         self.runtime.check_same_batch(inputs, targets)
-        total = torch.zeros(3, dtype=torch.float64)
+        total = torch.zeros(4, dtype=torch.float64)
         try:
             for batch in self._passes(inputs, targets):
                 total = total + self.runtime.run_eval(batch)
@@ -506,9 +513,10 @@ class PipelineDPTrainer:
     ) -> FitResult:
         """DP training over ``dataset`` ((inputs, targets), a TensorDataset, or a map-style dataset of
         pairs) with pipedp's own sampler: Poisson at sample_rate, or shuffled epochs when
-        PrivacyConfig.sampling is 'shuffle'. Options: a FitConfig, or its fields as keywords (a keyword
-        overrides the config's field; see pipedp.config.FitConfig). ``callback(step, loss, trainer)``
-        runs after every step."""
+        PrivacyConfig.sampling is 'shuffle'. Options: a FitConfig (default: the trainer's), or its fields as
+        keywords (a keyword overrides the config's field; see pipedp.config.FitConfig). With target_epsilon the
+        run length is the trainer's, which the noise was calibrated for: another one is refused.
+        ``callback(step, loss, trainer)`` runs after every step."""
         given: Dict[str, Any] = dict(
             steps=steps,
             epochs=epochs,
@@ -519,8 +527,21 @@ class PipelineDPTrainer:
             checkpoint_key=checkpoint_key,
             keep_last=keep_last,
         )  # tests/unit/test_config.py checks that these are FitConfig's fields, all of them
-        config = dataclasses.replace(config or FitConfig(), **{k: v for k, v in given.items() if v is not None})
-        return fit(self, dataset, config.validate(), callback)
+        base = config or self.fit_config
+        if steps is not None or epochs is not None:  # a run length given here replaces the default one
+            base = dataclasses.replace(base, steps=None, epochs=None)
+        config = dataclasses.replace(base, **{k: v for k, v in given.items() if v is not None}).validate()
+        if self.privacy.target_epsilon is not None:
+            planned, runs = planned_charges(self.privacy, self.fit_config), planned_charges(self.privacy, config)
+            if runs != planned:
+                raise ConfigError(
+                    f"fit(steps={config.steps}, epochs={config.epochs}) makes {runs[1]} charges at sample rate "
+                    f"{runs[0]:g}, but the noise was calibrated to target_epsilon={self.privacy.target_epsilon:g} over "
+                    f"{planned[1]} at {planned[0]:g} (the trainer's steps={self.fit_config.steps}, epochs="
+                    f"{self.fit_config.epochs}): declare the run length once, to the trainer, and call fit() without it",
+                    "steps",
+                )
+        return fit(self, dataset, config, callback)
 
     def save_checkpoint(
         self, directory: str, key: Union[str, bytes, None] = None, keep_last: Optional[int] = None

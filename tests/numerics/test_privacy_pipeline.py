@@ -97,7 +97,7 @@ def test_epsilon_equals_opacus_accountant(accountant):
 
 
 def test_calibrated_sigma_reaches_target_epsilon():
-    t = trainer(target_epsilon=3.0, delta=1e-5, total_steps=50, sample_rate=0.05, accountant="rdp")
+    t = trainer(target_epsilon=3.0, delta=1e-5, steps=50, sample_rate=0.05, accountant="rdp")
     ref = create_accountant(mechanism="rdp")
     ref.history = [(t.noise_multiplier, 0.05, 50)]
     eps = ref.get_epsilon(delta=1e-5)
@@ -111,7 +111,7 @@ def test_calibrated_sigma_reaches_target_epsilon():
 
 def test_unreachable_target_epsilon_is_a_clear_error():
     with pytest.raises(PipeDPError, match="cannot be met"):
-        trainer(target_epsilon=1e-9, total_steps=10**6, sample_rate=1.0, accountant="rdp")
+        trainer(target_epsilon=1e-9, steps=10**6, sample_rate=1.0, accountant="rdp")
 
 
 def test_budget_guard_fires_before_the_step_that_would_exceed(tmp_path):

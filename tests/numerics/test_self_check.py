@@ -187,7 +187,7 @@ def test_a_parameter_changed_in_place_on_a_later_step_is_refused():
 
         def forward(self, x):
             self.calls += 1
-            if self.calls > 1:  # not on the first (self-checked) step
+            if self.calls > 2:  # not on the first (self-checked) step's 2 micro-batches
                 with torch.no_grad():
                     self.fc.weight.mul_(1.0 + x.detach().abs().mean())
             return self.fc(x)
@@ -199,6 +199,7 @@ def test_a_parameter_changed_in_place_on_a_later_step_is_refused():
         class_loss,
         lambda p: torch.optim.SGD(p, lr=0.1),
         stages=2,
+        microbatches=2,
         noise_multiplier=0.0,
         max_grad_norm=1.0,
         expected_batch_size=4,

@@ -40,6 +40,7 @@ def manifest(**changes):
         mechanism="rdp",
         history=[(1.0, 0.01, 7)],
         stages=[record],
+        seed=12345,
     )
     fields.update(changes)
     return Manifest(**fields)
@@ -87,6 +88,7 @@ def _parse(raw):
         ("stages", 0, "frozen"),
         ("stages", 0, "frozen", "c.weight", "value"),
         ("stages", 0, "index"),
+        ("seed",),
     ],
 )
 def test_a_field_removed_is_named(path):
@@ -122,6 +124,8 @@ def test_a_field_removed_is_named(path):
         (("accountant", "history", 0), [1.0, 0.1], "is not \\[noise multiplier, sample rate, steps\\]"),
         (("accountant", "history", 0), [1.0, "q", 3], "history\\[0\\].1 is a str"),
         (("format",), "pipedp-checkpoint-1", "written by another version of pipedp"),
+        (("seed",), "12345", "seed is a str, not a int"),
+        (("seed",), -2, "seed is -2, not >= 0"),
     ],
 )
 def test_a_field_of_the_wrong_type_is_named(path, value, message):
@@ -138,6 +142,16 @@ def test_a_field_of_the_wrong_type_is_named(path, value, message):
 def test_bytes_that_are_no_manifest_are_named(data):
     with pytest.raises(CheckpointError, match="step-00000007/manifest.json"):
         Manifest.parse(data, "/ck/step-00000007/manifest.json")
+
+
+def test_the_format_before_the_secret_seed_resumes_with_the_seed_its_config_holds():
+    raw = _raw()
+    raw["format"] = "pipedp-checkpoint-2"
+    del raw["seed"]
+    assert _parse(raw).seed == 1  # the config's (seeds were always given then)
+    raw["config"] = {"clipping": "flat"}
+    with pytest.raises(CheckpointError, match="holds no integer seed"):
+        _parse(raw)
 
 
 def test_the_earlier_format_is_named():

@@ -10,7 +10,7 @@ import pytest
 from pipedp import ConfigError, PipelineConfig, PrivacyConfig
 from pipedp.cli.flags import add_config_flags, cli_fields, configs_from_args, flag_of
 from pipedp.cli.main import build_parser
-from pipedp.config import split_options, steps_for_epochs
+from pipedp.config import FitConfig, split_options, steps_for_epochs
 from pipedp.privacy.streams import Stream, stream_seed
 
 
@@ -40,15 +40,17 @@ def test_privacy_needs_what_its_options_need():
         PrivacyConfig().validate()
     with pytest.raises(ConfigError, match="max_epsilon needs sample_rate"):
         PrivacyConfig(expected_batch_size=4, max_epsilon=3.0, sampling="poisson").validate()
-    with pytest.raises(ConfigError, match="exactly one of total_steps or epochs"):
-        PrivacyConfig(expected_batch_size=4, sample_rate=0.1, target_epsilon=3.0).validate()
+    with pytest.raises(ConfigError, match="the run length is not given: pass steps= or epochs="):
+        FitConfig().planned_steps(PrivacyConfig(expected_batch_size=4, sample_rate=0.1).validate())
+    with pytest.raises(TypeError, match="total_steps: the run length is FitConfig's: pass steps="):
+        split_options({"total_steps": 10})
 
 
 def test_one_rule_turns_epochs_into_steps():
     assert steps_for_epochs(1, 0.003) == 334  # 333.33 -> 334, in the calibration and in fit alike
     assert steps_for_epochs(2, 0.02) == 100  # not 101 from float noise
-    planned = PrivacyConfig(expected_batch_size=3, sample_rate=0.003, target_epsilon=3.0, epochs=1)
-    assert planned.validate().planned_steps() == 334
+    privacy = PrivacyConfig(expected_batch_size=3, sample_rate=0.003, target_epsilon=3.0).validate()
+    assert FitConfig(epochs=1).planned_steps(privacy) == 334
 
 
 def test_configs_are_frozen_and_unknown_options_are_refused():
@@ -87,7 +89,6 @@ def test_fit_takes_exactly_the_fields_of_fit_config():
     import inspect
 
     from pipedp import PipelineDPTrainer
-    from pipedp.config import FitConfig
 
     keywords = [
         name
@@ -101,13 +102,8 @@ def test_the_trainer_and_the_cli_calibrate_in_one_place():
     from pipedp.privacy.accounting import calibrated, epsilon_of, planned_charges
 
     shuffled = PrivacyConfig(
-        expected_batch_size=16,
-        sample_rate=16 / 256,
-        target_epsilon=4.0,
-        total_steps=32,
-        sampling="shuffle",
-        dataset_size=256,
+        expected_batch_size=16, sample_rate=16 / 256, target_epsilon=4.0, sampling="shuffle", dataset_size=256
     ).validate()
-    assert planned_charges(shuffled) == (1.0, 2)  # two epochs of 16 batches: charged once each
-    sigma = calibrated(shuffled).noise_multiplier
+    assert planned_charges(shuffled, FitConfig(steps=32)) == (1.0, 2)  # two epochs of 16 batches: charged once each
+    sigma = calibrated(shuffled, FitConfig(steps=32)).noise_multiplier
     assert 4.0 - 0.01 <= epsilon_of([(sigma, 1.0, 2)], 1e-5, "prv") <= 4.0

@@ -26,10 +26,16 @@ class FakeStage:
     def check_plan(self, inputs, mask):
         return Probe(self.probe_rows) if self.probe_rows else None
 
-    def passed_check(self, inputs):
-        self.calls.append("checked")
+    check_conclusive = True
 
-    def forward(self, mb, x, targets, side, size, check_state=False):
+    def watch_values(self):
+        self.calls.append("watch")
+        return {}
+
+    def refuse_changed_values(self, before):
+        self.calls.append("values compared")
+
+    def forward(self, mb, x, targets, side, size, check_state=False, probe_rows=()):
         self.calls.append(("F", mb, check_state))
         return 2 * x
 
@@ -79,9 +85,12 @@ def test_a_middle_stage_runs_its_actions_and_sends_probes_behind_the_gradient():
     executor.start_pass(make_pass(torch.zeros(2, 1), torch.zeros(2), microbatches=1, size=2))
     assert executor.run()
     executor.end_pass()
-    assert [c[0] if isinstance(c, tuple) else c for c in stage.calls] == ["F", "I", "W", "checked"]
-    assert stage.calls[0][2] is True  # micro-batch 0 of a checked pass: its buffers are watched
+    # a checked pass: the state's values are compared around it
+    assert [c[0] if isinstance(c, tuple) else c for c in stage.calls] == ["watch", "F", "I", "W", "values compared"]
+    stage.calls = stage.calls[1:]
+    assert stage.calls[0][2] is True  # every micro-batch's versions are watched
     assert stage.calls[1][2].rows == (0, 1) and len(stage.calls[1][2].messages) == 2
+    assert executor.totals()[3] == 0  # the fake's check was conclusive
     sent = [(kind, message) for kind, _, message in transport.sent]
     assert sent[0][0] is Kind.SEND_F and torch.equal(sent[0][1], 2 * torch.ones(2, 1))
     assert [k for k, _ in sent[1:]] == [Kind.SEND_B] * 3  # the gradient, then one probe per checked row

@@ -18,7 +18,9 @@ import torch
 
 from ...errors import CheckpointError
 
-FORMAT = "pipedp-checkpoint-2"
+FORMAT = "pipedp-checkpoint-3"
+# the format before the secret seed: its streams' seed is the one in its config (always given then)
+_SEEDLESS = "pipedp-checkpoint-2"
 _TAGS = ("__tuple__", "__dict__", "__counter__", "__tensor__")
 _SMALL_TENSOR = 4096  # elements: a tensor-valued hyperparameter, not a weight
 
@@ -77,6 +79,8 @@ class Manifest:
     mechanism: str  # the accountant
     history: List[Tuple[float, float, int]]  # its (noise multiplier, sample rate, steps) entries
     stages: List[StageRecord]
+    seed: int  # the noise's and the sampling's root seed: secret unless the run was given one
+    epoch_units: int = 0  # privacy units of the shuffled epoch in progress (its charge is paid)
 
     def where(self) -> Dict[str, StageRecord]:
         """Every trainable parameter name (and tied alias) -> the stage record holding its tensor."""
@@ -122,6 +126,8 @@ class Manifest:
             "folder": self.folder,
             "config": self.config,
             "accountant": {"mechanism": self.mechanism, "history": [list(h) for h in self.history]},
+            "seed": self.seed,
+            "epoch_units": self.epoch_units,
             "stages": stages,
         }
         return json.dumps(body, indent=1).encode()
@@ -140,7 +146,7 @@ class Manifest:
                 "does not resume: finish that run with the version that wrote it, or start afresh"
             )
         fmt = top.get("format", str)
-        if fmt != FORMAT:
+        if fmt not in (FORMAT, _SEEDLESS):
             raise CheckpointError(
                 f"checkpoint manifest {source!r} has format {fmt[:40]!r}, not {FORMAT!r}: written by another "
                 "version of pipedp, it cannot be resumed by this one"
@@ -155,15 +161,20 @@ class Manifest:
         stages = [_stage(_Fields(s, f"stages[{k}]", source)) for k, s in enumerate(top.get("stages", list))]
         if [s.index for s in stages] != list(range(len(stages))):
             top.fail("stages", f"are numbered {[s.index for s in stages]}, not 0..{len(stages) - 1}")
+        config = top.get("config", dict)
+        if fmt == _SEEDLESS and not isinstance(config.get("seed"), int):
+            top.fail("config", "holds no integer seed (a checkpoint of this format always did)")
         manifest = Manifest(
             format=fmt,
             job=top.get("job", str),
             step=top.integer("step"),
             folder=top.get("folder", str),
-            config=top.get("config", dict),
+            config=config,
             mechanism=accountant.get("mechanism", str),
             history=history,
             stages=stages,
+            seed=config["seed"] if fmt == _SEEDLESS else top.integer("seed"),
+            epoch_units=0 if fmt == _SEEDLESS else top.integer("epoch_units"),
         )
         _check_names(manifest, top)
         return manifest

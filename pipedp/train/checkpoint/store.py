@@ -113,6 +113,8 @@ def save(
                 mechanism=str(accountant["mechanism"]),
                 history=[(float(s), float(q), int(n)) for s, q, n in accountant["history"]],
                 stages=[merged[s] for s in range(stages)],
+                seed=state.seed,
+                epoch_units=state.charges.seen,
             )
             same = folder.unchanged(directory, manifest, key)
             if same is None:
@@ -192,6 +194,8 @@ def load(
             f.close()
     state.accountant.load_state_dict({"mechanism": manifest.mechanism, "history": list(manifest.history)})
     state.step = manifest.step
+    state.seed = manifest.seed
+    state.charges.seen = manifest.epoch_units
     return manifest.job
 
 
