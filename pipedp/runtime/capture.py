@@ -38,8 +38,23 @@ def find_layers(named_modules: Iterator[Tuple[str, nn.Module]]) -> Dict[str, nn.
         if id(module) in seen or not layer_parameters(module):
             continue
         seen.add(id(module))
+        _refuse_sequence_first(name, module)
         layers[name if name not in layers else f"{name}#{len(layers)}"] = module
     return layers
+
+
+def _refuse_sequence_first(name: str, module: nn.Module) -> None:
+    """Opacus's SequenceBias (DPMultiheadAttention's bias_k / bias_v, add_bias_kv=True) appends its bias along
+    dimension 0 of sequence-first tensors: the attention transposes to [seq, batch, embed] inside, batch_first or
+    not (the shape check of the capture could only see it at the first step, and not at all if seq == batch)."""
+    opacus_bias = type(module).__name__ == "SequenceBias" and type(module).__module__.startswith("opacus.")
+    if opacus_bias and not getattr(module, "batch_first", False):
+        raise UnsupportedModelError(
+            f"layer {name!r} (Opacus SequenceBias: the bias_k / bias_v of DPMultiheadAttention(add_bias_kv=True)) "
+            "appends its bias to the keys and values in the sequence-first [seq, batch, embed] layout the attention "
+            "transposes them to inside, whatever its batch_first, and per-sample gradients need the batch first on "
+            f"every layer with parameters: use add_bias_kv=False, or freeze the bias ({name}.bias.requires_grad_(False))"
+        )
 
 
 def block_layers(blocks: Sequence[Block]) -> Dict[str, nn.Module]:

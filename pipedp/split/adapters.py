@@ -18,18 +18,21 @@ from ..errors import UnsupportedModelError
 from .blocks import Block
 from .graph import captured_blocks
 from .hf import hf_blocks
+from .hf_structure import refuse_experts
 from .traced import traced_blocks
 
 
 def model_blocks(model: nn.Module, untie_weights: bool = False) -> List[Block]:
+    _refuse_peft_methods(model)
     peft = _peft_wrapped(model)
     if peft is not None:  # a PeftModel: split the model it wraps, under the PeftModel's own names
         prefix, inner = peft
         return [replace(b, name=f"{prefix}.{b.name}" if b.name else prefix) for b in model_blocks(inner, untie_weights)]
     if hasattr(model, "pipeline_blocks"):
         blocks = [Block(name, module) for name, module in model.pipeline_blocks()]
-    elif isinstance(model, nn.Sequential):
-        blocks = [Block(name, module) for name, module in model.named_children()]
+    elif isinstance(model, nn.Sequential):  # every position, as its forward runs: named_children() would
+        # yield a module repeated at several positions once, and the blocks would run another network
+        blocks = [Block(name, module) for name, module in model._modules.items() if module is not None]
     else:
         blocks = _adapted(model, untie_weights)
     if not blocks:
@@ -46,8 +49,43 @@ def _peft_wrapped(model: nn.Module) -> Optional[Tuple[str, nn.Module]]:
     return None
 
 
+_PEFT_WAY_OUT = "use LoRA, IA3, VeRA or OFT, which pipedp trains exactly"
+
+
+def _refuse_peft_methods(model: nn.Module) -> None:
+    """The PEFT methods pipedp cannot train exactly, by name: prompt learning, LoHa, LoKr in training mode."""
+    configs = getattr(model, "peft_config", None)
+    if type(model).__module__.startswith("peft.") and isinstance(configs, dict):
+        learned = [c.peft_type for c in configs.values() if getattr(c, "is_prompt_learning", False)]
+        prompts = sorted({str(getattr(kind, "value", kind)) for kind in learned})
+        if prompts:
+            raise UnsupportedModelError(
+                f"PEFT {', '.join(prompts)} (prompt / prefix tuning): the PeftModel's own forward prepends learned "
+                "virtual tokens to the input embeddings, or learned keys and values to every layer's attention, "
+                f"outside the decoder's embeddings, layers and head that pipedp splits and captures; {_PEFT_WAY_OUT}"
+            )
+    for name, module in model.named_modules():
+        package = type(module).__module__
+        if package.startswith("peft.tuners.loha.layer"):
+            raise UnsupportedModelError(
+                f"layer {name!r} is a PEFT LoHa adapter: its weight (a Hadamard product of two low-rank products) is "
+                "computed by a custom torch.autograd.Function without vmap support, so its per-sample gradients "
+                f"cannot be computed one sample at a time; {_PEFT_WAY_OUT} (or LoKr, with its layers in eval mode)"
+            )
+        if package.startswith("peft.tuners.lokr.layer") and module.training:
+            raise UnsupportedModelError(
+                f"layer {name!r} is a PEFT LoKr adapter in training mode: its forward draws random numbers on every "
+                "call (module_dropout and rank_dropout, even at 0), which pipedp's per-sample replay of the layer "
+                "cannot draw again as the forward did; put its layers in eval mode (exact: module_dropout and "
+                f"rank_dropout then do nothing), or {_PEFT_WAY_OUT}"
+            )
+
+
 def _adapted(model: nn.Module, untie_weights: bool) -> List[Block]:
-    blocks = hf_blocks(model, untie_weights) if type(model).__module__.startswith("transformers.") else None
+    hugging_face = type(model).__module__.startswith("transformers.")
+    blocks = hf_blocks(model, untie_weights) if hugging_face else None
+    if blocks is None and hugging_face:  # a base model without a head (e.g. Llama4TextModel): before tracing it
+        refuse_experts(model)
     if blocks is None:
         blocks = captured_blocks(model)
     if blocks is None:

@@ -63,8 +63,9 @@ def find_structure(model: nn.Module, kind: str) -> Structure:
             f"own forward for {list(SUPPORTED_ATTENTION)} only): load the model with attn_implementation='sdpa' "
             "or 'eager'"
         )
-    base = getattr(model, "base_model", model)
+    base = _base_model(model)
     if base is model:
+        refuse_experts(model)
         raise UnsupportedModelError(f"{name} has no base model under its head: {WAY_OUT}")
     layers_path, body, layers_name = _layer_list(model, base)
     structure = Structure(model, kind, base, body, layers_name, layers_path)
@@ -132,19 +133,41 @@ def _chain(model: nn.Module, body: nn.Module) -> List[nn.Module]:
     return chain
 
 
+def _base_model(model: nn.Module) -> nn.Module:
+    """model.base_model, or where its base_model_prefix names no attribute (Llama-4's text model: prefix
+    "language_model", base held as "model") the one child that is a transformers model."""
+    base = getattr(model, "base_model", model)
+    if base is model:
+        found = [c for c in model.children() if type(c).__module__.startswith("transformers.") and hasattr(c, "config")]
+        base = found[0] if len(found) == 1 else model
+    return base
+
+
+def _experts(module: nn.Module) -> Optional[Tuple[str, nn.Module]]:
+    """The first mixture-of-experts part below ``module`` (by an ``experts`` attribute, else by class name)."""
+    modules = list(module.named_modules())[1:]  # the module's own class name may say MoE
+    found = [(n, m) for n, m in modules if hasattr(m, "experts")] or [
+        (n, m) for n, m in modules if _ROUTING.search(type(m).__name__)
+    ]
+    return found[0] if found else None
+
+
+def refuse_experts(model: nn.Module, path: str = "", module: Optional[nn.Module] = None) -> None:
+    """Refuse a mixture of experts anywhere in ``module`` (default: the model), named by its path."""
+    found = _experts(module if module is not None else model)
+    if found is not None:
+        name, part = found
+        raise UnsupportedModelError(
+            f"{type(model).__name__}: {f'{path}.{name}' if path else name} ({type(part).__name__}) is a mixture of "
+            "experts: its router gathers the tokens of several samples into each expert, so pipedp's per-sample "
+            "gradient capture cannot attribute an expert's gradients to samples: pipedp does not train mixtures of "
+            "experts (yet), whatever is trainable. Use a dense model"
+        )
+
+
 def _refuse_routing(s: Structure) -> None:
     for i, layer in enumerate(s.layers):
-        modules = list(layer.named_modules())[1:]  # the layer's own class name may say MoE
-        found = [(n, m) for n, m in modules if hasattr(m, "experts")] or [
-            (n, m) for n, m in modules if _ROUTING.search(type(m).__name__)
-        ]
-        for name, module in found[:1]:
-            raise UnsupportedModelError(
-                f"{type(s.model).__name__}: {s.layers_path}.{i}.{name} ({type(module).__name__}) is a mixture of "
-                "experts: its router gathers the tokens of several samples into each expert, so pipedp's "
-                "per-sample gradient capture cannot attribute an expert's gradients to samples (refused for the "
-                "routing, whatever is trainable). Use a dense model"
-            )
+        refuse_experts(s.model, f"{s.layers_path}.{i}", layer)
 
 
 def _refuse_layer_parameters(s: Structure) -> None:

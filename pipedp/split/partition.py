@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Collection, Dict, List, Optional, Sequence, Set, Tuple
 
 import torch.nn as nn
 
@@ -24,8 +25,9 @@ def uniform_split(num_blocks: int, stages: int) -> List[range]:
     return ranges
 
 
-def balanced_split(costs: Sequence[float], stages: int) -> List[range]:
-    """Contiguous split of ``costs`` into ``stages`` non-empty parts minimising the largest part.
+def balanced_split(costs: Sequence[float], stages: int, uncut: Collection[int] = ()) -> List[range]:
+    """Contiguous split of ``costs`` into ``stages`` non-empty parts minimising the largest part, with no
+    stage starting at a block index in ``uncut`` (the caller checks that enough other cuts remain).
 
     Dynamic programming over prefix sums, O(stages * n^2): exact, and fast for the few
     hundred blocks a model has.
@@ -45,6 +47,8 @@ def balanced_split(costs: Sequence[float], stages: int) -> List[range]:
     for k in range(1, stages + 1):
         for i in range(k, n - (stages - k) + 1):
             for j in range(k - 1, i):
+                if j in uncut:
+                    continue
                 value = max(best[k - 1][j], prefix[i] - prefix[j])
                 if value < best[k][i]:
                     best[k][i], cut[k][i] = value, j
@@ -117,13 +121,46 @@ def partition(
     per-block costs, or a function of the blocks returning such a list (e.g. measured_costs)."""
     if stages > 1 and len(blocks) == 1 and blocks[0].unsplittable:
         raise UnsupportedModelError(blocks[0].unsplittable)
-    if balance == "uniform":
+    uncut = _uncut(blocks, stages)
+    if balance == "uniform" and not uncut:
         ranges = uniform_split(len(blocks), stages)
     else:
-        ranges = balanced_split(costs if costs is not None else block_costs(blocks, balance), stages)
+        given = [1.0] * len(blocks) if balance == "uniform" else costs
+        ranges = balanced_split(given if given is not None else block_costs(blocks, balance), stages, uncut)
     stage_blocks = [[blocks[i] for i in r] for r in ranges]
     find_ties(stage_blocks)  # refuses every sharing across stages but an embedding / head tie
     return stage_blocks
+
+
+def repeated_modules(blocks: Sequence[Block]) -> List[Tuple[str, List[int]]]:
+    """(its first name, the block positions) of each module holding parameters or buffers that several blocks
+    hold (a module repeated in an nn.Sequential, or shared by two blocks; of nested ones, the outermost): its
+    calls must run on one stage, where its per-sample gradient is the sum over its calls (on two stages it
+    would be two copies stepping apart)."""
+    where: Dict[int, Tuple[nn.Module, str, List[int]]] = {}
+    for i, b in enumerate(blocks):
+        for name, module in b.module.named_modules(remove_duplicate=False):
+            if next(itertools.chain(module.parameters(), module.buffers()), None) is not None:
+                where.setdefault(id(module), (module, b.qualified(name) if name else b.name, []))[2].append(i)
+    repeated = {k: (m, name, sorted(set(at))) for k, (m, name, at) in where.items() if len(set(at)) > 1}
+    inner = {id(sub): at for m, _, at in repeated.values() for sub in m.modules() if sub is not m}
+    return [(name, at) for k, (_, name, at) in repeated.items() if inner.get(k) != at]
+
+
+def _uncut(blocks: Sequence[Block], stages: int) -> Set[int]:
+    """The block indices no stage may start at: those between two positions of a repeated module."""
+    repeated = repeated_modules(blocks)
+    uncut = {j for _, positions in repeated for j in range(min(positions) + 1, max(positions) + 1)}
+    possible = len(blocks) - len(uncut)
+    if repeated and stages > possible:  # (without repeats, the split's own check names the problem)
+        names = "; ".join(f"{name!r} at block positions {positions}" for name, positions in repeated)
+        raise PartitionError(
+            f"cannot split into {stages} stages: one module runs at several positions ({names}), and all its calls "
+            f"run on one stage (its per-sample gradient sums them), which leaves at most {possible} stages. Use "
+            f"stages <= {possible}, or give each position its own module (e.g. copy.deepcopy) if they are not "
+            "meant to share weights"
+        )
+    return uncut
 
 
 @dataclass(frozen=True)
