@@ -367,7 +367,7 @@ def _run_rank(rank: int, folder: str, args: Dict) -> Dict:
     from pipedp.split.adapters import model_blocks
     from pipedp.split.hf_loading import load_pipeline_stage, resident_parameter_bytes
     from pipedp.split.partition import block_costs, partition
-    from pipedp.train.trainer import _float32_masters
+    from pipedp.train.prepare import apply_precision
 
     warnings.filterwarnings("ignore")
     _preimport()
@@ -403,7 +403,7 @@ def _run_rank(rank: int, folder: str, args: Dict) -> Dict:
     plain_s: List[float] = []
     if args["baseline"]:
         if lora:  # bf16-mixed as the trainer applies it: float32 trainable parameters
-            _float32_masters(model)
+            apply_precision(model, "bf16-mixed")
         plain_s = _plain_steps(mine, rank, stages, x, y, m, lora, args["steps"], marks)
     t0 = time.perf_counter()
     trainer = PipelineDPTrainer(

@@ -183,29 +183,16 @@ class _Setup:
     """The model on meta, split and prepared as the trainer prepares it, and its fake twin for the passes."""
 
     def __init__(self, name, pipeline, privacy, seq_len, lora_r, targets, seed, optimizer, momentum, weight_decay=0.0):
-        from ..privacy.clipping import ClipRule
-        from ..privacy.units import Units
-        from ..runtime.capture import block_layers
-        from ..runtime.create import stage_options
-        from ..runtime.tie import the_tie
-        from ..split.adapters import model_blocks
-        from ..split.partition import block_costs, find_ties, partition
         from ..split.plan import static_bytes
+        from ..train.prepare import prepare
 
         self.pipeline, self.seq_len, self.lora_r, self.targets = pipeline, seq_len, lora_r, targets
         self.model, self.name, base_costs = _planned_model(
             name, seq_len, pipeline.untie_weights, pipeline.balance, lora_r, targets, seed
         )
         self.hf = type(self.model).__module__.startswith(("transformers.", "peft."))
-        _apply_precision(self.model, pipeline.precision)
-        blocks = model_blocks(self.model, pipeline.untie_weights)
-        balance = pipeline.balance if base_costs is None else base_costs
-        costs = block_costs(blocks, balance)
-        self.stage_blocks = partition(blocks, pipeline.stages, balance, costs)
-        layers = [n for stage in self.stage_blocks for n in block_layers(stage)]
-        clip = ClipRule.make(privacy.clipping, privacy.max_grad_norm, pipeline.stages, layers)
-        self.tie = the_tie(find_ties(self.stage_blocks), clip.across_stages)
-        self.options = stage_options(pipeline, clip, Units(privacy.unit_rows))
+        prepared = prepare(self.model, pipeline, privacy, base_costs)  # as the trainer prepares it
+        self.stage_blocks, self.tie, self.options = prepared.stage_blocks, prepared.tie, prepared.options
         self.static = [static_bytes(b, optimizer, momentum, weight_decay=weight_decay) for b in self.stage_blocks]
         self.optimizer = optimizer
         self._fake = None
@@ -409,18 +396,6 @@ def _planned_model(name, seq_len: int, untie: bool, balance, lora_r, targets, se
 
     costs = block_costs(model_blocks(model, untie), balance)
     return with_lora(model, lora_r, targets, seed), label, costs
-
-
-def _apply_precision(model, precision: str) -> None:
-    """What the trainer does to the model for its precision (pipedp/train/trainer.py)."""
-    import torch
-
-    if precision == "bf16-true":
-        model.to(torch.bfloat16)
-    if precision == "bf16-mixed":
-        for p in model.parameters():
-            if p.requires_grad and p.dtype in (torch.bfloat16, torch.float16):
-                p.data = p.data.float()
 
 
 def _to_fake(model, mode) -> None:

@@ -226,11 +226,11 @@ class Stage:
             state_watch.refuse_changes(
                 self.index, before, state_watch.versions(self._named_state()), "the training forward"
             )
+        state.output = self._checked_losses(losses, size) if self.is_last else self._checked_output(out)
         if self.is_last and probe_rows and self.loss_fn is not None:
             spans = [self.units.rows_of(r) for r in probe_rows]
             with torch.no_grad(), self._compute_precision(first.device):
-                self_check.refuse_coupled_loss(self.index, self.loss_fn, out, targets, losses, size, spans)
-        state.output = self._checked_losses(losses, size) if self.is_last else self._checked_output(out)
+                self_check.refuse_coupled_loss(self.index, self.loss_fn, out, targets, state.output, size, spans)
         self.pending[mb] = state
         return state.output
 

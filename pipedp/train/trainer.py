@@ -25,14 +25,10 @@ import schedules
 from schedules import Kind
 
 from ..config import SAMPLINGS, FitConfig, PipelineConfig, PrivacyConfig, describe, split_options
-from ..errors import ConfigError, NonFiniteError, PrivacyBudgetExceeded, UnsupportedModelError
+from ..errors import ConfigError, NonFiniteError, PrivacyBudgetExceeded
 from ..privacy.accounting import BudgetGuard, calibrated, planned_charges, spent_epsilon
-from ..privacy.clipping import ClipRule
 from ..privacy.noise import add_noise
 from ..privacy.streams import run_seed
-from ..privacy.units import Units
-from ..privacy.validation import validate_model
-from ..runtime.capture import block_layers
 from ..runtime.create import create_runtime
 from ..runtime.microbatch import (
     Inputs,
@@ -48,15 +44,12 @@ from ..runtime.microbatch import (
     rows as batch_rows,
 )
 from ..runtime.protocols import Runtime
-from ..runtime.tie import the_tie
-from ..split.adapters import model_blocks
-from ..split.balance import cost_unit, report
 from ..split.blocks import model_signature
-from ..split.partition import block_costs, find_ties, partition
 from . import checkpoint
 from .export import save_pretrained
 from .loop import FitResult, fit
 from .narrowing import narrow_in_storage, steps_without_temporaries
+from .prepare import prepare
 from .state import TrainingState
 
 OptimizerFactory = Callable[[List[nn.Parameter]], torch.optim.Optimizer]
@@ -81,30 +74,6 @@ def _check_finite(stage: Any, values: List[torch.Tensor], step: int, what: str) 
             f"step {step}, stage {stage.index}: the {what} of {', '.join(bad[:5])} is not finite (NaN/inf): "
             "the optimizer step is refused; check the learning rate, max_grad_norm and the data"
         )
-
-
-def _float32_masters(model: nn.Module) -> None:
-    """bf16-mixed: trainable parameters held (and stepped, with their optimizer state) in float32 whatever
-    dtype the model was loaded in; the forward runs under bf16 autocast; frozen weights stay as they are."""
-    for p in model.parameters():
-        if p.requires_grad and p.dtype in (torch.bfloat16, torch.float16):
-            p.data = p.data.float()
-
-
-def _refuse_duplicate_names(stage_blocks: List[List[Any]]) -> None:
-    """The noise of each parameter is drawn from the stream of its name: two tensors of one name would get
-    the same noise (correlated, and the guarantee assumes independent noise)."""
-    owner: Dict[str, int] = {}
-    for blocks in stage_blocks:
-        for b in blocks:
-            for n, p in b.module.named_parameters():
-                name = b.qualified(n)
-                if owner.setdefault(name, id(p)) != id(p):
-                    raise UnsupportedModelError(
-                        f"two different parameters are both named {name!r} (from the model's blocks): pipedp draws "
-                        "each parameter's noise from the stream of its name, so they would get the same noise; give "
-                        "each block its prefix in the model's own state dict (pipeline_blocks() names)"
-                    )
 
 
 def _check_optimizer_options(optimizers: List[Optional[torch.optim.Optimizer]]) -> None:
@@ -203,43 +172,24 @@ class PipelineDPTrainer:
         )
         self.schedule = schedules.build(pipeline.schedule, pipeline.stages, pipeline.microbatches, action_costs)
         schedules.validate(self.schedule)
-        validate_model(model)
-        if pipeline.precision == "bf16-true":
-            model.to(torch.bfloat16)  # the user's model itself: its weights train in bf16
-        if pipeline.precision == "bf16-mixed":
-            _float32_masters(model)
+        prepared = prepare(model, pipeline, privacy)  # precision, blocks, partition, clip rule, units, tie
         self.model = model
         self.last_batch_size = 0
         self.last_dropped_samples = 0  # samples of the last step left out for a non-finite gradient norm
         self.last_clipped_fraction = 0.0  # of the last step's samples, those clipped (a diagnostic, not private)
         self._budget: Optional[BudgetGuard] = None
         self._warned_unamplified = self._warned_delta = False
-
-        blocks = model_blocks(model, pipeline.untie_weights)
-        costs = block_costs(blocks, pipeline.balance)
-        stage_blocks = partition(blocks, pipeline.stages, pipeline.balance, costs)
-        _refuse_duplicate_names(stage_blocks)
-        layers = [name for stage in stage_blocks for name in block_layers(stage)]
-        self.clip = ClipRule.make(privacy.clipping, privacy.max_grad_norm, pipeline.stages, layers)
-        self.units = Units(privacy.unit_rows)
-        if pipeline.microbatch_size is not None and pipeline.microbatch_size % self.units.rows:
-            raise ConfigError(
-                f"microbatch_size {pipeline.microbatch_size} is not a multiple of unit_rows {self.units.rows}: a "
-                "micro-batch holds whole privacy units",
-                "microbatch_size",
-            )
-        tie = the_tie(find_ties(stage_blocks), self.clip.across_stages)
-        self.partition_report = report(stage_blocks, costs, cost_unit(pipeline.balance))
+        self.clip, self.units, self.partition_report = prepared.clip, prepared.units, prepared.report
         self.runtime: Runtime = create_runtime(
             pipeline,
             self.schedule,
             self.clip,
             self.units,
-            stage_blocks,
+            prepared.stage_blocks,
             loss_fn,
             self.agreement(),
             list(model.state_dict().keys()),
-            tie,
+            prepared.tie,
         )
         self._finalizer = weakref.finalize(self, self.runtime.close)  # hooks off when the trainer goes
         # a stage with nothing to train (e.g. a frozen embedding) gets no optimizer

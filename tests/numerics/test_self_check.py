@@ -160,7 +160,7 @@ def test_an_embedding_scaling_gradients_by_batch_frequency_is_refused_at_constru
     kind = "EmbeddingBag" if bag else "Embedding"
     with pytest.raises(UnsupportedModelError, match=rf"layer '0' is {kind}\(scale_grad_by_freq=True\)"):
         step(copy.deepcopy(model), class_loss, x, y)
-    monkeypatch.setattr("pipedp.train.trainer.validate_model", lambda model: None)
+    monkeypatch.setattr("pipedp.train.prepare.validate_model", lambda model: None)
     want = loop_clipped_sum(copy.deepcopy(model), class_loss, x, y, 0.5)
     got = step(model, class_loss, x, y, self_check=False)
     assert max_relative_error(got, want) > 1e-3
@@ -171,7 +171,7 @@ def test_a_forward_that_changes_a_parameter_in_place_is_refused_by_name(self_che
     """max_norm renormalizes, in place and un-noised, the rows the private batch reads. With the
     construction check planted away, the forward's own check refuses it on every step's first
     micro-batch, self-check or not."""
-    monkeypatch.setattr("pipedp.train.trainer.validate_model", lambda model: None)
+    monkeypatch.setattr("pipedp.train.prepare.validate_model", lambda model: None)
     torch.manual_seed(0)
     model = nn.Sequential(nn.Embedding(6, 4, max_norm=0.5), nn.Flatten(), nn.Linear(12, 3)).double()
     x, y = torch.tensor([[0, 1, 2], [3, 0, 0], [4, 5, 1], [0, 0, 0]]), torch.tensor([0, 1, 2, 1])
