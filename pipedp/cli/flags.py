@@ -16,7 +16,7 @@ import argparse
 import os
 import typing
 from dataclasses import MISSING, Field, fields
-from typing import Any, Dict, Optional, Sequence, Tuple, Type, TypeVar
+from typing import Any, Dict, Optional, Sequence, Type, TypeVar
 
 from ..config import DataConfig, FitConfig, OptimizerConfig, PipelineConfig, PrivacyConfig
 
@@ -113,8 +113,3 @@ def config_from_args(cls: Type[C], args: argparse.Namespace, **extra: Any) -> C:
     values = {f.name: getattr(args, f.name) for f in cli_fields(cls) if hasattr(args, f.name)}
     values.update({k: v for k, v in extra.items() if k in names})
     return cls(**values)
-
-
-def configs_from_args(args: argparse.Namespace, **extra: Any) -> Tuple[PipelineConfig, PrivacyConfig]:
-    """The trainer's two configs the flags describe; ``extra`` sets fields that are not flags."""
-    return config_from_args(PipelineConfig, args, **extra), config_from_args(PrivacyConfig, args, **extra)

@@ -31,8 +31,6 @@ import torch.nn as nn
 from ..privacy.per_sample import keeps_per_sample_grads
 from ..privacy.rules import rule_for
 
-WAYS = ("keep", "ghost", "materialize")
-
 
 def allowed(
     grad_mode: str, layer: nn.Module, inputs: Sequence[torch.Tensor], backprops: torch.Tensor, memory_ratio: float

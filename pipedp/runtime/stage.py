@@ -182,11 +182,6 @@ class Stage:
                 out[b.qualified(k)] = v
         return out
 
-    def load_named_state(self, state: Dict[str, torch.Tensor]) -> None:
-        for b in self.blocks:
-            own = {k: b.qualified(k) for k in b.module.state_dict().keys()}
-            b.module.load_state_dict({k: state[q] for k, q in own.items()})
-
     # ---- F -------------------------------------------------------------------------------
     def forward(
         self,

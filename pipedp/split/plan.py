@@ -105,10 +105,6 @@ class MemoryTracker(TorchDispatchMode):
         if entry is not None:
             self.current[entry[0]] -= entry[1]
 
-    def reset_peaks(self) -> None:
-        self.peak = list(self.current)
-        self.peak_phase = [""] * len(self.current)
-
 
 _FRESH: Dict[object, Tuple[bool, ...]] = {}
 

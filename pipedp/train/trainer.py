@@ -360,9 +360,6 @@ class PipelineDPTrainer:
     def state_dict(self) -> Optional[Dict[str, torch.Tensor]]:
         """The whole model's state dict with its original names (multi-process: on rank 0; None elsewhere),
         tensors no stage holds (a layer never called) included: ``Model().load_state_dict`` takes it."""
-        return self._whole_state()
-
-    def _whole_state(self) -> Optional[Dict[str, torch.Tensor]]:
         gathered = self.runtime.gather_state()
         if gathered is None:
             return None
@@ -393,7 +390,7 @@ class PipelineDPTrainer:
     def save_pretrained(self, path: str) -> None:
         """Write a Hugging Face folder (for a PeftModel: the adapter folder) that
         ``from_pretrained`` loads as the trained model. Every rank calls it; rank 0 writes."""
-        save_pretrained(self.model, self._whole_state(), path)
+        save_pretrained(self.model, self.state_dict(), path)
 
     def check_budget(self, sampling: Optional[str] = None) -> None:
         """Raise PrivacyBudgetExceeded if one more step on a batch drawn by ``sampling`` (default

@@ -8,7 +8,7 @@ import math
 import pytest
 
 from pipedp import ConfigError, PipelineConfig, PrivacyConfig
-from pipedp.cli.flags import add_config_flags, cli_fields, configs_from_args, flag_of
+from pipedp.cli.flags import add_config_flags, cli_fields, config_from_args, flag_of
 from pipedp.cli.main import build_parser
 from pipedp.config import FitConfig, split_options, steps_for_epochs
 from pipedp.privacy.streams import Stream, stream_seed
@@ -68,7 +68,8 @@ def test_cli_flags_are_generated_from_the_config_fields():
             assert flag_of(f) in flags, f"config field {f.name} has no CLI flag"
     parser = argparse.ArgumentParser()
     add_config_flags(parser)
-    pipeline, privacy = configs_from_args(parser.parse_args(["--stages", "3", "--schedule", "gpipe", "--secure-mode"]))
+    args = parser.parse_args(["--stages", "3", "--schedule", "gpipe", "--secure-mode"])
+    pipeline, privacy = config_from_args(PipelineConfig, args), config_from_args(PrivacyConfig, args)
     assert (pipeline.stages, pipeline.schedule, privacy.secure_mode) == (3, "gpipe", True)
     assert privacy.noise_multiplier == PrivacyConfig().noise_multiplier  # defaults come from the fields
 
