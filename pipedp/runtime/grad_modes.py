@@ -9,13 +9,9 @@
 grad_mode "keep", "ghost" and "materialize" prefer that way where the layer's rule has it (and keep
 whatever costs no more memory than the captures it frees); "auto" (the default) takes, per layer and
 input shape, the way a cost model says is cheapest: multiply-adds plus memory traffic, a byte moved
-counted as ``MACS_PER_BYTE`` multiply-adds (a 2-core CPU does ~25 G multiply-adds/s against ~10 GB/s).
+counted as ``MACS_PER_BYTE`` multiply-adds (privacy/rules/registry.py).
 A model, not a timing: two runs of one job choose alike, so results stay bit-identical across runs and
-resumes. For a Linear over T positions (n samples, in -> out features):
-  ghost:       n T^2 (in + out) for the Gram matrices + n T in out for W's product
-  keep:        n T in out for the per-sample products + 12 n in out bytes (written, read for the norm and
-               for W's weighted sum)
-  materialize: keep's products and norm traffic + W's product
+resumes. The layer rule owns its cost model (``LayerRule.costs``; Linear's in privacy/rules/linear.py),
 so keep wins over short sequences and small layers, ghost over long sequences of wide layers (there the
 n in out per-sample tensors are memory-bound). LayerNorm keeps (its per-sample gradients are two [n, d]
 tensors that save W a re-normalisation); Embedding takes ghost norms; other layers materialize.
@@ -45,24 +41,11 @@ def allowed(
     return ways
 
 
-MACS_PER_BYTE = 2.5
-
-
 def cheapest(layer: nn.Module, inputs: Sequence[torch.Tensor], backprops: torch.Tensor, ways: Sequence[str]) -> str:
-    """The way the cost model says is cheapest for this call (``ways``: those it may take)."""
-    if len(ways) == 1:
+    """The way the layer rule's cost model says is cheapest for this call (``ways``: those it may take); a
+    rule without one (LayerNorm: keep where allowed; Embedding: ghost; others) takes the first."""
+    costs = rule_for(layer).costs
+    if len(ways) == 1 or costs is None:
         return ways[0]
-    if rule_for(layer).name != "linear":  # LayerNorm: keep where allowed; Embedding: ghost; others as listed
-        return ways[0]
-    n, t = backprops.shape[0], backprops.reshape(backprops.shape[0], -1, backprops.shape[-1]).shape[1]
-    if t * t > layer.weight.numel():  # the rule declines ghost norms: Gram matrices larger than the gradients
-        ways = [w for w in ways if w != "ghost"]
-    out, features_in = backprops.shape[-1], inputs[0].shape[-1]
-    product = n * t * features_in * out
-    traffic = MACS_PER_BYTE * 12 * n * features_in * out
-    costs = {
-        "ghost": n * t * t * (features_in + out) + product,
-        "keep": product + traffic,
-        "materialize": 2 * product + traffic,
-    }
-    return min(ways, key=costs.__getitem__)
+    table = costs(layer, inputs, backprops)
+    return min((w for w in ways if w in table), key=table.__getitem__)

@@ -7,13 +7,13 @@ as batched matmuls), used while the Gram matrices are no larger than the gradien
 
 from __future__ import annotations
 
-from typing import Optional, Sequence
+from typing import Dict, Optional, Sequence
 
 import torch
 import torch.nn as nn
 
 from .grams import GramCache, gram
-from .registry import Grads, LayerRule, per_row, register
+from .registry import MACS_PER_BYTE, Grads, LayerRule, per_row, register
 
 
 def _is_conv1d(layer: nn.Module) -> bool:
@@ -88,10 +88,10 @@ def _accumulate(
 def norms(
     layer: nn.Module, inputs: Sequence[torch.Tensor], backprops: torch.Tensor, grams: Optional[GramCache] = None
 ) -> Optional[Grads]:
+    if _grams_outweigh(layer, backprops):
+        return None
     a3, g3 = _as_sequences(layer, inputs[0], backprops)
     tokens = g3.shape[1]
-    if tokens * tokens > layer.weight.numel():
-        return None  # the [n, T, T] Gram matrices would outweigh the [n, out, in] gradients
     out = {}
     if layer.weight.requires_grad:
         if tokens == 1:
@@ -103,12 +103,38 @@ def norms(
     return out
 
 
+def _positions(backprops: torch.Tensor) -> int:
+    return backprops.reshape(backprops.shape[0], -1, backprops.shape[-1]).shape[1]
+
+
+def _grams_outweigh(layer: nn.Module, backprops: torch.Tensor) -> bool:
+    """The [n, T, T] Gram matrices would outweigh the [n, out, in] gradients: no ghost norms."""
+    return _positions(backprops) ** 2 > layer.weight.numel()
+
+
+def costs(layer: nn.Module, inputs: Sequence[torch.Tensor], backprops: torch.Tensor) -> Dict[str, float]:
+    """The cost of each way (runtime/grad_modes.py: multiply-adds plus memory traffic, a byte counted as
+    MACS_PER_BYTE multiply-adds), for n samples over T positions, in -> out features:
+      ghost:       n T^2 (in + out) for the Gram matrices + n T in out for W's product
+      keep:        n T in out for the per-sample products + 12 n in out bytes (written, read for the norm and
+                   for W's weighted sum)
+      materialize: keep's products and norm traffic + W's product."""
+    n, t = backprops.shape[0], _positions(backprops)
+    out, features_in = backprops.shape[-1], inputs[0].shape[-1]
+    product = n * t * features_in * out
+    traffic = MACS_PER_BYTE * 12 * n * features_in * out
+    table = {"keep": product + traffic, "materialize": 2 * product + traffic}
+    if not _grams_outweigh(layer, backprops):
+        table["ghost"] = n * t * t * (features_in + out) + product
+    return table
+
+
 def keepable(layer: nn.Module, inputs: Sequence[torch.Tensor], backprops: torch.Tensor) -> bool:
     """Over T >= 2 positions, keeping the per-sample products replaces the Gram matrices (n T^2 (in +
     out)) and W's product; over one position ghost norms need no Gram matrix and W is small."""
-    return backprops.reshape(backprops.shape[0], -1, backprops.shape[-1]).shape[1] >= 2
+    return _positions(backprops) >= 2
 
 
-LINEAR = LayerRule("linear", grads, weight, norms, keepable, pools_positions=True, add_weight=add_weight)
+LINEAR = LayerRule("linear", grads, weight, norms, keepable, pools_positions=True, add_weight=add_weight, costs=costs)
 register(nn.Linear, LINEAR)
 register(_is_conv1d, LINEAR)

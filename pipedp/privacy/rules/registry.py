@@ -11,6 +11,11 @@ import torch.nn as nn
 Grads = Dict[nn.Parameter, torch.Tensor]
 
 
+# the cost models' exchange rate (LayerRule.costs): a byte moved counts as this many multiply-adds (a 2-core CPU
+# does ~25 G multiply-adds/s against ~10 GB/s)
+MACS_PER_BYTE = 2.5
+
+
 @dataclass(frozen=True)
 class LayerRule:
     name: str
@@ -26,6 +31,9 @@ class LayerRule:
     # the per-row factors [n] (the rule chooses which tensor to scale); None: weight() of the scaled
     # backprops, then an add
     add_weight: Optional[Callable[[nn.Module, Sequence[torch.Tensor], torch.Tensor, torch.Tensor, Grads], None]] = None
+    # (layer, inputs, backprops) -> {way: cost} of the ways the rule can take for this call (keep, ghost,
+    # materialize; runtime/grad_modes.py's auto takes the cheapest allowed); None: the grad mode's order
+    costs: Optional[Callable[[nn.Module, Sequence[torch.Tensor], torch.Tensor], Dict[str, float]]] = None
 
 
 RULES: Dict[type, LayerRule] = {}
