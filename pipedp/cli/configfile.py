@@ -32,11 +32,21 @@ def _load_toml(path: str) -> Dict[str, Any]:
             raise ConfigFileError("--config needs Python 3.11 (tomllib) or the tomli package") from exc
     try:
         with open(path, "rb") as f:
-            return tomllib.load(f)
+            data = f.read()
     except FileNotFoundError as exc:
         raise ConfigFileError(f"--config {path!r}: no such file") from exc
     except OSError as exc:
         raise ConfigFileError(f"--config {path!r}: {exc}") from exc
+    data = data.removeprefix(b"\xef\xbb\xbf")  # a byte-order mark, as some editors write, is accepted
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        line = data.count(b"\n", 0, exc.start) + 1
+        raise ConfigFileError(
+            f"--config {path!r}:{line}: byte {data[exc.start]:#04x} is not UTF-8: save the file as UTF-8"
+        ) from None
+    try:
+        return tomllib.loads(text)
     except tomllib.TOMLDecodeError as exc:
         raise ConfigFileError(f"--config {path!r} is not valid TOML: {exc}") from exc
 

@@ -13,8 +13,9 @@ from __future__ import annotations
 import importlib.util
 import os
 import time
+from contextlib import ExitStack
 from dataclasses import replace
-from typing import Callable, List, Tuple
+from typing import Callable, List, Optional, Tuple
 
 from ..config import DataConfig, FitConfig, OptimizerConfig, PipelineConfig, PrivacyConfig
 from ..errors import ConfigError, PipeDPError
@@ -44,7 +45,7 @@ def check_flags(args) -> Tuple[PipelineConfig, PrivacyConfig, FitConfig, DataCon
     fit = config_from_args(
         FitConfig,
         args,
-        steps=args.steps if args.steps or args.epochs else DEFAULT_STEPS,
+        steps=args.steps if args.steps is not None or args.epochs is not None else DEFAULT_STEPS,  # 0 is refused
         checkpoint_dir=None if args.no_checkpoint else args.checkpoint_dir,
         resume=False,  # the CLI loads the checkpoint itself, to say what changed
     ).validate()
@@ -105,17 +106,28 @@ def _check_model_flags(args) -> None:
 
 
 # ---- 2. the run folder ------------------------------------------------------------------------------
-def check_folder(args, say: Say, lead: bool = True) -> RunFolder:
-    """``lead``: the process that may touch the folder (under torchrun, rank 0: the others only look)."""
+def check_folder(args, say: Say, lead: bool = True, hold: Optional[ExitStack] = None) -> RunFolder:
+    """``lead``: the process that may touch the folder (under torchrun, rank 0: the others only look). ``hold``:
+    the folder's lock is taken into it, before anything is written (else only probed)."""
+    from ..train.checkpoint import folder as checkpoints
+    from ..train.checkpoint import resolve_key
+
     folder = RunFolder(args.checkpoint_dir)
+    if lead:  # (not on every rank at once: two probes of the lock would collide)
+        if hold is None:
+            folder.check_free()
+        else:
+            hold.enter_context(folder.locked())
     held = folder.holds_checkpoint()
     if held and not (args.resume or args.overwrite):
         raise PipeDPError(
             f"{folder.path!r} already holds the checkpoint of a run: pass --resume to continue it, --overwrite to "
             "start afresh (the old run is moved aside), or give another --checkpoint-dir"
         )
-    if lead:
-        folder.check_free()  # (not on every rank at once: two probes of the lock would collide)
+    if not args.no_checkpoint:  # an empty key, or a signed folder resumed without its key: refused before any rank
+        key = resolve_key(args.checkpoint_key)
+        if held and args.resume:
+            checkpoints.require_key(folder.path, key)
     if held and args.overwrite:
         say(f"--overwrite: the previous run in {folder.path} moved to {folder.move_aside()}")
     if args.resume and not held:
@@ -278,9 +290,10 @@ def resolve_privacy(args, privacy: PrivacyConfig, fit: FitConfig, units: int, pe
 
 
 # ---- all of it --------------------------------------------------------------------------------------------
-def resolve(args, say: Say = print, lead: bool = True) -> Job:
+def resolve(args, say: Say = print, lead: bool = True, hold: Optional[ExitStack] = None) -> Job:
+    """The checked job; ``hold``: takes the run folder's lock, held until it closes (see check_folder)."""
     pipeline, privacy, fit, data, optim = check_flags(args)
-    folder = check_folder(args, say, lead)
+    folder = check_folder(args, say, lead, hold)
     model = check_model(args, pipeline)
     train_file, eval_file, units, per_unit = prepare_data(args, data, folder, privacy.public_seed(), model, say)
     privacy, fit = resolve_privacy(args, privacy, fit, units, per_unit, say)

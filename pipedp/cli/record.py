@@ -19,17 +19,19 @@ before any process starts.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
 import time
 from dataclasses import fields
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, Iterator, List, Optional
 
 from ..config import DataConfig, FitConfig, OptimizerConfig, PipelineConfig, PrivacyConfig, describe
 from ..errors import ConfigError
 from .configfile import NOT_SAVED, dumps
 from .flags import cli_fields, flag_name
+from .spec import TINY_GPT
 
 CONFIG_TOML, CONFIG_JSON = "config.toml", "config.json"
 METRICS, SUMMARY, PLOT, TENSORBOARD, CACHE = (
@@ -58,6 +60,7 @@ RUN_FLAGS = ("report_to", "epsilon_every", "eval_batch_size", "inprocess", "thre
 class RunFolder:
     def __init__(self, path: str):
         self.path = path
+        self._lock: Any = None  # the folder's FolderLock while this process holds it for the job
 
     def file(self, name: str) -> str:
         return os.path.join(self.path, name)
@@ -81,11 +84,36 @@ class RunFolder:
         lock.acquire()
         lock.release()
 
+    @contextlib.contextmanager
+    def locked(self) -> Iterator[None]:
+        """Hold the folder's lock (refusing a live job's folder) until the block ends: taken before anything is
+        written here, and handed down to the job's fit loop and ranks."""
+        self._take()
+        try:
+            yield
+        finally:
+            self._lock.release()
+            self._lock = None
+
+    def _take(self) -> None:
+        from ..train.checkpoint import FolderLock
+
+        lock = FolderLock(self.path)
+        lock.acquire()
+        lock.hand_down()
+        self._lock = lock
+
     def move_aside(self) -> str:
-        """--overwrite: move the previous run to DIR.previous-TIME (nothing is deleted); keep the data cache."""
+        """--overwrite: move the previous run to DIR.previous-TIME (nothing is deleted); keep the data cache.
+        A held lock moves with the folder: the fresh folder is locked anew before anything is written."""
         aside = f"{self.path.rstrip(os.sep)}.previous-{time.strftime('%Y%m%d-%H%M%S')}"
         os.rename(self.path, aside)
         os.makedirs(self.path)
+        if self._lock is not None:
+            self._lock.release()
+            with contextlib.suppress(OSError):
+                os.unlink(os.path.join(aside, "lock"))
+            self._take()
         if os.path.isdir(os.path.join(aside, CACHE)):
             os.rename(os.path.join(aside, CACHE), self.cache_dir())
         return aside
@@ -103,6 +131,7 @@ class RunFolder:
             "rows_per_unit": job.rows_per_unit,
             "train_rows": os.path.basename(job.train_rows) if job.train_rows else None,
             "eval_rows": os.path.basename(job.eval_rows) if job.eval_rows else None,
+            "model_files": model_files(job.model.name),
         }
         saved = {k: v for k, v in flags.items() if k not in IGNORED}
         with open(self.file(CONFIG_JSON), "w") as f:
@@ -122,18 +151,23 @@ class RunFolder:
             return [f"{self.path} has no readable {CONFIG_JSON}: only the checkpoint's own check compares the options"]
         now = {k: v for k, v in vars(args).items() if k not in IGNORED}
         was = before.get("flags", {})
+        resolved = before.get("resolved", {})
         notes, refused = [], []
         for key in sorted(set(now) | set(was)):
             if key in IGNORED or now.get(key) == was.get(key):
                 continue
             change = f"{flag_name(key)}: {was.get(key)!r} -> {now.get(key)!r}"
-            if key in SAME_DATA:
+            if key == "model" and _moved(resolved, now[key]):
+                notes.append(
+                    f"{change} (the model folder moved: its config and tokenizer files are the same; the checkpoint "
+                    "checks the sha256 of every frozen tensor)"
+                )
+            elif key in SAME_DATA:
                 refused.append(f"{change} (the resumed run must train the same model on the same records)")
             elif key in FROM_HERE_ON:
                 notes.append(f"{change} (applies from the resumed step on; the privacy accounting is unaffected)")
             else:
                 notes.append(f"{change} (does not change the update)")
-        resolved = before.get("resolved", {})
         for name, config in (("pipeline", job.pipeline), ("privacy", job.privacy)):
             shaping = describe(config, only_resume=True)
             for field, value in shaping.items():
@@ -171,6 +205,21 @@ class RunFolder:
                 shutil.rmtree(path, ignore_errors=True)
             elif os.path.exists(path):
                 os.unlink(path)
+
+
+def model_files(model: str) -> Optional[str]:
+    """The sha256 of a model folder's files other than its weights (config, tokenizer); None for the built-in."""
+    if model == TINY_GPT or not os.path.isdir(model):
+        return None
+    from ..data.tokenize import folder_fingerprint
+
+    return folder_fingerprint(model)
+
+
+def _moved(resolved: Dict[str, Any], model: Any) -> bool:
+    """Whether the run's model folder is now at ``model``: the same files but its weights (a record written before
+    model_files was recorded cannot tell: refused as another model)."""
+    return resolved.get("model_files") is not None and resolved["model_files"] == model_files(str(model))
 
 
 def sections(flags: Dict[str, Any]) -> Dict[str, Dict[str, Any]]:

@@ -20,6 +20,7 @@ records.
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass, field
 from typing import Callable, Dict, Iterable, List, Optional, Tuple
 
@@ -28,6 +29,7 @@ import torch
 from .sources import DataError, Records
 
 Segments = List[Tuple[List[int], bool]]  # (token ids, trained)
+ROLES = ("system", "user", "assistant", "tool", "developer")  # chat roles templates know; only assistant trains
 
 
 @dataclass
@@ -143,6 +145,7 @@ def to_rows(
         fmt = detect_format(source.records[0], text_field)
     kept_ids, kept_labels, lengths, users = [], [], [], []
     counts = {"records": len(source), "truncated": 0, "tokens cut": 0, "dropped": 0}
+    unknown: Dict[str, int] = {}  # chat roles outside ROLES -> turns
     for i in progress(range(len(source)), len(source)):
         record = source.records[i]
         try:
@@ -156,6 +159,9 @@ def to_rows(
                 user = str(record[user_field])
         except ValueError as exc:
             raise DataError(f"{source.where(i)}: {exc}") from exc
+        for message in record["messages"] if fmt == "chat" else ():
+            if message["role"] not in ROLES:
+                unknown[message["role"]] = unknown.get(message["role"], 0) + 1
         if cut:
             counts["truncated"] += 1
             counts["tokens cut"] += cut
@@ -178,14 +184,29 @@ def to_rows(
         ids[r, : len(inputs)] = torch.tensor(inputs, dtype=torch.int32)
         labels[r, : len(targets)] = torch.tensor(targets, dtype=torch.int32)
     counts["rows"] = rows
+    if unknown:
+        counts["unknown roles"] = sum(unknown.values())
+        warnings.warn(unknown_roles(source.name, unknown), stacklevel=2)
     lengths_t = torch.tensor(lengths, dtype=torch.int32)
     named = [str(u) for u in users] if user_field else None
     return Tokenized(ids, labels, lengths_t, named, counts, fmt, int(tokenizer.pad_id))
 
 
+def unknown_roles(name: str, unknown: Dict[str, int]) -> str:
+    roles = ", ".join(f"{role[:40]!r} ({n})" for role, n in list(unknown.items())[:5])
+    return (
+        f"{name}: {sum(unknown.values())} chat turns have a role other than {', '.join(ROLES)}: {roles}; they are "
+        "rendered into the prompt as the template renders them, and never trained on (only 'assistant' turns are): "
+        "check the role names"
+    )
+
+
 def describe_counts(t: Tokenized, name: str, seq_len: int) -> str:
     c = t.counts
-    return (
+    text = (
         f"{name}: {c['records']} {t.format} records -> {c['rows']} rows of {seq_len} tokens; "
         f"{c['truncated']} truncated ({c['tokens cut']} tokens cut), {c['dropped']} dropped with no token to train"
     )
+    if c.get("unknown roles"):
+        text += f"; {c['unknown roles']} chat turns with an unknown role (not trained on: check the role names)"
+    return text

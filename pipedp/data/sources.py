@@ -11,10 +11,11 @@ from __future__ import annotations
 
 import csv
 import hashlib
+import io
 import json
 import os
 from dataclasses import dataclass
-from typing import Any, List, Optional
+from typing import Any, Iterator, List, Optional, Tuple
 
 from ..errors import ConfigError
 
@@ -112,14 +113,46 @@ def read_records(path: str, text_field: str = "text", require_text: bool = False
     return out
 
 
+_BOM = b"\xef\xbb\xbf"  # a UTF-8 byte-order mark (as some tools write): accepted and dropped
+
+
+def _lines(path: str) -> Iterator[Tuple[int, str]]:
+    """(line number, text) of a UTF-8 file; a byte that is not UTF-8 is a DataError naming the file and line."""
+    with open(path, "rb") as f:
+        for line_no, raw in enumerate(f, 1):
+            yield line_no, _decode(raw.removeprefix(_BOM) if line_no == 1 else raw, path, line_no)
+
+
+def _text(path: str) -> str:
+    with open(path, "rb") as f:
+        data = f.read().removeprefix(_BOM)
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise _not_utf8(path, data.count(b"\n", 0, exc.start) + 1, data[exc.start]) from None
+
+
+def _decode(raw: bytes, path: str, line_no: int) -> str:
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise _not_utf8(path, line_no, raw[exc.start]) from None
+
+
+def _not_utf8(path: str, line_no: int, byte: int) -> DataError:
+    return DataError(
+        f"{path}:{line_no}: byte {byte:#04x} is not UTF-8 (the file is in another encoding, or damaged): convert "
+        "it to UTF-8 (e.g. iconv -f latin1 -t utf-8)"
+    )
+
+
 def _txt(path: str) -> Records:
     records, lines = [], []
-    with open(path, encoding="utf-8") as f:
-        for line_no, line in enumerate(f, 1):
-            text = line.rstrip("\r\n")
-            if text.strip():
-                records.append({"text": text})
-                lines.append(line_no)
+    for line_no, line in _lines(path):
+        text = line.rstrip("\r\n")
+        if text.strip():
+            records.append({"text": text})
+            lines.append(line_no)
     return Records(path, records, lines)
 
 
@@ -131,22 +164,20 @@ def _object(path: str, where: str, value: Any) -> dict:
 
 def _jsonl(path: str) -> Records:
     records, lines = [], []
-    with open(path, encoding="utf-8") as f:
-        for line_no, line in enumerate(f, 1):
-            if line.strip():
-                try:
-                    value = json.loads(line)
-                except ValueError as exc:
-                    raise DataError(f"{path}:{line_no}: not a JSON record ({exc})") from exc
-                records.append(_object(path, f"{path}:{line_no}", value))
-                lines.append(line_no)
+    for line_no, line in _lines(path):
+        if line.strip():
+            try:
+                value = json.loads(line)
+            except ValueError as exc:
+                raise DataError(f"{path}:{line_no}: not a JSON record ({exc})") from exc
+            records.append(_object(path, f"{path}:{line_no}", value))
+            lines.append(line_no)
     return Records(path, records, lines)
 
 
 def _json(path: str) -> Records:
     """A JSON array of objects, or JSON lines in a .json file."""
-    with open(path, encoding="utf-8") as f:
-        text = f.read()
+    text = _text(path)
     try:
         value = json.loads(text)
     except ValueError as exc:
@@ -160,9 +191,7 @@ def _json(path: str) -> Records:
 
 def _csv(path: str) -> Records:
     csv.field_size_limit(1 << 30)
-    with open(path, encoding="utf-8", newline="") as f:
-        reader = csv.DictReader(f)
-        records = [dict(row) for row in reader]
+    records = [dict(row) for row in csv.DictReader(io.StringIO(_text(path), newline=""))]
     lines = None  # rows may span lines
     return Records(path, records, lines)
 

@@ -25,6 +25,7 @@ from opacus.accountants import IAccountant, create_accountant
 
 from ..config import FitConfig, PrivacyConfig, steps_per_epoch
 from ..errors import ConfigError, PipeDPError
+from .prv import prv_epsilon
 
 Entry = Tuple[float, float, int]  # (noise multiplier, sample rate, steps): an Opacus history entry
 MAX_SIGMA = 1e6  # as Opacus's calibration: beyond it the budget counts as unreachable
@@ -91,9 +92,13 @@ def adjacency(sampling: Optional[str], unit: str = "record") -> str:
     return f"add/remove adjacency, {unit} level" + (", shuffled epochs unamplified" if sampling == "shuffle" else "")
 
 
-def _quiet_epsilon(accountant: IAccountant, delta: float) -> float:
+def _quiet_epsilon(history: List[Entry], delta: float, mechanism: str) -> float:
     with warnings.catch_warnings():  # RDP warns about its alpha grid at the extremes
         warnings.simplefilter("ignore")
+        if mechanism == "prv":  # Opacus's value, in bounded memory (privacy/prv.py)
+            return max(0.0, prv_epsilon(history, delta))
+        accountant = create_accountant(mechanism=mechanism)
+        accountant.history = [tuple(h) for h in history]
         return max(0.0, float(accountant.get_epsilon(delta=delta)))  # never negative: eps >= 0 by definition
 
 
@@ -104,9 +109,15 @@ def epsilon_of(history: Sequence[Entry], delta: float, mechanism: str) -> float:
         return 0.0
     if any(sigma == 0 for sigma, _, _ in history):
         return math.inf  # a step without noise has no finite privacy guarantee
-    accountant = create_accountant(mechanism=mechanism)
-    accountant.history = [tuple(h) for h in history]
-    return _quiet_epsilon(accountant, delta)
+    try:
+        return _quiet_epsilon(history, delta, mechanism)
+    except MemoryError as exc:
+        steps = sum(n for _, _, n in history)
+        raise ConfigError(
+            f"the {mechanism} accountant ran out of memory computing epsilon over {steps} steps ({exc}): train fewer "
+            "steps, use the rdp accountant (--accountant rdp: closed form, looser), or aim at a larger epsilon",
+            "accountant",
+        ) from None
 
 
 def epsilon_after(steps: int, noise_multiplier: float, sample_rate: float, delta: float, accountant: str) -> float:

@@ -121,13 +121,14 @@ def fit(
 
 
 def _lock(trainer: Trainable, directory: str) -> checkpoint.FolderLock:
-    """Rank 0 locks the folder (held until release; a dead job's lock is free); every rank learns
-    whether it could (so all stop together)."""
+    """Rank 0 locks the folder (held until release; a dead job's lock is free), or uses the lock the job's
+    lead process took before writing the run folder (FolderLock.hand_down); every rank learns whether it
+    could (so all stop together)."""
     lock = checkpoint.FolderLock(directory)
     problem = None
     if trainer.runtime.rank == 0:
         try:
-            lock.acquire()
+            lock.acquire(inherit=True)
         except CheckpointError as exc:
             problem = str(exc)
     problem = trainer.runtime.broadcast(problem)

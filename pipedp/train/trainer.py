@@ -93,9 +93,23 @@ def _warn_if_nothing_can_change(runtime: Runtime, optimizers: List[Optional[torc
         warnings.warn(
             f"{local} no trainable parameter: steps change nothing here but are charged epsilon", stacklevel=3
         )
-    rates = [g.get("lr") for opt in optimizers if opt is not None for g in opt.param_groups]
-    if rates and all(isinstance(lr, (int, float)) and lr == 0 for lr in rates):
-        warnings.warn("the learning rate is 0: steps change nothing but are charged epsilon", stacklevel=3)
+    groups = [g for opt in optimizers if opt is not None for g in opt.param_groups]
+    if groups and all(_too_small(g) for g in groups):
+        rates = ", ".join(sorted({f"{g['lr']:g}" for g in groups}))
+        warnings.warn(
+            f"the learning rate is {rates}: 0, or below the smallest normal number of the parameters' dtype, so "
+            "steps change nothing but are charged epsilon",
+            stacklevel=3,
+        )
+
+
+def _too_small(group: Dict[str, Any]) -> bool:
+    """An lr of 0, or one below the parameters' smallest normal number (it cannot move a weight of normal size)."""
+    lr = group.get("lr")
+    if not isinstance(lr, (int, float)):
+        return False
+    tiny = min((torch.finfo(p.dtype).tiny for p in group["params"] if p.is_floating_point()), default=0.0)
+    return lr == 0 or abs(lr) < tiny
 
 
 def _warn_if_slow_bf16(precision: str, devices: List[torch.device]) -> None:

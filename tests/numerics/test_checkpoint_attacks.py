@@ -179,8 +179,8 @@ def test_a_key_refuses_a_tampered_manifest_and_accepts_its_own(tmp_path):
     rewrite_manifest(newest(root), lambda m: m["accountant"].update(history=[]))  # would report a smaller epsilon
     with pytest.raises(CheckpointError, match="not signed with this key"):
         loaded(root, KEY)
-    unkeyed = loaded(root)  # without a key the folder is trusted, as documented
-    assert unkeyed.epsilon(1e-5) == 0.0
+    with pytest.raises(CheckpointError, match="this folder's checkpoints are signed: pass the key"):
+        loaded(root)  # a signed folder is never resumed unchecked (nor continued with unsigned steps)
 
 
 @pytest.mark.parametrize("where", ["argument", "environment"])
@@ -223,7 +223,7 @@ def test_a_damaged_file_is_an_error_naming_it(tmp_path, damage):
     trainer().fit(data(), steps=2, checkpoint_dir=str(root), checkpoint_key=KEY)
     name, harm, message = DAMAGE[damage]
     harm(newest(root) / name)
-    key = KEY if name.startswith("manifest.hmac") else None  # a signed manifest cannot be altered undetected
+    key = None if name == "manifest.json" else KEY  # a signed manifest cannot be altered undetected
     with pytest.raises(CheckpointError, match=message):
         loaded(root, key)
 

@@ -46,10 +46,10 @@ def resolve_key(key: Union[str, bytes, None]) -> Optional[bytes]:
         key = key.encode()
     if not isinstance(key, bytes):
         raise CheckpointError(f"{source} must be a string or bytes, got {type(key).__name__}")
-    if not key:
+    if not key.strip():
         raise CheckpointError(
-            f"{source} is empty: an empty key signs with no secret at all. Give a real key, or unset "
-            f"{KEY_ENV} and pass no checkpoint_key to save unsigned checkpoints"
+            f"{source} is {'empty: an empty' if not key else 'only whitespace: a blank'} key signs with no secret at "
+            f"all. Give a real key, or unset {KEY_ENV} and pass no checkpoint_key to save unsigned checkpoints"
         )
     return key
 

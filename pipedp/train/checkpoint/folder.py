@@ -65,6 +65,16 @@ def exists(root: str) -> bool:
     return bool(step_folders(root))
 
 
+def require_key(root: str, key: Optional[bytes]) -> None:
+    """Refuse to resume a folder whose checkpoints are signed without a key (nothing would be checked, and the
+    steps written then would be unsigned)."""
+    if key is None and any(os.path.lexists(os.path.join(root, n, SIGNATURE)) for n in step_folders(root)):
+        raise CheckpointError(
+            f"{root!r}: this folder's checkpoints are signed: pass the key (--checkpoint-key, PIPEDP_CHECKPOINT_KEY "
+            "or checkpoint_key=); resuming without it would check no signature and write unsigned steps"
+        )
+
+
 def new_job() -> str:
     return secrets.token_hex(16)
 
@@ -270,7 +280,8 @@ def newest(root: str, key: Optional[bytes]) -> Manifest:
             f"{', '.join(others[:5])} by another: a step folder was copied in from another job (or a fresh job "
             "wrote here). Remove the folders that are not this run's; pipedp resumes only one job's newest step"
         )
+    require_key(root, key)
     return last
 
 
-__all__ = ["exists", "newest", "prune", "read", "step_folders"]
+__all__ = ["exists", "newest", "prune", "read", "require_key", "step_folders"]

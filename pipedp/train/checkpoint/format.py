@@ -27,16 +27,20 @@ _SMALL_TENSOR = 4096  # elements: a tensor-valued hyperparameter, not a weight
 
 @dataclass(frozen=True)
 class Fingerprint:
-    """A cheap digest of a frozen tensor: shape, dtype and a float64 weighted sum of a strided sample."""
+    """A frozen tensor's identity: shape, dtype, the sha256 of its bytes, and a float64 weighted sum of a
+    strided sample (all a checkpoint written before the sha256 has: compared only then)."""
 
     shape: Tuple[int, ...]
     dtype: str
     value: float
     scale: float  # the sum of the terms' magnitudes: the comparison's rounding scale
+    sha256: Optional[str] = None  # of every byte (None: an older checkpoint's entry, or a meta tensor)
 
     def matches(self, other: "Fingerprint") -> bool:
         if (self.shape, self.dtype) != (other.shape, other.dtype):
             return False
+        if self.sha256 is not None and other.sha256 is not None:
+            return self.sha256 == other.sha256
         if math.isnan(self.value) or math.isnan(other.value):
             return math.isnan(self.value) and math.isnan(other.value)
         # equal on one device to the bit; across devices (another summation order) to float64 rounding
@@ -114,6 +118,7 @@ class Manifest:
                 "aliases": r.aliases,
                 "frozen": {
                     n: {"shape": list(f.shape), "dtype": f.dtype, "value": f.value, "scale": f.scale}
+                    | ({} if f.sha256 is None else {"sha256": f.sha256})
                     for n, f in r.frozen.items()
                 },
             }
@@ -203,7 +208,8 @@ def _stage(f: "_Fields") -> StageRecord:
         shape = e.get("shape", list)
         if not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape):
             e.fail("shape", "is not a list of sizes")
-        frozen[name] = Fingerprint(tuple(shape), e.get("dtype", str), e.number("value"), e.number("scale"))
+        sha256 = e.get("sha256", str) if "sha256" in entry else None  # (absent in checkpoints written before it)
+        frozen[name] = Fingerprint(tuple(shape), e.get("dtype", str), e.number("value"), e.number("scale"), sha256)
     params = _strings(f, "params")
     for name in params:
         if name not in state:

@@ -6,6 +6,10 @@ hold it: flock(LOCK_EX | LOCK_NB) is atomic. The holder writes its pid and host 
 for the refusal's message only. ``release`` unlinks the file before unlocking it; a contender that
 opened the file just before the unlink would lock an orphaned inode, so after locking it checks
 that the path still names the inode it locked, and starts again if not.
+
+A job's lead process (``pipedp train``) takes the lock before it writes anything into the folder and
+``hand_down``s it: the fit loop of that process, or of the ranks it starts (its children, which die with
+it), then uses that lock (``acquire(inherit=True)``) instead of taking its own, which would collide.
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ from ...errors import CheckpointError
 from .folder import TMP, remove_temporary
 
 _OPEN = os.O_RDWR | os.O_CREAT | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
+HANDED_DOWN = "PIPEDP_RUN_LOCK"  # {"path", "pid"} of the lock a job's lead process holds for its ranks
 
 
 class FolderLock:
@@ -31,9 +36,12 @@ class FolderLock:
         self.held = False
         self._fd: Optional[int] = None
 
-    def acquire(self) -> None:
+    def acquire(self, inherit: bool = False) -> None:
         """Take the folder, or raise CheckpointError naming the job that holds it; then remove what a
-        killed job left behind (its unfinished saves)."""
+        killed job left behind (its unfinished saves). ``inherit``: if this process or its parent holds the
+        folder's lock and handed it down, use that one (``held`` stays False: release leaves it to its holder)."""
+        if inherit and self._handed_down():
+            return
         try:
             os.makedirs(self.root, exist_ok=True)
         except OSError as exc:
@@ -62,6 +70,32 @@ class FolderLock:
             return
         raise CheckpointError(f"could not take the lock {self.path!r}: it kept being replaced")
 
+    def hand_down(self) -> None:
+        """Let this process's fit loop and the ranks it starts (inheriting the environment) use this lock."""
+        assert self.held
+        os.environ[HANDED_DOWN] = json.dumps({"path": os.path.realpath(self.path), "pid": os.getpid()})
+
+    def _handed_down(self) -> bool:
+        """Whether this process or its parent handed this folder's lock down, and still holds it."""
+        try:
+            given = json.loads(os.environ.get(HANDED_DOWN, "null"))
+            path, pid = given["path"], int(given["pid"])
+        except (ValueError, TypeError, KeyError):
+            return False
+        if path != os.path.realpath(self.path) or pid not in (os.getpid(), os.getppid()):
+            return False
+        try:
+            fd = os.open(self.path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0))
+        except OSError:
+            return False
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+            return False  # nobody holds it
+        except OSError:
+            return _holder(fd) == f"pid {pid} on {socket.gethostname()[:100]}"
+        finally:
+            os.close(fd)
+
     def _open(self) -> int:
         try:
             return os.open(self.path, _OPEN, 0o644)
@@ -80,6 +114,8 @@ class FolderLock:
         if not self.held or self._fd is None:
             return
         self.held = False
+        if os.environ.get(HANDED_DOWN) == json.dumps({"path": os.path.realpath(self.path), "pid": os.getpid()}):
+            del os.environ[HANDED_DOWN]
         try:
             if _names(self.path, self._fd):
                 os.unlink(self.path)  # while still locked: nobody can have locked this inode in between
@@ -110,4 +146,4 @@ def _holder(fd: int) -> str:
     return "pid unknown: its lock file is not readable"
 
 
-__all__ = ["FolderLock"]
+__all__ = ["HANDED_DOWN", "FolderLock"]

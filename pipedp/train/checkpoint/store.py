@@ -146,13 +146,14 @@ def _write_stages(temporary: str, state: TrainingState, runtime: Runtime) -> Dic
         if opt is None and names:
             raise CheckpointError(f"stage {stage.index} trains {names[0]} but has no optimizer")
         groups, states, optimizer_tensors = optim.export(opt, stage.parameters, names)
-        aliases, frozen = {}, {}
+        aliases, untrained = {}, {}
         for tensor_name, t in stage.named_state().items():
             owner = trainable.get(_identity(t))
             if owner is None:
-                frozen[tensor_name] = tensorfile.fingerprint(t)
+                untrained[tensor_name] = t
             elif owner != tensor_name:
                 aliases[tensor_name] = owner  # a tie: the same tensor saved once, under the other name
+        frozen = tensorfile.fingerprints(untrained)
         params = {n: f"p/{n}" for n in names}
         file = f"stage-{stage.index}.safetensors"
         tensors = [(params[n], p) for n, p in zip(names, stage.parameters)] + optimizer_tensors
@@ -185,6 +186,13 @@ def load(
             )
 
     _naming(base, check)
+    if any(fp.sha256 is None for fp in manifest.frozen().values()):
+        warnings.warn(
+            f"{os.path.join(base, folder.MANIFEST)!r} was written before checkpoints recorded the sha256 of every "
+            "frozen tensor: the base weights are checked on a sample of 1024 elements per tensor only (the older "
+            "rule); the next save records their sha256",
+            stacklevel=3,
+        )
     files: Dict[str, tensorfile.TensorFile] = {}
     try:
         plans = _together(runtime, lambda: _naming(base, lambda: _plan(manifest, base, state, runtime, files)))
@@ -263,16 +271,19 @@ def _plan(
                 )
             sources[name] = (record, saved)
             params.append((p, record, record.params[saved]))
-        for tensor_name, t in stage.named_state().items():
-            if trainable.get(_identity(t)) is not None:
-                continue
+        untrained = {n: t for n, t in stage.named_state().items() if trainable.get(_identity(t)) is None}
+        for tensor_name in untrained:
             if tensor_name not in frozen:
                 was = "trained in the checkpoint, frozen now" if tensor_name in where else "not in the checkpoint"
                 raise CheckpointError(f"stage {stage.index}: tensor {tensor_name} is {was}: refused")
-            if not tensorfile.fingerprint(t).matches(frozen[tensor_name]):
+        for tensor_name, now in tensorfile.fingerprints(untrained).items():
+            recorded = frozen[tensor_name]
+            if not now.matches(recorded):
+                both = recorded.sha256 is not None and now.sha256 is not None
+                what = "bytes' sha256" if both else "sampled fingerprint"
                 raise CheckpointError(
                     f"stage {stage.index}: the frozen tensor {tensor_name} is not the one the checkpoint was trained "
-                    "on (its fingerprint differs): resume on the same base weights"
+                    f"on (its {what} differs): resume on the same base weights"
                 )
         optimizer = sched = None
         if opt is not None:
