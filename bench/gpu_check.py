@@ -1,8 +1,8 @@
-"""One prepared command for a machine with a GPU: parity on CUDA, the multi-device path, the harness.
+"""One prepared command for a machine with a GPU: parity on CUDA, processes over NCCL, a stalled rank, memory.
 
-    python -m bench.gpu_check                 # at most ~8 minutes on one GPU; no network
-    python -m bench.gpu_check --budget-s 300  # a tighter budget: later sections are skipped, and say so
-    python -m bench.gpu_check --device cpu --quick   # the same code path on the CPU (a self-test of this script)
+    python -m bench.gpu_check                 # at most ~6 minutes on one GPU; no network
+    python -m bench.gpu_check --budget-s 120  # a tighter budget: later sections are skipped, and say so
+    python -m bench.gpu_check --device cpu --quick   # the same code paths on the CPU (gloo; a self-test)
 
 Without CUDA (and without --device) it prints that it skipped and exits 0. With CUDA:
 
@@ -16,14 +16,24 @@ Without CUDA (and without --device) it prints that it skipped and exits 0. With 
    (the model in bf16) against the float64 loop on the same weights; bounds 3e-2 (mixed) and 6e-2
    (true) of the largest coordinate (bf16 keeps 8 bits of mantissa; the CPU figures in the README
    are 2.3e-3 and 7.4e-3).
-3. Two devices in one process: PipelineConfig(devices=("cuda:0", "cuda:1")) when the trainer has that
-   field and two GPUs exist, against the loop on cuda:0 (float64); skipped with the reason otherwise.
-4. The harness at realistic sizes on one GPU (one process, CUDA-synchronised timing, contenders
-   interleaved in rounds as in bench.questions): non-private training of the whole model, Opacus ghost
-   clipping, pipedp on one stage (ghost, keep), and the self-check's first-step cost.
+3. Two devices in one process: PipelineConfig(devices=("cuda:0", "cuda:1")) when two GPUs exist, against
+   the loop on cuda:0 (float64); skipped with the reason otherwise.
+4. Two processes: on one GPU (skipped: NCCL cannot, and the pinned-host staging transport is not built);
+   with two GPUs, a 2-stage run over NCCL (pipedp.runtime.launch, inputs on each rank's device) against
+   the float64 loop.
+5. A stalled rank under NCCL (two GPUs; rank 1 stops answering after building its trainer): rank 0's step
+   must end in pipedp's named error ("stopped answering") within the 10 s timeout (plus the start).
+6. Peak GPU memory of one stage (torch.cuda.max_memory_allocated over the first step and two more, the
+   model's weights included) against the planner's tensor bytes (0.8-1.25), and the planner's GPU estimate
+   (context, allocator slack, NCCL: split/plan.py's constants) beside the allocator's reserved peak.
+7. The harness at realistic sizes on one GPU (one process, CUDA-synchronised timing, contenders
+   interleaved in rounds as in bench.questions): non-private training of the whole model (on one GPU
+   torch's 1F1B of one stage is that), Opacus ghost clipping, pipedp on one stage (ghost, keep), and the
+   self-check's first-step cost.
 
-Prints one table (check | device | dtype | result | measured | bound | seconds); exits 1 if a parity
-check fails.
+Prints one table (check | device | dtype | result | measured | bound | seconds); exits 1 if any row fails.
+With --device cpu the process sections run over gloo (their code path) and the memory row is for
+information only (it reads the resident set).
 """
 
 from __future__ import annotations
@@ -292,7 +302,195 @@ def two_devices(devices: List[str], deadline: float) -> None:
             traceback.print_exc()
 
 
-# ---- 4: the harness on one GPU ----------------------------------------------------------------------------
+# ---- 4-5: processes: 2 on one GPU, NCCL parity, a stalled rank ---------------------------------------------
+def _rank_clipped_sum(rank: int, device_type: str, clip: float) -> Dict[str, torch.Tensor]:
+    """One rank of a 2-stage run (noise 0): its stage's clipped sum, on the CPU. Module level: spawned."""
+    from pipedp import PipelineDPTrainer
+    from pipedp.models import token_loss
+
+    device = f"cuda:{torch.cuda.current_device()}" if device_type == "cuda" else "cpu"
+    base = small_gpt().double()
+    x, y = _batch(64, 7, 16, device)  # inputs on the rank's device: the batch check fingerprints them there
+    got: Dict[int, torch.Tensor] = {}
+    names = {id(p): k for k, p in base.named_parameters()}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        trainer = PipelineDPTrainer(
+            base,
+            token_loss,
+            lambda params: Recorder(params, got),
+            noise_multiplier=0.0,
+            max_grad_norm=clip,
+            expected_batch_size=len(y),
+            stages=2,
+            microbatches=3,
+            transport="distributed",
+        )
+        trainer.step(x, y)
+        trainer.close()
+    return {names[i]: (g * len(y)).cpu() for i, g in got.items()}
+
+
+def _stalling_rank(rank: int, timeout_s: float) -> None:
+    """Rank 1 builds its trainer, then stops answering; rank 0's step must fail within the timeout."""
+    from pipedp import PipelineDPTrainer
+    from pipedp.models import token_loss
+
+    trainer = PipelineDPTrainer(
+        small_gpt(),
+        token_loss,
+        lambda params: torch.optim.SGD(params, lr=0.1),
+        noise_multiplier=0.0,
+        expected_batch_size=7,
+        stages=2,
+        microbatches=2,
+        timeout=timeout_s,
+        transport="distributed",
+    )
+    if rank == 1:
+        time.sleep(20 * timeout_s)
+    trainer.step(*_batch(64, 7, 16, "cpu"))
+
+
+def processes(device: str, deadline: float) -> None:
+    """2 ranks: on one GPU (needs a staging transport), over NCCL on 2 GPUs (or gloo on the CPU), and a stall."""
+    import copy
+
+    from pipedp.errors import RankFailedError
+    from pipedp.models import token_loss
+    from pipedp.runtime.launch import launch
+
+    cuda = device.startswith("cuda")
+    row(
+        "2 processes on one GPU",
+        device,
+        "float64",
+        "skip",
+        "NCCL cannot put two ranks on one GPU; pipedp refuses it by name (a pinned-host staging transport over "
+        "gloo is not built yet): pipedp train runs both stages in one process there",
+    )
+    if cuda and torch.cuda.device_count() < 2:
+        row("NCCL parity and stalled rank, 2 processes", device, "float64", "skip", "one GPU here")
+        return
+    backend, where = ("nccl", "cuda:0+cuda:1") if cuda else ("gloo", "cpu")
+    label = f"parity gpt: 2 processes over {backend}, ghost, 1f1b, m=3"
+    if time.monotonic() > deadline:
+        row(label, where, "float64", "skip", "time budget spent")
+        return
+    start = time.monotonic()
+    try:
+        parts = launch(_rank_clipped_sum, 2, ("cuda" if cuda else "cpu", 0.05), timeout_s=180, backend=backend)
+        base = small_gpt().double().to(device)
+        x, y = _batch(64, 7, 16, device)
+        want = loop_clipped_sum(copy.deepcopy(base), token_loss, x, y, 0.05)
+        got = {k: v.to(device) for part in parts for k, v in part.items()}
+        err = relative_error(got, want)
+        row(label, where, "float64", "pass" if err < 1e-9 else "FAIL", f"{err:.1e}", "< 1e-9", time.monotonic() - start)
+    except Exception as exc:  # noqa: BLE001 - reported in the table
+        row(label, where, "float64", "FAIL", f"{type(exc).__name__}: {str(exc)[:120]}", "", time.monotonic() - start)
+        traceback.print_exc()
+    label, timeout_s = f"stalled rank over {backend}: named error within the timeout", 10.0
+    if time.monotonic() > deadline:
+        row(label, where, "float32", "skip", "time budget spent")
+        return
+    start = time.monotonic()
+    try:
+        launch(_stalling_rank, 2, (timeout_s,), timeout_s=180, backend=backend, op_timeout_s=timeout_s)
+        row(label, where, "float32", "FAIL", "the step finished though rank 1 stalled", "", time.monotonic() - start)
+    except RankFailedError as exc:
+        took = time.monotonic() - start
+        named = "stopped answering" in str(exc)
+        ok = named and took < timeout_s + 90  # the timeout plus two processes' start (CUDA, NCCL)
+        row(
+            label,
+            where,
+            "float32",
+            "pass" if ok else "FAIL",
+            str(exc).splitlines()[0][:120],
+            f"< {timeout_s + 90:.0f} s",
+            took,
+        )
+
+
+# ---- 6: peak GPU memory against the planner ------------------------------------------------------------------
+def memory_vs_planner(device: str, quick: bool, deadline: float) -> None:
+    """One stage in one process (the planner's stage, self-check on): the allocator's peak over the first step
+    and two more, against the planner's tensor bytes (and its GPU estimate against the reserved peak)."""
+    from pipedp import PipelineDPTrainer
+    from pipedp.cli.plan import estimate
+    from pipedp.config import PipelineConfig
+    from pipedp.models import token_loss
+
+    from .memory import PeakMemory
+
+    label = "peak memory: pipedp 1 stage vs planner"
+    try:
+        from transformers import LlamaConfig, LlamaForCausalLM
+    except ImportError:
+        row(label, device, "float32", "skip", "transformers not installed")
+        return
+    if time.monotonic() > deadline:
+        row(label, device, "float32", "skip", "time budget spent")
+        return
+    start = time.monotonic()
+    width, layers, seq, rows_ = (64, 2, 32, 2) if quick else (1024, 4, 512, 4)
+    config = LlamaConfig(
+        vocab_size=4096 if not quick else 256,
+        hidden_size=width,
+        intermediate_size=4 * width,
+        num_hidden_layers=layers,
+        num_attention_heads=8,
+        num_key_value_heads=8,
+        max_position_embeddings=seq,
+        tie_word_embeddings=False,
+    )
+    pipeline = PipelineConfig(stages=1, microbatches=2)
+    try:
+        plan = estimate(config, 1, rows_, seq, pipeline=pipeline, optimizer="sgd")
+        predicted = plan.stages[0]
+        torch.manual_seed(0)
+        with PeakMemory(device) as mem:
+            model = LlamaForCausalLM(config).to(device)
+            trainer = PipelineDPTrainer(
+                model,
+                token_loss,
+                lambda params: torch.optim.SGD(params, lr=1e-3),
+                stages=1,
+                microbatches=2,
+                noise_multiplier=1.0,
+                expected_batch_size=2 * rows_,
+                transport="inprocess",
+            )
+            for _ in range(3):
+                trainer.step(*_batch(config.vocab_size, 2 * rows_, seq, device))
+        trainer.close()
+        ratio = predicted.total / max(mem.peak_mib * 2**20, 1.0)
+        row(
+            label,
+            device,
+            "float32",
+            ("pass" if 0.8 <= ratio <= 1.25 else "FAIL") if device.startswith("cuda") else "info",  # RSS: noisy
+            f"predicted / measured {ratio:.2f} ({predicted.total / 2**20:.0f} / {mem.peak_mib:.0f} MiB)",
+            "0.8-1.25",
+            time.monotonic() - start,
+        )
+        if device.startswith("cuda"):
+            row(
+                "peak memory: planner's GPU estimate vs reserved + context",
+                device,
+                "float32",
+                "info",
+                f"{predicted.on_gpu / 2**20:.0f} MiB estimated, {mem.reserved_mib:.0f} MiB reserved (add the "
+                "context: nvidia-smi)",
+                "",
+                0.0,
+            )
+    except Exception as exc:  # noqa: BLE001
+        row(label, device, "float32", "FAIL", f"{type(exc).__name__}: {str(exc)[:120]}", "", time.monotonic() - start)
+        traceback.print_exc()
+
+
+# ---- 7: the harness on one GPU ----------------------------------------------------------------------------
 def harness(device: str, quick: bool, deadline: float) -> None:
     from pipedp.models import GPTConfig
 
@@ -482,7 +680,12 @@ def table() -> str:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.gpu_check", description=__doc__.splitlines()[0])
-    p.add_argument("--budget-s", type=float, default=450.0, help="stop starting new checks after this many seconds")
+    p.add_argument(
+        "--budget-s",
+        type=float,
+        default=240.0,
+        help="stop starting new checks after this many seconds (the last may run on)",
+    )
     p.add_argument("--device", default=None, help="run on this device instead of cuda:0 (cpu: a self-test)")
     p.add_argument("--quick", action="store_true", help="a few parity cases and the tiny preset")
     args = p.parse_args(argv)
@@ -506,7 +709,11 @@ def main(argv=None) -> int:
         two_devices(["cpu", "cpu"], deadline)  # the code path, on the CPU
     else:
         row("two devices in one process", device, "float64", "skip", f"{torch.cuda.device_count()} GPU(s) here")
-    print("4. harness", flush=True)
+    print("4-5. processes", flush=True)
+    processes(device, deadline)
+    print("6. peak memory vs the planner", flush=True)
+    memory_vs_planner(device, args.quick, deadline)
+    print("7. harness", flush=True)
     harness(device, args.quick, deadline)
     print(f"\n{table()}\n\n({time.monotonic() - start:.0f} s)")
     failed = [r for r in ROWS if r["result"] == "FAIL"]

@@ -1,7 +1,11 @@
-"""Peak resident memory of a phase of this process (Linux), as an increment over its start.
+"""Peak memory of a phase of this process, as an increment over its start: on the CPU the resident set
+(Linux), on a CUDA device the caching allocator's tensors (host RSS does not see GPU memory).
 
 Before a phase: return freed heap to the OS (malloc_trim) and reset the kernel's peak-RSS
 mark (writing 5 to /proc/self/clear_refs); after it: VmHWM minus the RSS at the start.
+With ``PeakMemory(device="cuda:0")``: ``torch.cuda.reset_peak_memory_stats`` before, and
+``max_memory_allocated`` minus the allocated bytes at the start after (``reserved_mib``: the allocator's
+reserved peak, slack included); ``host_mib`` keeps the RSS figure either way.
 So contenders run one after another in the same process are measured separately.
 """
 
@@ -20,6 +24,12 @@ def _status_kib(field: str) -> int:
 
 
 class PeakMemory:
+    def __init__(self, device=None):
+        import torch
+
+        self.device = torch.device(device) if device is not None else None
+        self.cuda = self.device is not None and self.device.type == "cuda"
+
     def __enter__(self):
         gc.collect()
         try:
@@ -29,8 +39,21 @@ class PeakMemory:
         with open("/proc/self/clear_refs", "w") as f:
             f.write("5")
         self.start_kib = _status_kib("VmRSS")
+        if self.cuda:
+            import torch
+
+            torch.cuda.synchronize(self.device)
+            torch.cuda.reset_peak_memory_stats(self.device)
+            self.start_bytes = torch.cuda.memory_allocated(self.device)
         return self
 
     def __exit__(self, *exc):
-        self.peak_mib = max(0, _status_kib("VmHWM") - self.start_kib) / 1024.0
+        self.host_mib = max(0, _status_kib("VmHWM") - self.start_kib) / 1024.0
+        self.peak_mib = self.host_mib
+        if self.cuda:
+            import torch
+
+            torch.cuda.synchronize(self.device)
+            self.peak_mib = max(0, torch.cuda.max_memory_allocated(self.device) - self.start_bytes) / 2**20
+            self.reserved_mib = torch.cuda.max_memory_reserved(self.device) / 2**20
         return False

@@ -108,6 +108,14 @@ class PipelineConfig:
         "Across processes each rank uses its backend's device",
         cli=False,
     )
+    device: str = option(
+        "auto",
+        "where the stages run: auto (pipedp train: one process per stage, each on its own GPU over NCCL, when there "
+        "are as many GPUs as ranks; every stage in one process spread over fewer GPUs; the CPU over gloo without "
+        "a GPU. The Python API: where the model is, or the backend's device across processes), cpu (forces the "
+        "CPU) or cuda (refused where a stage would not be on a GPU)",
+        choices=("auto", "cpu", "cuda"),
+    )
     balance: Balance = option(
         "compute",
         "how blocks are grouped into stages: 'compute' (multiply-adds per token: an embedding is a lookup), "
@@ -152,6 +160,9 @@ class PipelineConfig:
             )
         _one_of(self, "grad_mode")
         _one_of(self, "transport")
+        _one_of(self, "device")
+        if self.device != "auto" and any(not str(d).startswith(self.device) for d in self.devices or ()):
+            raise ConfigError(f"device {self.device!r} but devices {list(self.devices or ())}: drop one", "device")
         if self.devices is not None and len(self.devices) != self.stages:
             raise ConfigError(f"devices: one per stage ({self.stages}), got {list(self.devices)}", "devices")
         _one_of(self, "precision")

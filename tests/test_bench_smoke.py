@@ -97,7 +97,10 @@ def test_gpu_check_skips_without_cuda():
 def test_gpu_check_code_path_on_the_cpu():
     out = _run("bench.gpu_check", "--device", "cpu", "--quick", timeout=400, env={"CUDA_VISIBLE_DEVICES": ""})
     assert "| FAIL |" not in out.stdout
-    assert out.stdout.count("| pass |") >= 8  # float64 and bf16 parity, two devices in one process
+    assert out.stdout.count("| pass |") >= 10  # float64 and bf16 parity, two devices in one process
+    assert "| parity gpt: 2 processes over gloo, ghost, 1f1b, m=3 | cpu | float64 | pass |" in out.stdout
+    assert "| stalled rank over gloo: named error within the timeout | cpu | float32 | pass |" in out.stdout
+    assert "| peak memory: pipedp 1 stage vs planner | cpu | float32 | info |" in out.stdout
 
 
 @pytest.mark.dist

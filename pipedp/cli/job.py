@@ -55,12 +55,19 @@ def train_rank(rank: int, job: Job) -> dict:
 
 
 def run(args) -> int:
+    from contextlib import ExitStack
+
+    with ExitStack() as hold:  # the run folder's lock: taken before anything is written there, held to the end
+        return _run(args, hold)
+
+
+def _run(args, hold) -> int:
     from .preflight import flags_of, resolve
     from .record import RunFolder
 
     under_torchrun = "RANK" in os.environ and "WORLD_SIZE" in os.environ and not args.inprocess
     lead = not under_torchrun or os.environ["RANK"] == "0"  # under torchrun every rank resolves; rank 0 speaks
-    job = resolve(args, say=print if lead else lambda line: None, lead=lead)
+    job = resolve(args, say=print if lead else lambda line: None, lead=lead, hold=hold)
     if lead:
         folder = RunFolder(job.run_dir)
         if not job.resume:
@@ -77,18 +84,40 @@ def run(args) -> int:
                 f"torchrun started {os.environ['WORLD_SIZE']} processes but --stages {stages} x --replicas "
                 f"{replicas} = {world}: use torchrun --nproc_per_node {world}"
             )
-        init_from_env(timeout_s=job.pipeline.timeout)
+        init_from_env("gloo" if job.pipeline.device == "cpu" else None, timeout_s=job.pipeline.timeout)
+        _print_rank_device(world)
         return exit_code(train_rank(int(os.environ["RANK"]), job))
-    if job.inprocess or world == 1:
-        if replicas > 1:
-            raise PipeDPError("--replicas > 1 needs one process per (stage, replica): drop --inprocess")
-        return exit_code(
-            train_rank(0, replace(job, inprocess=True, pipeline=replace(job.pipeline, transport="inprocess")))
-        )
-    return _launch(job, world)
+    if (job.inprocess or world == 1) and replicas > 1:
+        raise PipeDPError("--replicas > 1 needs one process per (stage, replica): drop --inprocess")
+    placement = place_job(job)
+    if not placement.processes:
+        devices = None if set(placement.devices) == {"cpu"} else placement.devices
+        pipeline = replace(job.pipeline, transport="inprocess", devices=devices)
+        return exit_code(train_rank(0, replace(job, inprocess=True, pipeline=pipeline)))
+    return _launch(job, world, placement.backend or "gloo")
 
 
-def _launch(job: Job, world: int) -> int:
+def place_job(job: Job):
+    """Where the job's ranks go on this machine (runtime/placement.py), said on stdout."""
+    import torch
+
+    from ..runtime.placement import place
+
+    p = job.pipeline
+    placement = place(p.stages, p.replicas, p.device, torch.cuda.device_count(), job.inprocess)
+    print(placement.describe(), flush=True)
+    return placement
+
+
+def _print_rank_device(world: int) -> None:
+    import torch
+    import torch.distributed as dist
+
+    where = f"cuda:{torch.cuda.current_device()}" if dist.get_backend() == "nccl" else "cpu"
+    print(f"pipedp: rank {dist.get_rank()} of {world} over {dist.get_backend()} on {where}", flush=True)
+
+
+def _launch(job: Job, world: int, backend: str) -> int:
     from ..errors import RankFailedError
     from ..runtime.launch import launch
     from .signals import Forwarding, Terminated
@@ -96,14 +125,20 @@ def _launch(job: Job, world: int) -> int:
     stages, replicas = job.pipeline.stages, job.pipeline.replicas
     print(
         f"pipedp: launching {world} processes ({stages} stages x {replicas} replica"
-        f"{'s' if replicas > 1 else ''}, gloo)",
+        f"{'s' if replicas > 1 else ''}, {backend})",
         flush=True,
     )
     forwarding = Forwarding()
     try:
         with forwarding.active():
             summary = launch(
-                train_rank, world, (job,), timeout_s=24 * 3600, threads=job.threads, op_timeout_s=job.pipeline.timeout
+                train_rank,
+                world,
+                (job,),
+                timeout_s=24 * 3600,
+                threads=job.threads,
+                backend=backend,
+                op_timeout_s=job.pipeline.timeout,
             )[0]
     except RankFailedError:
         if forwarding.signum is not None:  # the ranks stopped because we forwarded the signal

@@ -12,6 +12,12 @@ head in float32 that would be 500 MiB on top of the sum). On the CPU the pieces 
 values of one whole draw: torch fills a tensor of >= 16 elements with uniforms in order and turns
 each aligned group of 16 into normals, so pieces whose sizes are multiples of 16 (the last one at
 least 16) consume the generator alike; tests/unit/test_noise.py compares with Opacus's function.
+
+On a GPU the generator is the tensor's device's (a CPU generator cannot draw into CUDA memory): for the
+same seed CUDA's values differ from the CPU's, and its pieces are consecutive draws rather than one whole
+draw's values (each call advances the generator's Philox offset past what it used: the pieces stay
+independent N(0, std^2)). The distribution, hence the privacy guarantee, is the same; a run resumed on
+another device type draws other values than one that never stopped.
 """
 
 from __future__ import annotations
@@ -37,7 +43,7 @@ def add_noise(
             for piece in _pieces(g):
                 piece.add_(secure_gaussian_like(piece, std))
             continue
-        generator = torch.Generator(device=g.device)
+        generator = torch.Generator(device=g.device)  # the tensor's device: CUDA noise for a CUDA sum
         generator.manual_seed(stream_seed(Stream.NOISE, seed, step, name_key(name)))
         for piece in _pieces(g):
             piece.add_(torch.normal(0.0, std, piece.shape, generator=generator, dtype=g.dtype, device=g.device))

@@ -1,12 +1,15 @@
 """Per-sample squared gradient norms and clipped gradient sums of one layer, through the layer-rule
 registry (pipedp.privacy.rules: one entry per layer type).
 
-All functions are pure: (layer, inputs, output-grads) -> tensors.
+All functions are pure: (layer, inputs, output-grads) -> tensors. The per-sample gradients and ghost norms
+run in full float32 precision (``full_precision``): with TF32 allowed (torch.backends.cuda.matmul), a
+ghost norm's Gram products are ~1e-3 off, so a clipped gradient's norm could exceed C.
 """
 
 from __future__ import annotations
 
-from typing import Optional, Sequence
+from contextlib import contextmanager
+from typing import Callable, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 import torch.nn as nn
@@ -31,12 +34,48 @@ __all__ = [
     "pools_positions",
     "KEEP_MEMORY_RATIO",
     "NORM_SAMPLERS",
+    "full_precision",
 ]
+
+
+def _precision_settings() -> List[Tuple[Callable[[], object], Callable[[object], None], object]]:
+    """(read, write, full-precision value) of each setting that lets float32 products run in less precision.
+    torch >= 2.9 has one ``fp32_precision`` per backend (mixing it with the older flags raises); before it,
+    the global matmul precision (which sets cuBLAS's TF32 flag) and cuDNN's."""
+
+    def attribute(owner, name):
+        return (lambda: getattr(owner, name)), (lambda value: setattr(owner, name, value))
+
+    backends = torch.backends
+    if hasattr(backends.cuda.matmul, "fp32_precision"):
+        owners = [backends.cuda.matmul, getattr(backends.cudnn, "conv", None)]
+        owners += [getattr(getattr(backends, "mkldnn", None), kind, None) for kind in ("matmul", "conv")]
+        return [(*attribute(o, "fp32_precision"), "ieee") for o in owners if hasattr(o, "fp32_precision")]
+    return [
+        (torch.get_float32_matmul_precision, torch.set_float32_matmul_precision, "highest"),
+        (*attribute(backends.cudnn, "allow_tf32"), False),
+    ]
+
+
+@contextmanager
+def full_precision() -> Iterator[None]:
+    """float32 matrix products and convolutions in full precision (no TF32, no bf16 passes) inside; the
+    settings are restored after."""
+    settings = _precision_settings()
+    saved = [read() for read, _, _ in settings]
+    try:
+        for _, write, value in settings:
+            write(value)
+        yield
+    finally:
+        for (_, write, _), value in zip(settings, saved):
+            write(value)
 
 
 def per_sample_grads(layer: nn.Module, inputs: Sequence[torch.Tensor], backprops: torch.Tensor) -> Grads:
     """{param: [n, *param.shape]} per-sample gradients of the layer's own trainable parameters."""
-    return rule_for(layer).grads(layer, inputs, backprops)
+    with full_precision():
+        return rule_for(layer).grads(layer, inputs, backprops)
 
 
 def ghost_squared_norms(
@@ -45,7 +84,10 @@ def ghost_squared_norms(
     """{param: [n]} squared norms without materializing per-sample gradients, or None where the
     layer's rule has no ghost formula or materializing is cheaper."""
     rule = rule_for(layer)
-    return None if rule.norms is None else rule.norms(layer, inputs, backprops, grams)
+    if rule.norms is None:
+        return None
+    with full_precision():
+        return rule.norms(layer, inputs, backprops, grams)
 
 
 def clipped_grad_sum(layer: nn.Module, inputs: Sequence[torch.Tensor], scaled_backprops: torch.Tensor) -> Grads:

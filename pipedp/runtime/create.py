@@ -81,4 +81,11 @@ def create_runtime(
         Stage(i, p, blocks, loss_fn, options, TieRole.for_stage(i, p, tie, own_copy=False))
         for i, blocks in enumerate(stage_blocks)
     ]
+    elsewhere = [f"stage {s.index} on {s.device}" for s in stages if pipeline.device not in ("auto", s.device.type)]
+    if elsewhere:
+        raise ConfigError(
+            f"device {pipeline.device!r} but {', '.join(elsewhere)}: move the model there first "
+            f"(model.to('{pipeline.device}')), or give each stage's device (devices=)",
+            "device",
+        )
     return InProcessRuntime(stages, schedule, state_keys)

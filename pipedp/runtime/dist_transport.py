@@ -119,8 +119,8 @@ class DistTransport:
             return
         if known is not None:  # another shape than this pass's earlier micro-batches: say so in the
             code, shape = known[1][0]  # buffer the receiver expects, then announce the new shape
-            notice = torch.zeros(_joined_bytes(code, shape), dtype=torch.uint8, device=self.device)
-            notice[:_HEADER_BYTES] = self._header(mb, kind, _RESHAPED, None).view(torch.uint8)
+            padding = torch.zeros(_joined_bytes(code, shape) - _HEADER_BYTES, dtype=torch.uint8, device=self.device)
+            notice = torch.cat([self._header(mb, kind, _RESHAPED, None).view(torch.uint8), padding])
             sent.append((dist.isend(notice, dst, group=group), notice))
         if tensors:  # an empty message is never remembered: it always sends its header
             self._known[slot] = spec
@@ -134,12 +134,11 @@ class DistTransport:
             )
 
     def _header(self, mb: int, kind: Kind, parts: int, tensor) -> torch.Tensor:
-        header = torch.zeros(_HEADER, dtype=torch.int64)
-        header[:3] = torch.tensor([mb, _CHANNEL[kind], parts])
+        """The message's header, made on this stage's device (one copy from the host)."""
+        values = [mb, _CHANNEL[kind], parts]
         if tensor is not None:
-            header[3:5] = torch.tensor([_DTYPES.index(tensor.dtype), tensor.dim()])
-            header[5 : 5 + tensor.dim()] = torch.tensor(tensor.shape, dtype=torch.int64)
-        return header.to(self.device)
+            values += [_DTYPES.index(tensor.dtype), tensor.dim(), *tensor.shape]
+        return torch.tensor(values + [0] * (_HEADER - len(values)), dtype=torch.int64, device=self.device)
 
     def recv(self, kind: Kind, mb: int) -> Activation:
         slot = self._slot("recv", kind, mb)

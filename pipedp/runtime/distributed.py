@@ -23,12 +23,12 @@ import torch.distributed as dist
 from schedules import Schedule, forward_only
 
 from ..config import PipelineConfig
-from ..errors import BatchError, ConfigMismatchError, TransportError
+from ..errors import BatchError, ConfigError, ConfigMismatchError, TransportError
 from ..split.blocks import Block
 from ..split.partition import Tie
 from .dist_transport import DistTransport, PipelineGroups
 from .executor import Executor
-from .launch import bounded
+from .launch import bounded, cuda_device_of_rank, nccl_fault_handling
 from .microbatch import Inputs, PassBatch, rows, tensors_of
 from .stage import Stage, StageOptions
 from .tie import TieRole
@@ -140,17 +140,39 @@ def _check_same_weights(stage: Stage, mesh: "Mesh", world: int) -> None:
             )
 
 
-def _device_for_backend() -> torch.device:
-    if dist.get_backend() == "nccl":
-        return torch.device("cuda", torch.cuda.current_device())  # init_from_env set it from LOCAL_RANK
-    return torch.device("cpu")
+def _device_for_backend(device: str = "auto") -> torch.device:
+    """This rank's device: under NCCL its own GPU (init_from_env set it; a group the user made may have left
+    every rank on cuda:0, so that one comes from LOCAL_RANK), under gloo the CPU; ``device`` is
+    PipelineConfig.device, refused where the backend puts the stage elsewhere."""
+    if dist.get_backend() != "nccl":
+        if device == "cuda":
+            raise ConfigError(
+                f"device 'cuda' but the process group runs {dist.get_backend()}, whose stages are on the CPU: "
+                "init_process_group('nccl') (one GPU per rank), or device='cpu'",
+                "device",
+            )
+        return torch.device("cpu")
+    if device == "cpu":
+        raise ConfigError(
+            "device 'cpu' but the process group runs NCCL (GPU tensors only): init_process_group('gloo')", "device"
+        )
+    index = torch.cuda.current_device()
+    if index == 0:  # the default: nobody chose (rank 0 of a node takes 0 either way)
+        index = cuda_device_of_rank()
+        torch.cuda.set_device(index)
+    return torch.device("cuda", index)
+
+
+def _fingerprint_tensor(t: torch.Tensor) -> torch.Tensor:
+    """A position-weighted float64 sum, on the tensor's own device."""
+    flat = t.detach().reshape(-1).to(torch.float64)
+    weights = 1.0 + (torch.arange(flat.numel(), dtype=torch.float64, device=flat.device) % 7919) / 7919
+    return (flat * weights).sum()
 
 
 def _fingerprint(t: torch.Tensor) -> float:
-    """A position-weighted float64 sum: equal batches agree exactly, different ones almost never."""
-    flat = t.detach().reshape(-1).to(torch.float64)
-    weights = 1.0 + (torch.arange(flat.numel(), dtype=torch.float64) % 7919) / 7919
-    return float((flat * weights).sum())
+    """Equal batches agree exactly, different ones almost never."""
+    return float(_fingerprint_tensor(t))
 
 
 class DistributedRuntime:
@@ -193,6 +215,9 @@ class DistributedRuntime:
     ) -> "DistributedRuntime":
         """``agreement``: what every rank must agree on (the run's configuration and model signature)."""
         world, rank = dist.get_world_size(), dist.get_rank()
+        device = _device_for_backend(pipeline.device)  # first: the agreement's own collective runs on it
+        if device.type == "cuda":
+            nccl_fault_handling()  # the groups below read it when created (also under the user's own init)
         _agree({"world size": world, **agreement})
         if world != pipeline.stages * pipeline.replicas:
             raise ConfigMismatchError(
@@ -202,7 +227,6 @@ class DistributedRuntime:
         mesh = Mesh(pipeline.stages, pipeline.replicas, rank)
         with bounded("creating the process groups", pipeline.timeout):
             groups = _create_groups(mesh, timedelta(seconds=pipeline.timeout), tied=tie is not None)
-        device = _device_for_backend()
         for s, blocks in enumerate(stage_blocks):
             for b in blocks:  # keep only this rank's stage; free the rest
                 b.module.to(device if s == mesh.stage else "meta")

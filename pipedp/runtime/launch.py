@@ -1,4 +1,5 @@
-"""Launch a function on N local processes (gloo on loopback), like torchrun, and fail fast.
+"""Launch a function on N local processes (gloo, or NCCL with a GPU per rank, on loopback), like torchrun,
+and fail fast.
 
 When any rank raises, dies or stops, the others are stopped within a grace period and a
 RankFailedError names the rank at fault: a rank that died (its exit code or signal) or
@@ -29,6 +30,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from ..errors import RankFailedError
+from .placement import local_device
 
 
 def free_port() -> int:
@@ -62,14 +64,43 @@ def bounded(what: str, seconds: float, grace: float = 30.0):
         timer.cancel()
 
 
+NCCL_FAULTS = {
+    # wait() blocks and raises in the calling thread once the operation's timeout passes: the receive or
+    # collective then fails like gloo's, and pipedp names the rank that stopped answering
+    "TORCH_NCCL_BLOCKING_WAIT": "1",
+    # if NCCL's watchdog still sees an error: abort the communicator only (1 and 3 end the process)
+    "TORCH_NCCL_ASYNC_ERROR_HANDLING": "2",
+}
+
+
+def nccl_fault_handling() -> None:
+    """Faults under NCCL end like faults under gloo (unless the user chose otherwise): read by every NCCL
+    process group when it is created, so set before init_process_group and new_group."""
+    for key, value in NCCL_FAULTS.items():
+        os.environ.setdefault(key, value)
+
+
+def cuda_device_of_rank() -> int:
+    """This rank's CUDA device under NCCL: its own GPU, from LOCAL_RANK (see placement.local_device)."""
+    return local_device(
+        int(os.environ.get("LOCAL_RANK", "0")),
+        torch.cuda.device_count(),
+        int(os.environ.get("LOCAL_WORLD_SIZE", "1")),
+        masked="CUDA_VISIBLE_DEVICES" in os.environ,
+    )
+
+
 def init_from_env(backend: Optional[str] = None, timeout_s: float = 300.0, store: Optional[dist.Store] = None) -> None:
-    """init_process_group from torchrun's environment (or the given store); NCCL when CUDA is there, else gloo."""
+    """init_process_group from torchrun's environment (or the given store); NCCL when CUDA is there, else gloo.
+    Under NCCL each rank takes its own GPU (refused, by name, where two would share one) and NCCL's faults
+    raise within ``timeout_s``."""
     if dist.is_initialized():
         return
     if backend is None:
         backend = "nccl" if torch.cuda.is_available() else "gloo"
     if backend == "nccl":
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count())
+        torch.cuda.set_device(cuda_device_of_rank())
+        nccl_fault_handling()
     with bounded("creating the default process group", timeout_s):
         if store is None:
             dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s))
@@ -122,7 +153,12 @@ def _worker(rank, world, port, fn, args, results, threads, op_timeout_s, backend
     _die_with_parent(parent)
     torch.set_num_threads(threads)
     os.environ.update(
-        RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)
+        RANK=str(rank),
+        WORLD_SIZE=str(world),
+        LOCAL_RANK=str(rank),
+        LOCAL_WORLD_SIZE=str(world),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
     )
     try:
         store = dist.TCPStore("127.0.0.1", port, world + 1, False, timeout=timedelta(seconds=op_timeout_s))

@@ -296,6 +296,11 @@ class StagePlan:
         return max(self.steady, self.at_step, self.first_step)
 
     @property
+    def on_gpu(self) -> int:
+        """``total`` with the CUDA allowance of one process per stage (an estimate: see cuda_allowance)."""
+        return cuda_allowance(self.total)
+
+    @property
     def binding(self) -> str:
         """Which moment sets the peak."""
         moments = {"later steps": self.steady, "optimizer step": self.at_step, "first step": self.first_step}
@@ -310,9 +315,22 @@ class StagePlan:
 
     def as_dict(self) -> dict:
         out = asdict(self)
-        for name in ("weights", "activations", "steady", "at_step", "first_step", "total", "binding"):
+        for name in ("weights", "activations", "steady", "at_step", "first_step", "total", "on_gpu", "binding"):
             out[name] = getattr(self, name)
         return out
+
+
+# What a CUDA process holds beyond its tensors. ESTIMATES, not yet measured (no GPU has run pipedp): a first
+# GPU run (python -m bench.gpu_check, its "peak memory vs planner" rows) replaces them with measured figures.
+CUDA_CONTEXT_BYTES = 512 << 20  # the CUDA context, kernels loaded lazily, cuBLAS / cuDNN workspaces
+ALLOCATOR_SLACK = 0.10  # reserved but unused by the caching allocator (fragmentation), of the tensor peak
+NCCL_BUFFER_BYTES = 128 << 20  # NCCL's buffers for a stage's communicators (its neighbours, the norm reduce)
+
+
+def cuda_allowance(tensor_bytes: int) -> int:
+    """A stage's predicted bytes on a GPU, one process per stage: its tensors, the allocator's slack, the
+    CUDA context and NCCL's buffers."""
+    return int(tensor_bytes * (1 + ALLOCATOR_SLACK)) + CUDA_CONTEXT_BYTES + NCCL_BUFFER_BYTES
 
 
 @dataclass
@@ -377,6 +395,12 @@ def format_plan(plan: Plan) -> str:
         "rest of a later step's simulated peak (I and W transients, captures held until W, messages); peak: the "
         "largest of a later step, the optimizer step and the first step (its self-check). Tensor bytes only: "
         "allocator slack and a CUDA context come on top."
+    )
+    on_gpu = " / ".join(format_bytes(s.on_gpu) for s in plan.stages)
+    lines.append(
+        f"on a GPU (one process per stage), estimated: {on_gpu} (the peak + {ALLOCATOR_SLACK:.0%} allocator slack + "
+        f"{format_bytes(CUDA_CONTEXT_BYTES)} CUDA context + {format_bytes(NCCL_BUFFER_BYTES)} NCCL buffers; "
+        "estimates until a GPU run measures them)"
     )
     if plan.device_memory is not None:
         lines.append(plan.fit_note)
