@@ -9,7 +9,9 @@ What a step is charged depends on how its batch was drawn (``PrivacyConfig.sampl
   at its first step (no amplification: a valid bound whatever the permutation); the epochs are counted
   by the units the batches hold (``Charges``), and a Poisson step inside an epoch is refused;
 - undeclared (caller-made batches): any step may hold any record: every step is charged at rate 1.
-The last two assume a record appears at most once in a batch, and that removing it leaves the
+The last two assume a record appears at most once in a batch (shuffled: at most once in an epoch,
+which fit() keeps by refusing a shuffled run whose epoch the step count and the charges place apart),
+and that removing it leaves the
 other records' batches as they were (add/remove adjacency, like the Poisson case).
 """
 

@@ -94,7 +94,8 @@ def clipped_grad_sum(layer: nn.Module, inputs: Sequence[torch.Tensor], scaled_ba
     """sum_i c_i grad_i for the layer's own parameters, given backprops already scaled by c_i: since a
     layer's weight gradient is linear in its output gradient, this is the layer's ordinary weight
     gradient for the scaled output gradient (no per-sample tensors, no backward through the pipeline)."""
-    return rule_for(layer).weight(layer, inputs, scaled_backprops)
+    with full_precision():
+        return rule_for(layer).weight(layer, inputs, scaled_backprops)
 
 
 def add_clipped_grad_sum(
@@ -105,10 +106,13 @@ def add_clipped_grad_sum(
     never a view of anything else (the kept path adds to it)."""
     rule = rule_for(layer)
     if rule.add_weight is not None:
-        rule.add_weight(layer, inputs, backprops, factors, sums)
+        with full_precision():  # each sample's share of the sum stays within its clip norm
+            rule.add_weight(layer, inputs, backprops, factors, sums)
         return
     scaled = backprops * per_row(factors, backprops.dim())
-    for p, g in rule.weight(layer, inputs, scaled).items():
+    with full_precision():
+        summed = rule.weight(layer, inputs, scaled)
+    for p, g in summed.items():
         if p in sums:
             sums[p] += g
         else:

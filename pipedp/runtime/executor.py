@@ -80,7 +80,8 @@ class Executor:
         self.pass_actions = actions  # this pass's list: the schedule's, or evaluation's forward-only one
         self.state: Optional[PassState] = None  # None between passes
         self._values: Optional[Dict[str, tuple]] = None  # the state's digests at the start of a watched pass
-        self._watched = False  # a pass was watched (the run's first is)
+        self._watched = False  # a pass's parameters were watched (the run's first are)
+        self._with_parameters = False  # this pass's parameters are
 
     def start_pass(self, batch: PassBatch, actions: Optional[List[Action]] = None) -> None:
         """``actions``: another action list for this pass only (evaluation's forward-only one)."""
@@ -91,16 +92,17 @@ class Executor:
         self.state = PassState(batch, zero, zero.clone(), zero.clone(), evaluating=evaluating, probe=probe)
         self.pass_actions = actions if actions is not None else self.actions
         self.position = 0
-        # the values of every parameter and buffer, at a checked pass and at the run's first (state_watch.py)
-        watch = not evaluating and (probe is not None or not self._watched)
-        self._values = self.stage.watch_values() if watch else None
-        self._watched = self._watched or watch
+        # every parameter's and buffer's version and every buffer's digest around each pass; the parameters'
+        # digests too at a checked pass and at the run's first (state_watch.py)
+        self._with_parameters = not evaluating and (probe is not None or not self._watched)
+        self._values = None if evaluating else self.stage.watch_values(self._with_parameters)
+        self._watched = self._watched or self._with_parameters
 
     def end_pass(self) -> None:
         """Every stage finished the pass: refuse it if it changed the model's state (a watched pass)."""
         if self._values is not None:
             values, self._values = self._values, None
-            self.stage.refuse_changed_values(values)
+            self.stage.refuse_changed_values(values, self._with_parameters)
 
     @property
     def done(self) -> bool:
@@ -152,6 +154,8 @@ class Executor:
             # every micro-batch (a dict of versions: no cost), self-checked or not
             rows = state.probe.rows if mb == 0 and state.probe is not None else ()
             out = stage.forward(mb, x, targets, side, size=size, check_state=True, probe_rows=rows)
+            if rows:  # the checked micro-batch: each unit alone must give its rows of the output
+                stage.refuse_mixed_samples(x, targets, side, size, rows)
         if stage.is_last:
             real = state.batch.masks[mb] > 0
             state.loss_sum += torch.where(real, out.detach().to(torch.float64), 0.0).sum()

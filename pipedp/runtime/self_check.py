@@ -70,9 +70,17 @@ def refuse_coupled_loss(stage: int, loss_fn, out, targets, losses, size: int, sp
     if not any(isinstance(t, torch.Tensor) and t.dim() and t.shape[0] == size for t in _leaves(out)):
         return  # no batch-first output to take a sample's rows of: nothing to compare
     rtol = TOLERANCE.get(losses.dtype, TOLERANCE[torch.float32])[0]
+    again = loss_fn(out, targets)  # from another random state than the batch's own: a random loss shows
+    if not same_values(losses.detach(), again, rtol):
+        warnings.warn(
+            f"stage {stage}: loss_fn draws random numbers, so the self-check cannot verify that each sample's loss "
+            "depends on its own sample only",
+            stacklevel=3,
+        )
+        return
     for span in spans:
         try:
-            alone = loss_fn(_rows(out, span, size), targets[span])
+            alone = loss_fn(rows(out, span, size), targets[span])
         except Exception as exc:
             raise UnsupportedModelError(
                 f"stage {stage}: loss_fn fails on one sample's outputs and targets alone ({type(exc).__name__}: "
@@ -85,7 +93,8 @@ def refuse_coupled_loss(stage: int, loss_fn, out, targets, losses, size: int, sp
             raise UnsupportedModelError(
                 f"stage {stage}: loss_fn reads other samples: the loss of rows {span.start}..{span.stop - 1} is "
                 f"{want.tolist()} in the micro-batch and {alone.double().tolist()} computed alone (e.g. a "
-                "contrastive loss such as InfoNCE against in-batch targets, or a loss normalised over the batch). "
+                "contrastive loss such as InfoNCE against in-batch targets, a loss normalised over the batch, or "
+                "divided by its size). "
                 "One record would move every other sample's loss, so the clipped sum's sensitivity is not the clip "
                 "norm: compute each sample's loss from its own outputs and targets only (negatives from a fixed, "
                 "public set, or from inside the sample)"
@@ -102,19 +111,50 @@ def _leaves(value) -> List[torch.Tensor]:
     return []
 
 
-def _rows(value, span: slice, size: int):
+def same_values(a, b, rtol: float) -> bool:
+    """The tensors of ``a`` and ``b`` (a tensor, or a tuple, list or dict of them) equal to ``rtol``."""
+    left, right = _leaves(a), _leaves(b)
+    return len(left) == len(right) and all(_close(x, y, rtol) for x, y in zip(left, right))
+
+
+def _close(x: torch.Tensor, y: torch.Tensor, rtol: float) -> bool:
+    if x.shape != y.shape or x.dtype != y.dtype:
+        return False
+    if not x.is_floating_point():
+        return bool(torch.equal(x, y))
+    x, y = x.detach().double(), y.detach().double()
+    scale = float(y[torch.isfinite(y)].abs().max()) if bool(torch.isfinite(y).any()) else 0.0
+    return bool(torch.isclose(x, y, rtol=rtol, atol=rtol * scale + 1e-300, equal_nan=True).all())
+
+
+def refuse_mixed(stage: int, batch_rows, alone, span: slice) -> None:
+    """Refuse a stage whose output for rows ``span`` differs between the micro-batch and those rows alone."""
+    leaves = _leaves(alone)
+    dtype = next((t.dtype for t in leaves if t.is_floating_point()), torch.float64)
+    if same_values(batch_rows, alone, TOLERANCE.get(dtype, TOLERANCE[torch.float32])[0]):
+        return
+    raise UnsupportedModelError(
+        f"stage {stage}: its forward mixes samples: the output of rows {span.start}..{span.stop - 1} computed from "
+        "those rows alone differs from theirs in the micro-batch (e.g. x - x.mean(0), a hand-written batch norm, "
+        "attention or pooling across the batch dimension). One record would move every other sample's output and "
+        "gradient, so the clipped sum's sensitivity is not the clip norm: keep every operation within a sample "
+        "(nn.BatchNorm: use GroupNorm or LayerNorm)"
+    )
+
+
+def rows(value, span: slice, size: int):
     """``value`` (a model's output: a tensor, a tuple or list, a dict such as a Hugging Face ModelOutput) with
     only the rows ``span`` of its batch-first tensors of ``size`` rows; everything else as it is."""
     if isinstance(value, torch.Tensor):
         return value[span] if value.dim() and value.shape[0] == size else value
     if isinstance(value, tuple) and hasattr(value, "_fields"):  # a named tuple
-        return type(value)(*(_rows(v, span, size) for v in value))
+        return type(value)(*(rows(v, span, size) for v in value))
     if isinstance(value, (tuple, list)):
-        return type(value)(_rows(v, span, size) for v in value)
+        return type(value)(rows(v, span, size) for v in value)
     if isinstance(value, dict):
         out = copy.copy(value)
         for k, v in value.items():
-            out[k] = _rows(v, span, size)
+            out[k] = rows(v, span, size)
         return out
     return value
 

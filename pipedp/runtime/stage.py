@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import warnings
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, NamedTuple, Optional, Sequence, Tuple
 
@@ -39,6 +40,7 @@ from ..privacy.per_sample import (
 from ..privacy.rules import layer_parameters
 from ..privacy.units import Units
 from ..split.blocks import Block
+from ..split.hf_drive import rng_kept
 from . import grad_modes, self_check, state_watch
 from .capture import ActivationCapture, LayerCall, block_layers
 from .microbatch import Activation, tensors_of
@@ -224,7 +226,7 @@ class Stage:
         state.output = self._checked_losses(losses, size) if self.is_last else self._checked_output(out)
         if self.is_last and probe_rows and self.loss_fn is not None:
             spans = [self.units.rows_of(r) for r in probe_rows]
-            with torch.no_grad(), self._compute_precision(first.device):
+            with torch.no_grad(), self._compute_precision(first.device), rng_kept(first.device):
                 self_check.refuse_coupled_loss(self.index, self.loss_fn, out, targets, state.output, size, spans)
         self.pending[mb] = state
         return state.output
@@ -262,24 +264,30 @@ class Stage:
                 for name, t in named:
                     yield b.qualified(name), is_parameter, t
 
-    def watch_values(self) -> Dict[str, tuple]:
-        """Every parameter's and buffer's digest (state_watch.py), for ``refuse_changed_values`` after a pass."""
-        return state_watch.digests(self._named_state())
+    def watch_values(self, parameters: bool = True) -> Dict[str, tuple]:
+        """The versions of every parameter and buffer, and the digests of every buffer and (``parameters``)
+        every parameter (state_watch.py), for ``refuse_changed_values`` after a pass."""
+        named = list(self._named_state())
+        views = {name + state_watch.VERSION: v for name, v in state_watch.versions(named).items()}
+        views.update(state_watch.digests([t for t in named if parameters or not t[1]]))
+        return views
 
-    def refuse_changed_values(self, before: Dict[str, tuple]) -> None:
-        """Refuse a pass that changed a parameter's or buffer's values, through ``.data`` included."""
-        state_watch.refuse_changes(self.index, before, self.watch_values(), "the training pass")
+    def refuse_changed_values(self, before: Dict[str, tuple], parameters: bool = True) -> None:
+        """Refuse a pass that changed a parameter or buffer: in place, through ``.data``, in a backward hook."""
+        state_watch.refuse_changes(self.index, before, self.watch_values(parameters), "the training pass")
 
-    def evaluate(self, x, targets=None, side_inputs: Optional[Dict[str, torch.Tensor]] = None, size: int = 0):
+    def evaluate(
+        self, x, targets=None, side_inputs: Optional[Dict[str, torch.Tensor]] = None, size: int = 0, loss: bool = True
+    ):
         """The forward of a micro-batch with no capture, no gradient and no state kept (evaluation):
-        the stage's output, or on the last stage the per-sample losses."""
+        the stage's output, or on the last stage (with ``loss``) the per-sample losses."""
         with torch.no_grad(), self._compute_precision(tensors_of(x)[0].device):
             out = x
             for b in self.blocks:
                 out = self._call(b, out, side_inputs)
                 if isinstance(out, tuple) and len(out) == 1:
                     out = out[0]
-            if not self.is_last:
+            if not self.is_last or not loss:
                 return out
             assert self.loss_fn is not None  # the last stage's
             return self.loss_fn(out, targets).detach()
@@ -448,6 +456,43 @@ class Stage:
         self.check_conclusive = False
         return Probe(units)
 
+    def refuse_mixed_samples(self, x, targets, side_inputs, size: int, units: Sequence[int]) -> None:
+        """Each checked unit's stage output computed from its own rows alone must equal its rows of the
+        micro-batch's output. This sees what the gradient comparison cannot: a parameter-free operation across
+        the batch before every trainable parameter (``x - x.mean(0)`` after a frozen embedding), which leaves each
+        sample's gradient right for its loss while one record moves every other sample's. In eval mode (the same
+        function both times: no dropout), from one random state; skipped, with a warning, for a random forward."""
+        if not self.blocks:
+            return
+        device = tensors_of(x)[0].device
+        modes = [(m, m.training) for b in self.blocks for m in b.module.modules()]
+        try:
+            for m, _ in modes:
+                m.training = False
+            with rng_kept(device):
+                whole = self.evaluate(x, targets, side_inputs, size, loss=False)
+            with rng_kept(device):
+                _reseeded(device)
+                again = self.evaluate(x, targets, side_inputs, size, loss=False)
+            if not self_check.same_values(whole, again, self_check.TOLERANCE[torch.float64][0]):
+                warnings.warn(
+                    f"stage {self.index}: its forward draws random numbers in eval mode, so the self-check cannot "
+                    "verify that it keeps every sample apart",
+                    stacklevel=2,
+                )
+                return
+            for r in units:
+                span = self.units.rows_of(r)
+                one = self_check.rows(x, span, size)
+                part = self_check.rows(targets, span, size) if targets is not None else None
+                side = self_check.rows(side_inputs, span, size) if side_inputs is not None else None
+                with rng_kept(device):
+                    alone = self.evaluate(one, part, side, span.stop - span.start, loss=False)
+                self_check.refuse_mixed(self.index, self_check.rows(whole, span, size), alone, span)
+        finally:
+            for m, training in modes:
+                m.training = training
+
     def conclude_check(self, conclusive: bool) -> None:
         """The step ended; ``conclusive``: every stage's check of it compared at least two samples with finite
         gradients (or micro-batches of one sample, which nothing can mix). Otherwise a one-sample micro-batch, or a
@@ -504,8 +549,9 @@ class Stage:
             for p, want in reference.items():  # reached by autograd, by no layer call pipedp captured
                 comparison.add(p, names[id(p)], owners[p], owners[p][0] in called, want, None, 0.0, scale)
         comparison.refuse_if_any(lambda: self._sums(state, outputs, output_grads))
+        # every unit real and finite: a padding row (or a sample left out) could hide a flow between samples
         finite = [r for r in probe.rows if all(bool(torch.isfinite(v[r])) for v in per_param.values())]
-        self.check_conclusive = state.units == 1 or (len(finite) >= 2 and not comparison.unverified)
+        self.check_conclusive = len(finite) == state.units and not comparison.unverified
         return messages
 
     def _seeds(self, outputs, selected: List[bool], probe: Probe, k: int, row: int) -> List[torch.Tensor]:
@@ -621,6 +667,14 @@ def _naming(name: str, layer: nn.Module):
             "no input layout other than batch-first tensors); register a rule with pipedp.privacy.rules.register, "
             "replace the layer, or freeze its parameters"
         ) from exc
+
+
+def _reseeded(device: torch.device) -> None:
+    """Another state for the random generators a forward on ``device`` draws from (restored by rng_kept)."""
+    torch.default_generator.manual_seed(torch.default_generator.initial_seed() + 1)
+    if device.type == "cuda":
+        generator = torch.cuda.default_generators[device.index if device.index is not None else 0]
+        generator.manual_seed(generator.initial_seed() + 1)
 
 
 def _tensors(module: nn.Module):

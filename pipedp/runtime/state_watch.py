@@ -4,9 +4,11 @@ of the private batch, un-noised, that state_dict(), checkpoints and exports woul
 Two views of a tensor, compared before and after:
 - ``versions``: its identity, storage and version counter, free to read, taken around every micro-batch's
   forward. Blind to writes through ``.data`` (``buf.data.mul_(...)``: the alias has its own counter).
-- ``digests``: two position-weighted integer sums of its bytes, which see any change of its values however
-  it was made. They read every byte once, so they are taken at the passes the self-check checks (and a
-  run's first), around the whole pass.
+- ``digests``: three integer sums of its bytes (plain, and weighted by the position modulo 2**16 and modulo
+  the prime 65521: no two positions under 2**32 apart share both weights), which see any change of its
+  values however it was made. They read every byte once: the buffers' are taken around every pass, the
+  parameters' around the passes the self-check checks (and a run's first).
+Versions are also compared around the whole pass (a write in a backward hook).
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from ..errors import UnsupportedModelError
 from ..split.plan import is_fake
 
 Named = Iterable[Tuple[str, bool, torch.Tensor]]  # (qualified name, is a parameter, tensor)
+VERSION = " (version)"  # the key of a tensor's version view beside its digest (Stage.watch_values)
 PIECE = 1 << 22  # 16-bit words summed at a time: each piece's weighted sum stays below 2**53
 
 
@@ -30,29 +33,36 @@ def versions(named: Named) -> Dict[str, Tuple[bool, int, int, int]]:
 
 
 def digests(named: Named) -> Dict[str, Tuple[bool, int, int, int]]:
-    """{name: (is a parameter, id, plain sum, weighted sum)} of each tensor's bytes."""
+    """{name: (is a parameter, id, plain sum, two weighted sums)} of each tensor's bytes."""
     return {name: (is_parameter, id(t), *_digest(t)) for name, is_parameter, t in named}
 
 
-def _digest(t: torch.Tensor) -> Tuple[int, int]:
+def _digest(t: torch.Tensor) -> Tuple[int, int, int]:
     if is_fake(t) or t.numel() == 0:  # (a meta or fake tensor holds no values: the planner's)
-        return 0, 0
+        return 0, 0, 0
     raw = t.detach().reshape(-1).contiguous().view(torch.uint8)
     words = raw.view(torch.int16) if raw.numel() % 2 == 0 else raw.to(torch.int16)
-    plain = weighted = 0
+    plain = weighted = primed = 0
     for start in range(0, words.numel(), PIECE):
         piece = words[start : start + PIECE].to(torch.int64)
-        # weights 1..2**16: a change of one word moves the plain sum; two that cancel there move this one
-        weights = torch.arange(start, start + piece.numel(), device=piece.device).remainder_(1 << 16).add_(1)
+        # a change of one word moves the plain sum; two that cancel there move a weighted one
+        position = torch.arange(start, start + piece.numel(), device=piece.device)
         plain += int(piece.sum())
-        weighted += int((piece * weights).sum())
-    return plain, weighted
+        weighted += int((piece * position.remainder(1 << 16).add_(1)).sum())
+        primed += int((piece * position.remainder_(65521).add_(1)).sum())
+    return plain, weighted, primed
+
+
+def _named(view: str) -> str:
+    return view[: -len(VERSION)] if view.endswith(VERSION) else view
 
 
 def refuse_changes(stage: int, before: Dict[str, tuple], after: Dict[str, tuple], when: str) -> None:
     """Refuse, by name, the parameters and buffers whose view differs (appeared, went, or changed)."""
-    changed = sorted(k for k in set(before) | set(after) if before.get(k) != after.get(k))
-    parameters: List[str] = [k for k in changed if (before.get(k) or after[k])[0]]
+    keys = [k for k in set(before) | set(after) if before.get(k) != after.get(k)]
+    kinds = {_named(k): bool((before.get(k) or after[k])[0]) for k in keys}  # (a view's name: the tensor's)
+    changed = sorted(kinds)
+    parameters: List[str] = [k for k in changed if kinds[k]]
     if parameters:
         raise UnsupportedModelError(
             f"stage {stage}: {when} changes the parameters {parameters[:6]} in place or through .data (e.g. "

@@ -13,7 +13,7 @@ from typing import Any, Callable, List, Optional, Protocol, Union
 
 import torch
 
-from ..config import FitConfig, PrivacyConfig
+from ..config import FitConfig, PrivacyConfig, steps_per_epoch
 from ..errors import CheckpointError, PipeDPError, PrivacyBudgetExceeded
 from ..privacy.sampling import poisson_indices, shuffled_indices, truncate, truncation_probability
 from ..privacy.units import Units
@@ -26,6 +26,7 @@ class Trainable(Protocol):
 
     privacy: PrivacyConfig
     last_batch_size: int
+    state: Any  # TrainingState: where a shuffled epoch stands (state.charges)
 
     @property
     def steps_taken(self) -> int: ...
@@ -92,8 +93,8 @@ def fit(
     whose probability is at most T * p with p = P(|B| > cap), on each of two neighbouring datasets;
     so (epsilon, delta) becomes (epsilon, delta + (1 + e^epsilon) * T * p), reported as
     FitResult.truncation_delta. With ``resume``, training continues from the newest checkpoint
-    exactly as if it had never stopped (same batches, same noise; a shuffled run resumed inside an epoch
-    charges that epoch once more, as where it stood is not saved). A max_epsilon on the trainer stops
+    exactly as if it had never stopped (same batches, same noise, the same charges: where a shuffled epoch
+    stands is saved). A max_epsilon on the trainer stops
     the loop before the step that would exceed it, after saving a checkpoint. While it runs, the
     checkpoint folder is locked: a second job on it is refused.
     """
@@ -137,6 +138,24 @@ def _lock(trainer: Trainable, directory: str) -> checkpoint.FolderLock:
     return lock
 
 
+def _check_epoch_position(trainer: Trainable, n: int) -> None:
+    """fit's shuffled batch at step s is batch s mod (steps per epoch) of its epoch's permutation; the charges
+    count an epoch by the units that went through step(). A step taken outside fit (a Poisson step, a batch of
+    another size) would set the two apart, and a permutation's records could then be in two batches of one
+    charge: refused."""
+    batch = trainer.privacy.expected_batch_size
+    assert batch is not None
+    position = trainer.steps_taken % steps_per_epoch(n, batch)
+    seen = trainer.state.charges.seen
+    if seen != position * batch:
+        raise PipeDPError(
+            f"a shuffled fit() at step {trainer.steps_taken} takes batch {position} of an epoch's permutation, but "
+            f"{seen} units of the epoch in progress have gone through step(), not {position * batch}: steps taken "
+            "outside fit() set the two apart. Start a shuffled fit() from a fresh trainer or a checkpoint of a "
+            "shuffled fit(), or use sampling='poisson'"
+        )
+
+
 def _draw(trainer: Trainable, n: int, step: int, sampling: str, cap: Optional[int]) -> torch.Tensor:
     """The indices of step ``step``'s batch (every rank draws the same)."""
     privacy, seed = trainer.privacy, trainer.seed
@@ -176,6 +195,8 @@ def _train(trainer: Trainable, inputs, targets, total: int, config: FitConfig, s
                 stacklevel=4,
             )
     last_loss, stopped = math.nan, None
+    if sampling == "shuffle":
+        _check_epoch_position(trainer, n)
     saved = trainer.steps_taken if config.resume and checkpoint.exists(directory or "") else -1
     while trainer.steps_taken < total:
         index = units.row_index(_draw(trainer, n, trainer.steps_taken, sampling, cap))

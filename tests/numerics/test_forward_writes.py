@@ -25,8 +25,8 @@ class Writer(nn.Module):
         self.register_buffer("stat", torch.zeros(4))
 
     def forward(self, x):
-        self.calls += 1
-        if self.calls >= self.start:
+        self.calls += self.training  # writes in training mode, as running statistics do
+        if self.training and self.calls >= self.start:
             batch = x.detach().mean(0)
             if self.how == "data in place":
                 self.stat.data.mul_(0.9).add_(0.1 * batch)
@@ -82,7 +82,7 @@ def test_a_write_on_a_later_micro_batch_of_a_later_step_is_refused(how):
 
 
 def test_planted_without_the_value_digest_a_data_write_trains_and_leaks_an_unnoised_statistic(monkeypatch):
-    monkeypatch.setattr(stage_module.Stage, "refuse_changed_values", lambda self, before: None)
+    monkeypatch.setattr(stage_module.Stage, "refuse_changed_values", lambda self, before, parameters: None)
     t, model = trainer("data in place")
     t.step(*batch())
     assert float(model[0].stat.abs().sum()) > 1e-3  # a statistic of the private batch, in state_dict()
@@ -98,6 +98,7 @@ def test_planted_with_the_old_first_micro_batch_rule_a_later_write_trains(monkey
         return forward(self, mb, *args, check_state=check_state and mb == 0, **kwargs)
 
     monkeypatch.setattr(executor.Stage, "forward", first_only)
+    monkeypatch.setattr(stage_module.Stage, "refuse_changed_values", lambda self, before, parameters: None)
     t, model = trainer("in place", start=4)
     t.step(*batch())
     t.step(*batch())
@@ -119,3 +120,41 @@ def test_the_digest_sees_one_changed_value_and_two_swapped_ones(dtype):
     swapped[[10, 11]] = t[[11, 10]]  # two different values swapped: the plain sum stays, the weighted one moves
     assert not torch.equal(swapped, t)
     assert sums(one) != sums(t) and sums(swapped)[0] == sums(t)[0] and sums(swapped)[1] != sums(t)[1]
+
+
+def test_a_write_in_a_backward_hook_is_refused():
+    class Hooked(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(4, 4)
+            self.register_buffer("stat", torch.zeros(4))
+            self.fc.register_full_backward_hook(self.record)
+
+        def record(self, module, grad_input, grad_output):
+            self.stat.add_(grad_output[0].detach().mean(0))  # a statistic of the private batch's gradients
+
+        def forward(self, x):
+            return self.fc(x)
+
+    torch.manual_seed(0)
+    model = nn.Sequential(Hooked(), nn.Tanh(), nn.Linear(4, 3)).double()
+    t = PipelineDPTrainer(model, class_loss, stages=2, noise_multiplier=0.0, expected_batch_size=4, self_check=False)
+    with pytest.raises(UnsupportedModelError, match="the training pass changes the buffers \\['0.stat'\\]"):
+        t.step(*batch())
+
+
+def test_a_data_write_to_a_buffer_at_a_later_unchecked_step_is_refused():
+    t, _ = trainer("data in place", start=5)  # from step 3 (2 micro-batches a step), unchecked
+    t.step(*batch())
+    t.step(*batch())
+    with pytest.raises(UnsupportedModelError, match="the training pass changes the buffers \\['0.stat'\\]"):
+        t.step(*batch())
+
+
+def test_the_digest_sees_two_float32_values_swapped_2_to_the_15_apart():
+    from pipedp.runtime.state_watch import digests
+
+    t = torch.arange(70000, dtype=torch.float32)
+    swapped = t.clone()
+    swapped[[10, 10 + 32768]] = t[[10 + 32768, 10]]  # 2**16 int16 words apart: the mod-2**16 weights agree
+    assert digests([("t", False, swapped)])["t"][2:] != digests([("t", False, t)])["t"][2:]

@@ -2,6 +2,8 @@
 compared fewer than two finite samples does not count, every row of the checked micro-batch is compared, and
 a loss that reads other samples is refused. Each with the planted old rule, under which the case trained."""
 
+import copy
+
 import pytest
 import torch
 import torch.nn as nn
@@ -11,6 +13,7 @@ from pipedp import PipelineDPTrainer, UnsupportedModelError
 from pipedp.privacy import rules
 from pipedp.privacy.rules import linear
 from pipedp.runtime import self_check
+from pipedp.runtime.stage import Stage
 
 
 def class_loss(out, y):
@@ -49,7 +52,7 @@ def batch(n, seed=1):
 def test_a_first_step_of_one_row_micro_batches_does_not_check_wider_ones(monkeypatch):
     t = trainer(Centred())
     t.step(*batch(4))  # 4 micro-batches of one row: nothing mixes, exact
-    with pytest.raises(UnsupportedModelError, match="stage 0: the per-sample gradients of"):
+    with pytest.raises(UnsupportedModelError, match="its forward mixes samples"):
         t.step(*batch(8))  # micro-batches of 2 rows: a new signature, checked
     # planted: the old signature (shapes without their rows) marks the wide micro-batches checked
     monkeypatch.setattr(self_check, "signature", lambda x: (tuple(x.shape[1:]), x.dtype))
@@ -61,8 +64,6 @@ def test_a_first_step_of_one_row_micro_batches_does_not_check_wider_ones(monkeyp
 def test_a_check_of_one_real_sample_is_done_again(monkeypatch):
     """A fixed micro-batch of 2 rows holding one real sample (and a padding row) compares one sample: the shape
     stays unchecked, and the next step checks it again (with the planted old rule, it was marked checked)."""
-    from pipedp.runtime.stage import Stage
-
     t = trainer(nn.Identity(), microbatches=1, microbatch_size=2)
     t.step(*batch(1))
     assert not any(stage.checked for stage in t.runtime.local_stages)
@@ -90,7 +91,7 @@ def test_a_sample_with_a_non_finite_gradient_leaves_the_shape_unchecked(monkeypa
 
 def test_every_row_of_the_checked_micro_batch_is_compared(monkeypatch):
     t = trainer(MixesTwoRows(), microbatches=1)
-    with pytest.raises(UnsupportedModelError, match="per-sample gradients of"):
+    with pytest.raises(UnsupportedModelError, match="its forward mixes samples: the output of rows 1..1"):
         t.step(*batch(5))
     monkeypatch.setattr(self_check, "rows_to_check", lambda mask: (0, 2, 4))  # planted: the old first/middle/last
     trainer(MixesTwoRows(), microbatches=1).step(*batch(5))  # trained, 0.24 off the oracle as reported
@@ -126,4 +127,57 @@ def test_a_loss_that_fails_on_one_sample_alone_is_refused():
     model = nn.Sequential(nn.Linear(4, 6), nn.Tanh(), nn.Linear(6, 3)).double()
     t = PipelineDPTrainer(model, needs_the_batch, stages=1, microbatches=1, expected_batch_size=4)
     with pytest.raises(UnsupportedModelError, match="loss_fn fails on one sample's outputs and targets alone"):
+        t.step(*batch(4))
+
+
+class LastReadsFirst(nn.Module):
+    """The micro-batch's last row reads its first: with padding at the end, no real row shows it."""
+
+    def forward(self, x):
+        return x if x.shape[0] < 2 else torch.cat([x[:-1], x[-1:] + 0.5 * x[:1]])
+
+
+def test_a_check_with_padding_rows_is_done_again_on_a_full_micro_batch():
+    t = trainer(LastReadsFirst(), microbatches=1, microbatch_size=4)
+    t.step(*batch(2))  # two real rows and two padding rows: the flow into row 3 is not seen
+    assert not any(stage.checked for stage in t.runtime.local_stages)
+    with pytest.raises(UnsupportedModelError, match="its forward mixes samples: the output of rows 3..3"):
+        t.step(*batch(4))
+
+
+@pytest.mark.parametrize("frozen_embedding", [False, True])
+def test_a_mixing_before_every_trainable_parameter_is_refused(frozen_embedding, monkeypatch):
+    """Each sample's gradient is right for its loss, but that loss reads every other sample's input: only the
+    forward computed per sample alone shows it (the gradient comparison has nothing upstream to compare)."""
+    torch.manual_seed(0)
+    if frozen_embedding:  # the LoRA-like shape: a frozen embedding, then the mixing, then what trains
+        embedding = nn.Embedding(10, 4)
+        embedding.weight.requires_grad_(False)
+        model = nn.Sequential(embedding, Centred(), nn.Flatten(), nn.Linear(12, 3)).double()
+        g = torch.Generator().manual_seed(2)
+        x, y = torch.randint(0, 10, (4, 3), generator=g), torch.randint(0, 3, (4,), generator=g)
+    else:
+        model = nn.Sequential(Centred(), nn.Linear(4, 6), nn.Tanh(), nn.Linear(6, 3)).double()
+        x, y = batch(4)
+
+    def build():
+        return PipelineDPTrainer(
+            copy.deepcopy(model), class_loss, stages=2, microbatches=1, noise_multiplier=0.0, expected_batch_size=4
+        )
+
+    with pytest.raises(UnsupportedModelError, match="stage [01]: its forward mixes samples"):
+        build().step(x, y)
+    monkeypatch.setattr(Stage, "refuse_mixed_samples", lambda *a: None)  # planted: the gradient check alone
+    build().step(x, y)  # trained: one record moves the others' gradients
+
+
+def test_a_random_loss_is_not_refused_but_said_unverifiable():
+    def sampled_negatives(out, y):  # random, but each sample's own
+        noise = 0.01 * torch.randn_like(out)
+        return class_loss(out + noise, y)
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 6), nn.Tanh(), nn.Linear(6, 3)).double()
+    t = PipelineDPTrainer(model, sampled_negatives, stages=1, microbatches=1, expected_batch_size=4)
+    with pytest.warns(UserWarning, match="loss_fn draws random numbers"):
         t.step(*batch(4))

@@ -227,6 +227,11 @@ def check_compatible(manifest: Manifest, config: Dict[str, Any]) -> None:
         for k in names
         if k not in saved or k not in config or saved[k] != config[k]
     ]
+    if isinstance(saved.get("seed"), int) and config.get("seed", absent) is None:
+        diffs.append(
+            f"(the checkpoint's run was given seed {saved['seed']}: pass seed={saved['seed']} to resume it; its noise "
+            "is as public as that seed)"
+        )
     if diffs:
         raise CheckpointError("checkpoint was written by a different configuration:\n  " + "\n  ".join(diffs))
 
