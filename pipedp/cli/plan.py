@@ -29,7 +29,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 from ..config import OptimizerConfig, PipelineConfig, PrivacyConfig
 from .flags import add_config_flags
 
-PLAN_SKIP = ("microbatch_size", "replicas", "timeout", "transport")  # (the last two are not flags anyway)
+PLAN_SKIP = ("microbatch_size", "replicas", "timeout", "transport", "device")  # (timeout, transport: no flags)
 OPTIMIZER_FLAGS = ("optimizer", "momentum", "weight_decay")
 
 

@@ -32,6 +32,7 @@ from ..privacy.per_sample import (
     GramCache,
     add_clipped_grad_sum,
     clipped_grad_sum,
+    full_precision,
     ghost_squared_norms,
     per_sample_grads,
     pools_positions,
@@ -528,7 +529,8 @@ class Stage:
             if outputs:
                 seeds = self._seeds(outputs, selected, probe, k, row)
                 wrt = list(self.trainable) + list(leaves)
-                grads = torch.autograd.grad(outputs, wrt, seeds, retain_graph=True, allow_unused=True)
+                with full_precision():  # the reference in the norms' own precision (no TF32)
+                    grads = torch.autograd.grad(outputs, wrt, seeds, retain_graph=True, allow_unused=True)
             if not self.is_first:
                 messages.append(self._message_of(leaves, state.tuple_input, grads[len(self.trainable) :]))
             reference = {p: g for p, g in zip(self.trainable, grads) if g is not None}
@@ -659,6 +661,11 @@ def _naming(name: str, layer: nn.Module):
         if "autograd.Function" in text:
             text = "it runs a custom torch.autograd.Function, which torch.func can only transform with setup_context "
             text += "and vmap support"
+        elif "random operation" in text:  # vmap refuses randomness: dropout inside a layer with parameters
+            text = "its forward draws random numbers (dropout inside a layer with parameters, e.g. PEFT LoKr in "
+            text += (
+                "training mode), which a per-sample replay cannot draw again as the forward did; put it in eval mode"
+            )
         raise UnsupportedModelError(
             f"layer {name!r} ({type(layer).__name__}): its per-sample gradients cannot be computed "
             f"({type(exc).__name__}: {text}). pipedp takes layers "
