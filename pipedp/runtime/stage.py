@@ -269,7 +269,7 @@ class Stage:
         """The versions of every parameter and buffer, and the digests of every buffer and (``parameters``)
         every parameter (state_watch.py), for ``refuse_changed_values`` after a pass."""
         named = list(self._named_state())
-        views = {name + state_watch.VERSION: v for name, v in state_watch.versions(named).items()}
+        views: Dict[str, tuple] = {name + state_watch.VERSION: v for name, v in state_watch.versions(named).items()}
         views.update(state_watch.digests([t for t in named if parameters or not t[1]]))
         return views
 

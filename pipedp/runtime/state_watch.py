@@ -32,7 +32,7 @@ def versions(named: Named) -> Dict[str, Tuple[bool, int, int, int]]:
     }
 
 
-def digests(named: Named) -> Dict[str, Tuple[bool, int, int, int]]:
+def digests(named: Named) -> Dict[str, Tuple[bool, int, int, int, int]]:
     """{name: (is a parameter, id, plain sum, two weighted sums)} of each tensor's bytes."""
     return {name: (is_parameter, id(t), *_digest(t)) for name, is_parameter, t in named}
 
