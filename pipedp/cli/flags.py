@@ -23,15 +23,15 @@ from ..config import DataConfig, FitConfig, OptimizerConfig, PipelineConfig, Pri
 CONFIG_CLASSES = (PipelineConfig, PrivacyConfig)  # the trainer's options (the default of add_config_flags)
 JOB_CLASSES = (PipelineConfig, PrivacyConfig, FitConfig, DataConfig, OptimizerConfig)  # pipedp train's
 DEFAULT_STEPS = 300  # pipedp train without --steps or --epochs
-DEFAULT_CHECKPOINTS = os.path.join("runs", "pipedp-train")
+DEFAULT_RUNS = os.path.join("runs", "pipedp-train")  # without --checkpoint-dir: DEFAULT_RUNS-TIME, and -latest
 CLI_DEFAULTS: Dict[str, Any] = {  # FitConfig's fields as pipedp train sets them
-    "checkpoint_dir": DEFAULT_CHECKPOINTS,
     "checkpoint_every": 50,
     "keep_last": 3,
 }
 HELP_NOTES: Dict[str, str] = {
     "steps": f" (default {DEFAULT_STEPS} without --epochs)",
-    "checkpoint_dir": "; the run folder: config, metrics, plots and the data cache are written there too",
+    "checkpoint_dir": "; the run folder: config, metrics, plots and the data cache are written there too "
+    f"(default: a new {DEFAULT_RUNS}-TIME per run, linked as {DEFAULT_RUNS}-latest, which --resume continues)",
     "checkpoint_key": " (visible to other users in the process list: prefer the PIPEDP_CHECKPOINT_KEY variable)",
 }
 

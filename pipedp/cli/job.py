@@ -11,6 +11,7 @@ from __future__ import annotations
 import math
 import os
 from dataclasses import replace
+from typing import Optional
 
 from ..errors import PipeDPError
 from .spec import Job, Model  # noqa: F401 (the job's parts, re-exported)
@@ -41,6 +42,14 @@ def train_rank(rank: int, job: Job) -> dict:
             print(f"partition: {trainer.partition_report}", flush=True)
         if job.resume and job.fit.checkpoint_dir:
             resume(trainer, job, lead)
+            if trainer.steps_taken >= job.steps:  # a finished run: no step, no export, no new record
+                if lead:
+                    print(
+                        f"nothing to do: the run already took its {trainer.steps_taken} steps (raise --steps to "
+                        "train on)",
+                        flush=True,
+                    )
+                return {"loss": None, "first_loss": None}
         monitor = Monitor(job, trainer, data, lead)
         settle_process()  # the built objects out of full collections; freed memory kept for reuse (see README)
         try:
@@ -54,14 +63,15 @@ def train_rank(rank: int, job: Job) -> dict:
         return summarise(job, trainer, result, monitor, lead)
 
 
-def run(args) -> int:
+def run(args, defaults: Optional[dict] = None) -> int:
+    """``defaults``: the flags' defaults (config.toml keeps only the flags set away from them; None: all)."""
     from contextlib import ExitStack
 
     with ExitStack() as hold:  # the run folder's lock: taken before anything is written there, held to the end
-        return _run(args, hold)
+        return _run(args, defaults, hold)
 
 
-def _run(args, hold) -> int:
+def _run(args, defaults: Optional[dict], hold) -> int:
     from .preflight import flags_of, resolve
     from .record import RunFolder
 
@@ -72,7 +82,7 @@ def _run(args, hold) -> int:
         folder = RunFolder(job.run_dir)
         if not job.resume:
             folder.clear_record()
-        folder.write_config(flags_of(args), job)
+        folder.write_config(flags_of(args), job, defaults or {})
         _print_job(job)
     stages, replicas = job.pipeline.stages, job.pipeline.replicas
     world = stages * replicas

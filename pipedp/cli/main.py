@@ -163,6 +163,11 @@ def train_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     return parser._subparsers._group_actions[0].choices["train"]  # type: ignore[union-attr,index]
 
 
+def train_defaults() -> dict:
+    """{dest: default} of ``pipedp train``'s flags."""
+    return {a.dest: a.default for a in train_parser(build_parser())._actions if a.option_strings}
+
+
 def parse(argv: Optional[List[str]] = None) -> argparse.Namespace:
     """The parsed command line; for ``train --config FILE``, the file's keys under the command line's flags."""
     argv = list(sys.argv[1:] if argv is None else argv)
@@ -201,7 +206,7 @@ def main(argv: Optional[List[str]] = None) -> int:
                 return run_audit_command(args)
             from .job import run
 
-            return run(args)
+            return run(args, train_defaults())
     except (PipeDPError, ValueError, FileNotFoundError, ImportError) as exc:
         print(f"pipedp: error: {message(exc)}", file=sys.stderr)
         return 2

@@ -8,6 +8,9 @@ step and every evaluation step also carry epsilon (the accountant's, at the run'
 of each row's mean token loss, computed through the pipeline without DP machinery) and
 eval_perplexity (its exp).
 
+The progress: a bar on a terminal (eps "–" until first computed), plain lines every ``epsilon_every`` steps
+in a log (stderr not a terminal); none with --no-progress.
+
 Not private: clipped_fraction is computed from the private batch without noise (a diagnostic, like
 Opacus's), and eval_loss on a held-out split of the private data is a statistic of those records
 published without noise. Only rank 0 writes; every rank evaluates (the pipeline needs them all).
@@ -18,6 +21,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import sys
 import time
 from typing import Any, Dict, List, Optional
 
@@ -45,17 +49,18 @@ class Monitor:
         self.mark = time.perf_counter()
         self.first_loss: Optional[float] = None
         self.first_nonfinite: Optional[int] = None
-        self.epsilon = trainer.epsilon() if (lead and self.start_step) else 0.0
+        self.epsilon: Optional[float] = trainer.epsilon() if (lead and self.start_step) else None  # None: not yet
         self.history: Dict[str, List[Any]] = {"step": [], "loss": [], "eps_step": [], "epsilon": [], "eval": []}
         self.last_eval: Optional[dict] = None
         self._evaluated_at: Optional[int] = None
         self.log = self._open_log() if lead else None
         self.tensorboard = self._open_tensorboard() if lead and job.report_to == "tensorboard" else None
         self.bar = None
-        if lead and job.progress:
+        self.plain = lead and job.progress and not sys.stderr.isatty()  # a log, not a terminal: plain lines
+        if lead and job.progress and not self.plain:
             from tqdm import tqdm
 
-            # the bar shows eps: say what it is for
+            # (on a terminal) the bar shows eps: say what it is for
             desc = f"DP training (eps: {adjacency(job.privacy.sampling, job.data.privacy_unit)})"
             self.bar = tqdm(total=job.steps, initial=self.start_step, desc=desc, unit="step", dynamic_ncols=True)
 
@@ -121,11 +126,16 @@ class Monitor:
             self.history["step"].append(step)
             self.history["loss"].append(_finite(loss))
             self._write(line)
+            eps = "–" if self.epsilon is None else f"{self.epsilon:.2f}"
             if self.bar is not None:
-                self.bar.set_postfix(
-                    loss=f"{loss:.3f}", eps=f"{self.epsilon:.2f}", samples_s=rate_text(line["samples_per_s"])
-                )
+                self.bar.set_postfix(loss=f"{loss:.3f}", eps=eps, samples_s=rate_text(line["samples_per_s"]))
                 self.bar.update(1)
+            elif self.plain and (step % job.epsilon_every == 0 or step == job.steps):
+                print(
+                    f"step {step}/{job.steps}: loss {loss:.3f}, eps {eps}, {rate_text(line['samples_per_s'])} "
+                    "samples/s",
+                    flush=True,
+                )
         if evaluate:
             self.evaluate(step)
         self.mark = time.perf_counter()

@@ -20,7 +20,7 @@ from typing import Callable, List, Optional, Tuple
 from ..config import DataConfig, FitConfig, OptimizerConfig, PipelineConfig, PrivacyConfig
 from ..errors import ConfigError, PipeDPError
 from .flags import DEFAULT_STEPS, config_from_args
-from .record import RunFolder
+from .record import RunFolder, default_run_dir, link_latest
 from .spec import TINY_GPT, TINY_GPT_SHAPE, Job, Model
 
 Say = Callable[[str], None]
@@ -46,12 +46,12 @@ def check_flags(args) -> Tuple[PipelineConfig, PrivacyConfig, FitConfig, DataCon
         FitConfig,
         args,
         steps=args.steps if args.steps is not None or args.epochs is not None else DEFAULT_STEPS,  # 0 is refused
-        checkpoint_dir=None if args.no_checkpoint else args.checkpoint_dir,
+        checkpoint_dir=None,  # the run folder's, set once the folder is known (resolve)
         resume=False,  # the CLI loads the checkpoint itself, to say what changed
     ).validate()
     if args.resume and args.overwrite:
         raise ConfigError("--resume continues the run in --checkpoint-dir and --overwrite replaces it: pick one")
-    if args.overwrite and "RANK" in os.environ and "WORLD_SIZE" in os.environ and not args.inprocess:
+    if args.overwrite and _under_torchrun(args):
         raise ConfigError(
             "--overwrite under torchrun: every rank would move the folder at once; move or remove it yourself, or "
             "give another --checkpoint-dir"
@@ -78,6 +78,10 @@ def check_flags(args) -> Tuple[PipelineConfig, PrivacyConfig, FitConfig, DataCon
                 "microbatch_size",
             )
     return pipeline, privacy, fit, data, optim
+
+
+def _under_torchrun(args) -> bool:
+    return "RANK" in os.environ and "WORLD_SIZE" in os.environ and not args.inprocess
 
 
 def _check_model_flags(args) -> None:
@@ -112,12 +116,15 @@ def check_folder(args, say: Say, lead: bool = True, hold: Optional[ExitStack] = 
     from ..train.checkpoint import folder as checkpoints
     from ..train.checkpoint import resolve_key
 
-    folder = RunFolder(args.checkpoint_dir)
+    default = args.checkpoint_dir is None
+    folder = RunFolder(args.checkpoint_dir if not default else default_run_dir(args.resume, _under_torchrun(args)))
     if lead:  # (not on every rank at once: two probes of the lock would collide)
         if hold is None:
             folder.check_free()
         else:
             hold.enter_context(folder.locked())
+            if default and not args.resume:
+                link_latest(folder.path)
     held = folder.holds_checkpoint()
     if held and not (args.resume or args.overwrite):
         raise PipeDPError(
@@ -294,6 +301,7 @@ def resolve(args, say: Say = print, lead: bool = True, hold: Optional[ExitStack]
     """The checked job; ``hold``: takes the run folder's lock, held until it closes (see check_folder)."""
     pipeline, privacy, fit, data, optim = check_flags(args)
     folder = check_folder(args, say, lead, hold)
+    fit = replace(fit, checkpoint_dir=None if args.no_checkpoint else folder.path)
     model = check_model(args, pipeline)
     train_file, eval_file, units, per_unit = prepare_data(args, data, folder, privacy.public_seed(), model, say)
     privacy, fit = resolve_privacy(args, privacy, fit, units, per_unit, say)

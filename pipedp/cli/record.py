@@ -30,7 +30,7 @@ from typing import Any, Dict, Iterator, List, Optional
 from ..config import DataConfig, FitConfig, OptimizerConfig, PipelineConfig, PrivacyConfig, describe
 from ..errors import ConfigError
 from .configfile import NOT_SAVED, dumps
-from .flags import cli_fields, flag_name
+from .flags import DEFAULT_RUNS, cli_fields, flag_name
 from .spec import TINY_GPT
 
 CONFIG_TOML, CONFIG_JSON = "config.toml", "config.json"
@@ -55,6 +55,41 @@ FROM_HERE_ON = {f.name for f in fields(OptimizerConfig)} - {"optimizer"}
 IGNORED = set(NOT_SAVED) | {"no_progress", "command"}
 JOB_FLAGS = ("model", "sample_rate", "batch_size", "export", "lora_r", "lora_targets", "no_checkpoint")
 RUN_FLAGS = ("report_to", "epsilon_every", "eval_batch_size", "inprocess", "threads", "no_progress")
+
+
+LATEST = DEFAULT_RUNS + "-latest"
+
+
+def default_run_dir(resume: bool, under_torchrun: bool) -> str:
+    """The run folder without --checkpoint-dir: a new runs/pipedp-train-TIME per run; with --resume, the newest
+    (where runs/pipedp-train-latest points)."""
+    if resume:
+        try:
+            return os.path.join(os.path.dirname(LATEST), os.readlink(LATEST))
+        except OSError:
+            raise ConfigError(
+                f"--resume without --checkpoint-dir continues {LATEST}, but there is none: give the run's "
+                "--checkpoint-dir",
+                "checkpoint_dir",
+            ) from None
+    if under_torchrun:  # each rank would name its own folder
+        raise ConfigError(
+            "under torchrun give --checkpoint-dir: the ranks must agree on one run folder", "checkpoint_dir"
+        )
+    stem = f"{DEFAULT_RUNS}-{time.strftime('%Y%m%d-%H%M%S')}"
+    path, n = stem, 1
+    while os.path.lexists(path):  # two runs in one second
+        n += 1
+        path = f"{stem}-{n}"
+    return path
+
+
+def link_latest(path: str) -> None:
+    """Point runs/pipedp-train-latest at ``path`` (replaced atomically; skipped where symlinks are not allowed)."""
+    tmp = f"{LATEST}.{os.getpid()}"
+    with contextlib.suppress(OSError):
+        os.symlink(os.path.relpath(path, os.path.dirname(LATEST)), tmp)
+        os.replace(tmp, LATEST)
 
 
 class RunFolder:
@@ -119,10 +154,12 @@ class RunFolder:
         return aside
 
     # ---- the record -----------------------------------------------------------------------------------
-    def write_config(self, flags: Dict[str, Any], job) -> None:
+    def write_config(self, flags: Dict[str, Any], job, defaults: Dict[str, Any]) -> None:
+        """config.toml: the flags set away from their defaults (so never both sides of an exclusive pair, and
+        ``--config`` runs it again); config.json: every flag and the resolved job (what --resume compares)."""
         os.makedirs(self.path, exist_ok=True)
         with open(self.file(CONFIG_TOML), "w") as f:
-            f.write(dumps(sections(flags)))
+            f.write(dumps(sections({k: v for k, v in flags.items() if k not in defaults or v != defaults[k]})))
         resolved = {
             "pipeline": describe(job.pipeline),
             "privacy": describe(job.privacy),
@@ -191,9 +228,8 @@ class RunFolder:
             raise ConfigError(
                 f"cannot resume the run in {self.path}: it was started with other options:\n  "
                 + "\n  ".join(refused)
-                + "\nresume with the run's own options (pipedp train --config "
-                + self.file(CONFIG_TOML)
-                + " --resume), or start afresh with --overwrite"
+                + f"\nresume with the run's own options (pipedp train --config {self.file(CONFIG_TOML)} "
+                f"--checkpoint-dir {self.path} --resume), or start afresh with --overwrite"
             )
         return notes
 
