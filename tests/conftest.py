@@ -5,8 +5,10 @@ start processes (gloo on loopback); ``slow`` is the rest: whole grids, every mod
 jobs, the audit, the benchmarks' smoke runs."""
 
 import pathlib
+import types
 
 import pytest
+import torch
 
 ROOT = pathlib.Path(__file__).parent
 FAST = {"unit", "test_docs.py", "test_errors.py", "test_parity_opacus.py"}  # folders or files of the fast tier
@@ -24,3 +26,27 @@ def pytest_collection_modifyitems(config, items):
 def _runs_python_blocks(item) -> bool:
     """The docs' Python blocks train models: the fast tier only parses the docs' command lines."""
     return item.fspath.basename == "test_docs.py" and item.name.startswith("test_python_blocks_run")
+
+
+@pytest.fixture
+def cli(capsys, monkeypatch):
+    """Run ``pipedp ...`` in this process (no interpreter start-up: most jobs here run --inprocess); returns
+    (exit code, stdout, stderr). The process-wide settings a real run makes are kept out of the test process."""
+    import pipedp.runtime.process
+    from pipedp.cli.main import main
+
+    monkeypatch.setattr(pipedp.runtime.process, "settle_process", lambda: False)
+    threads = torch.get_num_threads()
+
+    def run(*args):
+        capsys.readouterr()
+        try:
+            code = main(list(args))
+        except SystemExit as exc:
+            code = exc.code
+        finally:
+            torch.set_num_threads(threads)
+        out, err = capsys.readouterr()
+        return types.SimpleNamespace(returncode=code, stdout=out, stderr=err)
+
+    return run

@@ -6,7 +6,6 @@ import signal
 import subprocess
 import sys
 import time
-import types
 
 import pytest
 import torch
@@ -24,30 +23,6 @@ def pipedp(*args, timeout=240, cwd=None):
         cwd=cwd or ROOT,
         env=ENV,
     )
-
-
-@pytest.fixture
-def cli(capsys, monkeypatch):
-    """Run ``pipedp ...`` in this process (no interpreter start-up: most jobs here run --inprocess); returns
-    (exit code, stdout, stderr). The process-wide settings a real run makes are kept out of the test process."""
-    import pipedp.runtime.process
-    from pipedp.cli.main import main
-
-    monkeypatch.setattr(pipedp.runtime.process, "settle_process", lambda: False)
-    threads = torch.get_num_threads()
-
-    def run(*args):
-        capsys.readouterr()
-        try:
-            code = main(list(args))
-        except SystemExit as exc:
-            code = exc.code
-        finally:
-            torch.set_num_threads(threads)
-        out, err = capsys.readouterr()
-        return types.SimpleNamespace(returncode=code, stdout=out, stderr=err)
-
-    return run
 
 
 def metrics(folder):

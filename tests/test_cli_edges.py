@@ -5,40 +5,15 @@ import json
 import os
 import re
 import shutil
-import types
 
 import pytest
-import torch
 from test_cli_finetune import chats, tiny_chat_llama
 
 import pipedp.cli.preflight as preflight
-import pipedp.runtime.process
 from pipedp import CheckpointError
 from pipedp.train.checkpoint import FolderLock
 
 BASE = ("train", "--inprocess", "--no-progress")
-
-
-@pytest.fixture
-def cli(capsys, monkeypatch):
-    """``pipedp ...`` in this process (as tests/test_cli.py's fixture)."""
-    from pipedp.cli.main import main
-
-    monkeypatch.setattr(pipedp.runtime.process, "settle_process", lambda: False)
-    threads = torch.get_num_threads()
-
-    def run(*args):
-        capsys.readouterr()
-        try:
-            code = main(list(args))
-        except SystemExit as exc:
-            code = exc.code
-        finally:
-            torch.set_num_threads(threads)
-        out, err = capsys.readouterr()
-        return types.SimpleNamespace(returncode=code, stdout=out, stderr=err)
-
-    return run
 
 
 def snapshot(root):

@@ -4,12 +4,8 @@ config.toml run again, a finished run resumed, the progress in a log and on a te
 import json
 import os
 import sys
-import types
 
 import pytest
-import torch
-
-import pipedp.runtime.process
 
 try:
     import tomllib  # Python 3.11+
@@ -20,26 +16,10 @@ BASE = ("train", "--inprocess", "--steps", "2")
 
 
 @pytest.fixture
-def cli(capsys, monkeypatch, tmp_path):
-    """``pipedp ...`` in this process, in a fresh working directory (as tests/test_cli.py's fixture)."""
-    from pipedp.cli.main import main
-
+def cli(cli, monkeypatch, tmp_path):
+    """conftest's ``pipedp ...`` in this process, in a fresh working directory (the default run folders)."""
     monkeypatch.chdir(tmp_path)
-    monkeypatch.setattr(pipedp.runtime.process, "settle_process", lambda: False)
-    threads = torch.get_num_threads()
-
-    def run(*args):
-        capsys.readouterr()
-        try:
-            code = main(list(args))
-        except SystemExit as exc:
-            code = exc.code
-        finally:
-            torch.set_num_threads(threads)
-        out, err = capsys.readouterr()
-        return types.SimpleNamespace(returncode=code, stdout=out, stderr=err)
-
-    return run
+    return cli
 
 
 def test_each_run_gets_its_own_folder_and_resume_continues_the_latest(cli):
