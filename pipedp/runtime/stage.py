@@ -139,7 +139,7 @@ class Stage:
         self._ways: Dict[tuple, str] = {}  # (layer, input and output-grad shapes) -> keep / ghost / materialize
         self.checked: set = set()  # input signatures the self-check has passed
         self.checking: set = set()  # signatures checked in this step: passed once every stage concludes so
-        self.check_conclusive = False  # this pass's check compared at least two finite samples (or could not mix)
+        self.check_conclusive = False  # this pass's check compared every unit of its micro-batch, all real and finite
         self.device = next(
             (t.device for b in self.blocks for t in _tensors(b.module) if not t.is_meta), torch.device("cpu")
         )
@@ -201,7 +201,8 @@ class Stage:
         handed to every block whose forward takes ``side_inputs`` (e.g. Hugging Face layers reading the
         attention mask); ``size``: the micro-batch's rows (default: read from ``x``); ``check_state``:
         refuse a forward that changes a parameter or a buffer in place (a function of the private batch,
-        un-noised); ``probe_rows``: the self-checked units, whose losses alone must equal theirs in the batch."""
+        un-noised); ``probe_rows``: the self-checked units, whose losses alone must equal theirs in the batch (their
+        forward alone is the executor's to compare: refuse_mixed_samples)."""
         if not self.is_first:  # the received tensors become leaves whose gradients go back
             x = tuple(_leaf(t) for t in x) if isinstance(x, tuple) else _leaf(x)
         first = tensors_of(x)[0]
@@ -495,9 +496,9 @@ class Stage:
                 m.training = training
 
     def conclude_check(self, conclusive: bool) -> None:
-        """The step ended; ``conclusive``: every stage's check of it compared at least two samples with finite
-        gradients (or micro-batches of one sample, which nothing can mix). Otherwise a one-sample micro-batch, or a
-        sample left out as non-finite, could hide a cross-sample effect: the shape is checked again."""
+        """The step ended; ``conclusive``: every stage's check of it compared every unit of its micro-batch, each
+        a real sample with finite gradients. Otherwise a padding row, or a sample left out as non-finite, could
+        hide a cross-sample effect: the shape is checked again."""
         if conclusive:
             self.checked |= self.checking
         self.checking.clear()
