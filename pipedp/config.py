@@ -86,7 +86,12 @@ class PipelineConfig:
         "auto, ghost, materialize: keep a layer's per-sample gradients from I to W only while they take at most "
         "this many times the memory of the captures they free (1: never more memory; 0: never keep)",
     )
-    replicas: int = option(1, "data-parallel replicas (world size = stages x replicas)")
+    replicas: int = option(1, "data-parallel replicas (world size = stages x replicas x tensor_parallel)")
+    tensor_parallel: int = option(
+        1,
+        "tensor-parallel ranks per stage: a Hugging Face decoder's attention heads, MLP widths, vocabulary and "
+        "head split across them (transformers' own plan), exact as on one rank",
+    )
     precision: str = option(
         "32",
         "32: as the model is; bf16-mixed: bf16 autocast forward, float32 weights, "
@@ -148,6 +153,7 @@ class PipelineConfig:
         _at_least(self, "stages", 1)
         _at_least(self, "microbatches", 1)
         _at_least(self, "replicas", 1)
+        _at_least(self, "tensor_parallel", 1)
         if self.microbatch_size is not None:
             _at_least(self, "microbatch_size", 1)
         _one_of(self, "schedule", schedules.canonical_name(self.schedule))

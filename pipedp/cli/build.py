@@ -54,7 +54,7 @@ def loading(stage: int, what: str) -> Iterator[None]:
 
 def build_model(job: Job, rank: int) -> nn.Module:
     stages = job.pipeline.stages
-    stage = rank % stages
+    stage = (rank // job.pipeline.tensor_parallel) % stages  # runtime/distributed.py's Mesh
     if job.model.name == TINY_GPT:
         from ..models import GPTConfig, tiny_gpt
 

@@ -84,21 +84,23 @@ def _run(args, defaults: Optional[dict], hold) -> int:
             folder.clear_record()
         folder.write_config(flags_of(args), job, defaults or {})
         _print_job(job)
-    stages, replicas = job.pipeline.stages, job.pipeline.replicas
-    world = stages * replicas
+    stages, replicas, tp = job.pipeline.stages, job.pipeline.replicas, job.pipeline.tensor_parallel
+    world = stages * replicas * tp
     if under_torchrun:
         from ..runtime.launch import init_from_env
 
         if int(os.environ["WORLD_SIZE"]) != world:
             raise PipeDPError(
                 f"torchrun started {os.environ['WORLD_SIZE']} processes but --stages {stages} x --replicas "
-                f"{replicas} = {world}: use torchrun --nproc_per_node {world}"
+                f"{replicas} x --tensor-parallel {tp} = {world}: use torchrun --nproc_per_node {world}"
             )
         init_from_env("gloo" if job.pipeline.device == "cpu" else None, timeout_s=job.pipeline.timeout)
         _print_rank_device(world)
         return exit_code(train_rank(int(os.environ["RANK"]), job))
     if (job.inprocess or world == 1) and replicas > 1:
         raise PipeDPError("--replicas > 1 needs one process per (stage, replica): drop --inprocess")
+    if job.inprocess and tp > 1:
+        raise PipeDPError("--tensor-parallel > 1 needs one process per (stage, tensor-parallel rank): drop --inprocess")
     placement = place_job(job)
     if not placement.processes:
         devices = None if set(placement.devices) == {"cpu"} else placement.devices
@@ -114,7 +116,8 @@ def place_job(job: Job):
     from ..runtime.placement import place
 
     p = job.pipeline
-    placement = place(p.stages, p.replicas, p.device, torch.cuda.device_count(), job.inprocess)
+    # tensor-parallel ranks need a process (and under NCCL a GPU) each, as replicas do
+    placement = place(p.stages, p.replicas * p.tensor_parallel, p.device, torch.cuda.device_count(), job.inprocess)
     print(placement.describe(), flush=True)
     return placement
 
@@ -132,10 +135,10 @@ def _launch(job: Job, world: int, backend: str) -> int:
     from ..runtime.launch import launch
     from .signals import Forwarding, Terminated
 
-    stages, replicas = job.pipeline.stages, job.pipeline.replicas
+    stages, replicas, tp = job.pipeline.stages, job.pipeline.replicas, job.pipeline.tensor_parallel
     print(
         f"pipedp: launching {world} processes ({stages} stages x {replicas} replica"
-        f"{'s' if replicas > 1 else ''}, {backend})",
+        f"{'s' if replicas > 1 else ''}{f' x {tp} tensor-parallel' if tp > 1 else ''}, {backend})",
         flush=True,
     )
     forwarding = Forwarding()

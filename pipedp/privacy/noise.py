@@ -18,14 +18,19 @@ same seed CUDA's values differ from the CPU's, and its pieces are consecutive dr
 draw's values (each call advances the generator's Philox offset past what it used: the pieces stay
 independent N(0, std^2)). The distribution, hence the privacy guarantee, is the same; a run resumed on
 another device type draws other values than one that never stopped.
+
+A tensor-parallel rank holding a slice of a parameter (``shards``) draws the whole parameter's pieces from the same
+stream and adds the values that fall in its slice: every coordinate of the whole gets exactly the value it gets on
+one rank, whatever the number of ranks (draws cost T times one rank's share; memory stays one piece).
 """
 
 from __future__ import annotations
 
-from typing import Iterator, List
+from typing import Iterator, List, Optional, Sequence, Tuple
 
 import torch
 
+from ..shards import Shard
 from .secure import secure_gaussian_like
 from .streams import Stream, name_key, stream_seed
 
@@ -33,32 +38,78 @@ PIECE = 1 << 22  # elements per draw (16 MiB of float32); a multiple of 16
 
 
 def add_noise(
-    grads: List[torch.Tensor], names: List[str], std: float, seed: int, step: int, secure_mode: bool = False
+    grads: List[torch.Tensor],
+    names: List[str],
+    std: float,
+    seed: int,
+    step: int,
+    secure_mode: bool = False,
+    shards: Optional[Sequence[Optional[Shard]]] = None,
 ) -> None:
-    """grads[k] += N(0, std^2) elementwise, in place, from the stream of (step, names[k])."""
+    """grads[k] += N(0, std^2) elementwise, in place, from the stream of (step, names[k]); ``shards[k]``: the
+    slice of the whole parameter that grads[k] is (None: the whole)."""
     if std == 0:
         return
-    for g, name in zip(grads, names):
-        if secure_mode:
+    for k, (g, name) in enumerate(zip(grads, names)):
+        shard = shards[k] if shards is not None else None
+        if secure_mode:  # the OS's entropy: independent for every coordinate, whichever rank draws it
             for piece in _pieces(g):
                 piece.add_(secure_gaussian_like(piece, std))
             continue
         generator = torch.Generator(device=g.device)  # the tensor's device: CUDA noise for a CUDA sum
         generator.manual_seed(stream_seed(Stream.NOISE, seed, step, name_key(name)))
+        if shard is not None:
+            _add_to_slice(g, shard, std, generator)
+            continue
         for piece in _pieces(g):
             piece.add_(torch.normal(0.0, std, piece.shape, generator=generator, dtype=g.dtype, device=g.device))
 
 
-def _pieces(g: torch.Tensor) -> Iterator[torch.Tensor]:
-    """Views covering ``g`` in order: PIECE elements each, the last one taking the remainder (and the
-    piece before it when the remainder is under 16 elements); ``g`` itself if it is not contiguous."""
-    if not g.is_contiguous() or g.numel() <= PIECE:
-        yield g
+def _bounds(total: int) -> Iterator[Tuple[int, int]]:
+    """[start, end) of each piece of a contiguous tensor of ``total`` elements: PIECE elements each, the last
+    one taking the remainder (and the piece before it when the remainder is under 16 elements)."""
+    if total <= PIECE:
+        yield 0, total
         return
-    flat, start, total = g.view(-1), 0, g.numel()
+    start = 0
     while start < total:
         end = start + PIECE
         if total - end < 16:
             end = total
-        yield flat[start:end]
+        yield start, end
         start = end
+
+
+def _pieces(g: torch.Tensor) -> Iterator[torch.Tensor]:
+    """Views covering ``g`` in order (``_bounds``); ``g`` itself if it is not contiguous."""
+    if not g.is_contiguous():
+        yield g
+        return
+    flat = g.view(-1)
+    for start, end in _bounds(g.numel()):
+        yield flat[start:end]
+
+
+def _add_to_slice(g: torch.Tensor, shard: Shard, std: float, generator: torch.Generator) -> None:
+    """The whole parameter's noise, drawn piece by piece as on one rank, added where it falls in ``g``.
+
+    The whole tensor is seen as [R, L] (L: the elements of one index of the dimensions up to the sliced one,
+    together): the slice is columns [a, b) of every row, and a piece a run of consecutive elements."""
+    full = torch.Size(shard.full_shape)
+    inner = full[shard.dim + 1 :].numel()
+    length = full[shard.dim] * inner  # L
+    a, b = shard.start * inner, shard.stop * inner
+    mine = g.reshape(-1, b - a)  # [R, b - a]
+    for s, e in _bounds(full.numel()):
+        values = torch.normal(0.0, std, (e - s,), generator=generator, dtype=g.dtype, device=g.device)
+        r0, r1 = s // length, (e - 1) // length  # the rows the piece touches, first and last
+        ends = [(r0, s - r0 * length, min(e - r0 * length, length))]  # (row, first column, past the last)
+        if r1 > r0:
+            ends.append((r1, 0, e - r1 * length))
+        for row, lo, hi in ends:
+            x, y = max(lo, a), min(hi, b)
+            if x < y:
+                mine[row, x - a : y - a] += values[row * length + x - s : row * length + y - s]
+        if r1 - r0 > 1:  # the whole rows between
+            middle = values[(r0 + 1) * length - s : r1 * length - s].view(r1 - r0 - 1, length)
+            mine[r0 + 1 : r1] += middle[:, a:b]

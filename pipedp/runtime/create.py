@@ -50,9 +50,11 @@ def create_runtime(
     agreement: Dict[str, Any],
     state_keys: Sequence[str],
     tie: Optional[Tie] = None,
+    tensor_parallel_plan: Optional[Dict[str, str]] = None,
 ) -> Runtime:
     """``agreement``: what every rank must agree on; ``state_keys`` the model's state-dict order;
-    ``tie``: an embedding on the first stage tied to the head on the last."""
+    ``tie``: an embedding on the first stage tied to the head on the last; ``tensor_parallel_plan``: how the
+    layers are split across each stage's tensor-parallel ranks (parallel/plan.py)."""
     options = stage_options(pipeline, clip, units)
     if is_distributed(pipeline.transport):
         from .distributed import DistributedRuntime  # torch.distributed's process groups only when used
@@ -63,7 +65,15 @@ def create_runtime(
                 "(NCCL: cuda:LOCAL_RANK): drop devices",
                 "devices",
             )
-        return DistributedRuntime.create(pipeline, schedule, options, stage_blocks, loss_fn, agreement, state_keys, tie)
+        return DistributedRuntime.create(
+            pipeline, schedule, options, stage_blocks, loss_fn, agreement, state_keys, tie, tensor_parallel_plan or {}
+        )
+    if pipeline.tensor_parallel != 1:
+        raise ConfigError(
+            "tensor_parallel > 1 needs one process per (stage, tensor-parallel rank): launch with torchrun "
+            f"--nproc_per_node {pipeline.stages * pipeline.replicas * pipeline.tensor_parallel}",
+            "tensor_parallel",
+        )
     if pipeline.replicas != 1:
         raise ConfigError("replicas > 1 needs one process per (stage, replica): launch with torchrun", "replicas")
     p = len(stage_blocks)

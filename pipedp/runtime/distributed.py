@@ -15,7 +15,7 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any, Callable, Dict, List, Optional, Sequence
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -24,6 +24,9 @@ from schedules import Schedule, forward_only
 
 from ..config import PipelineConfig
 from ..errors import BatchError, ConfigError, ConfigMismatchError, TransportError
+from ..parallel.layers import Group
+from ..parallel.plan import split_stage
+from ..shards import Shard
 from ..split.blocks import Block
 from ..split.partition import Tie
 from .dist_transport import DistTransport, PipelineGroups
@@ -36,23 +39,47 @@ from .tie import TieRole
 
 @dataclass(frozen=True)
 class Mesh:
+    """rank = (replica * stages + stage) * tensor_parallel + t: tensor-parallel ranks innermost (one node's
+    GPUs), then the stages of a replica, then the replicas."""
+
     stages: int
     replicas: int
     rank: int
+    tensor_parallel: int = 1
+
+    @property
+    def t(self) -> int:
+        """This rank's index among its stage's tensor-parallel ranks."""
+        return self.rank % self.tensor_parallel
 
     @property
     def stage(self) -> int:
-        return self.rank % self.stages
+        return (self.rank // self.tensor_parallel) % self.stages
 
     @property
     def replica(self) -> int:
-        return self.rank // self.stages
+        return self.rank // (self.stages * self.tensor_parallel)
 
-    def pipeline_ranks(self, replica: int) -> List[int]:
-        return [replica * self.stages + s for s in range(self.stages)]
+    def rank_of(self, replica: int, stage: int, t: int = 0) -> int:
+        return (replica * self.stages + stage) * self.tensor_parallel + t
 
-    def data_parallel_ranks(self, stage: int) -> List[int]:
-        return [r * self.stages + stage for r in range(self.replicas)]
+    def pipeline_ranks(self, replica: int, t: int = 0) -> List[int]:
+        """The stages of one replica at tensor-parallel index t: point to point between neighbours."""
+        return [self.rank_of(replica, s, t) for s in range(self.stages)]
+
+    def replica_ranks(self, replica: int) -> List[int]:
+        """Every rank of one replica: the per-sample norms (flat clipping) are summed over them."""
+        return [self.rank_of(replica, s, t) for s in range(self.stages) for t in range(self.tensor_parallel)]
+
+    def tensor_parallel_ranks(self, replica: int, stage: int) -> List[int]:
+        return [self.rank_of(replica, stage, t) for t in range(self.tensor_parallel)]
+
+    def data_parallel_ranks(self, stage: int, t: int = 0) -> List[int]:
+        return [self.rank_of(r, stage, t) for r in range(self.replicas)]
+
+    @property
+    def world(self) -> int:
+        return self.stages * self.replicas * self.tensor_parallel
 
 
 CHECKSUM_PIECE = 1 << 20  # elements summed at a time
@@ -74,12 +101,12 @@ def _buckets(grads: List[torch.Tensor]) -> List[List[torch.Tensor]]:
     return out
 
 
-def _checksum(stage: Stage) -> float:
-    """A float64 sum of the stage's trainable parameters, a piece at a time: on the CPU ``sum(dtype=float64)``
+def _checksum(parameters: Sequence[torch.Tensor]) -> float:
+    """A float64 sum of the parameters, a piece at a time: on the CPU ``sum(dtype=float64)``
     converts its whole input first (a float64 copy: 1 GB for a 32000 x 4096 bf16 head)."""
     total = 0.0
     with torch.no_grad():
-        for p in stage.parameters:
+        for p in parameters:
             flat = p.reshape(-1)
             for start in range(0, flat.numel(), CHECKSUM_PIECE):
                 total += float(flat[start : start + CHECKSUM_PIECE].sum(dtype=torch.float64))
@@ -88,10 +115,11 @@ def _checksum(stage: Stage) -> float:
 
 @dataclass(frozen=True)
 class Groups:
-    pipelines: List[PipelineGroups]  # per replica: its stages' P2P channels and norm all-reduce
-    data_parallel: List[Any]  # per stage: that stage on every replica (sum of clipped gradients)
+    pipelines: Dict[Tuple[int, int], PipelineGroups]  # per (replica, t): its stages' P2P channels and norm sum
+    data_parallel: Dict[Tuple[int, int], Any]  # per (stage, t): it on every replica (sum of clipped gradients)
     world: Any  # every rank: the step's checks and totals
     ties: List[Any]  # per replica: its first and last stage, when an embedding is tied to the head
+    tensor_parallel: Dict[Tuple[int, int], Any]  # per (replica, stage): its tensor-parallel ranks
 
 
 def _agree(config: Dict[str, Any]) -> None:
@@ -109,31 +137,47 @@ def _agree(config: Dict[str, Any]) -> None:
         raise ConfigMismatchError("ranks disagree on the configuration:\n  " + "\n  ".join(mismatches))
 
 
-def _create_groups(mesh: "Mesh", wait: timedelta, tied: bool) -> Groups:
+def _create_groups(mesh: "Mesh", wait: timedelta, tied: bool, across_stages: bool) -> Groups:
     """Every rank creates every group, in the same order (torch.distributed requires it); each waits at
-    most ``wait`` for a peer, so a hung rank ends the run instead of stalling it for good."""
-    pipelines = [
-        PipelineGroups(*(dist.new_group(mesh.pipeline_ranks(r), timeout=wait) for _ in range(3)))
-        for r in range(mesh.replicas)
-    ]
-    data_parallel = [dist.new_group(mesh.data_parallel_ranks(s), timeout=wait) for s in range(mesh.stages)]
-    world = dist.new_group(list(range(mesh.stages * mesh.replicas)), timeout=wait)
+    most ``wait`` for a peer, so a hung rank ends the run instead of stalling it for good. The norms are summed
+    over a replica's stages (flat clipping) and its tensor-parallel ranks: over the replica's every rank, or with
+    per-stage and per-layer clipping over the stage's tensor-parallel ranks."""
+    T = mesh.tensor_parallel
+
+    def group(ranks: List[int]):
+        return dist.new_group(ranks, timeout=wait)
+
+    tensor_parallel = {}
+    if T > 1:
+        for r in range(mesh.replicas):
+            for s in range(mesh.stages):
+                tensor_parallel[(r, s)] = group(mesh.tensor_parallel_ranks(r, s))
+    replicas = [group(mesh.replica_ranks(r)) for r in range(mesh.replicas)] if T > 1 else []
+    pipelines = {}
+    for r in range(mesh.replicas):
+        for t in range(T):
+            ranks = mesh.pipeline_ranks(r, t)
+            activations, gradients = group(ranks), group(ranks)
+            norms = group(ranks) if T == 1 else replicas[r] if across_stages else None
+            pipelines[(r, t)] = PipelineGroups(activations, gradients, norms)
+    data_parallel = {(s, t): group(mesh.data_parallel_ranks(s, t)) for s in range(mesh.stages) for t in range(T)}
+    world = group(list(range(mesh.world)))
     ties = []
     if tied:
-        ties = [
-            dist.new_group([r * mesh.stages, r * mesh.stages + mesh.stages - 1], timeout=wait)
-            for r in range(mesh.replicas)
-        ]
-    return Groups(pipelines, data_parallel, world, ties)
+        ties = [group([mesh.rank_of(r, 0), mesh.rank_of(r, mesh.stages - 1)]) for r in range(mesh.replicas)]
+    return Groups(pipelines, data_parallel, world, ties, tensor_parallel)
 
 
-def _check_same_weights(stage: Stage, mesh: "Mesh", world: int) -> None:
-    mine = _checksum(stage)
-    checksums: List[Optional[tuple]] = [None] * world
-    dist.all_gather_object(checksums, (mesh.stage, mine))
-    for r, entry in enumerate(checksums):
-        s, value = entry  # type: ignore[misc]
-        if s == mesh.stage and value != mine:
+def _check_same_weights(stage: Stage, mesh: "Mesh") -> None:
+    """Ranks holding one stage's same slices hold the same values; its tensor-parallel ranks the same whole
+    tensors (the parameters none of them splits)."""
+    whole = [p for p in stage.parameters if id(p) not in stage.tensor_parallel.shards]
+    mine = (mesh.stage, mesh.t, _checksum(stage.parameters), _checksum(whole))
+    entries: List[Optional[tuple]] = [None] * mesh.world
+    dist.all_gather_object(entries, mine)
+    for r, entry in enumerate(entries):
+        s, t, value, shared = entry  # type: ignore[misc]
+        if s == mesh.stage and ((t == mesh.t and value != mine[2]) or shared != mine[3]):
             raise ConfigMismatchError(
                 f"ranks {mesh.rank} and {r} hold stage {s} with different weights: build the model from the "
                 "same seed (torch.manual_seed before constructing it) or load the same checkpoint on every rank"
@@ -196,6 +240,7 @@ class DistributedRuntime:
         self.tie_group = tie_group  # first and last stage of this replica, when an embedding is tied to the head
         self.state_keys = list(state_keys)
         self.failure: Optional[str] = None  # an earlier step raised here: the ranks are out of step
+        self.tp_group: Any = None  # this stage's tensor-parallel ranks (tensor_parallel > 1)
 
     @property
     def local_stages(self) -> List[Stage]:
@@ -212,39 +257,59 @@ class DistributedRuntime:
         agreement: Dict[str, Any],
         state_keys: Sequence[str],
         tie: Optional[Tie] = None,
+        tensor_parallel_plan: Optional[Dict[str, str]] = None,
     ) -> "DistributedRuntime":
-        """``agreement``: what every rank must agree on (the run's configuration and model signature)."""
+        """``agreement``: what every rank must agree on (the run's configuration and model signature);
+        ``tensor_parallel_plan``: the layers split across each stage's tensor-parallel ranks (parallel/plan.py)."""
         world, rank = dist.get_world_size(), dist.get_rank()
         device = _device_for_backend(pipeline.device)  # first: the agreement's own collective runs on it
         if device.type == "cuda":
             nccl_fault_handling()  # the groups below read it when created (also under the user's own init)
         _agree({"world size": world, **agreement})
-        if world != pipeline.stages * pipeline.replicas:
+        mesh = Mesh(pipeline.stages, pipeline.replicas, rank, pipeline.tensor_parallel)
+        if world != mesh.world:
             raise ConfigMismatchError(
-                f"world size {world} != stages {pipeline.stages} x replicas {pipeline.replicas}: launch "
-                f"torchrun --nproc_per_node {pipeline.stages * pipeline.replicas} (or fix stages/replicas)"
+                f"world size {world} != stages {pipeline.stages} x replicas {pipeline.replicas} x tensor_parallel "
+                f"{pipeline.tensor_parallel}: launch torchrun --nproc_per_node {mesh.world} (or fix the three)"
             )
-        mesh = Mesh(pipeline.stages, pipeline.replicas, rank)
+        across = options.clip.across_stages
         with bounded("creating the process groups", pipeline.timeout):
-            groups = _create_groups(mesh, timedelta(seconds=pipeline.timeout), tied=tie is not None)
+            groups = _create_groups(
+                mesh, timedelta(seconds=pipeline.timeout), tied=tie is not None, across_stages=across
+            )
         for s, blocks in enumerate(stage_blocks):
-            for b in blocks:  # keep only this rank's stage; free the rest
-                b.module.to(device if s == mesh.stage else "meta")
+            if s != mesh.stage:
+                for b in blocks:  # keep only this rank's stage; free the rest
+                    b.module.to("meta")
+        tp_group = groups.tensor_parallel.get((mesh.replica, mesh.stage))
+        part = None
+        if tp_group is not None:  # this rank's slices, cut before the stage moves to its device
+            part = split_stage(
+                stage_blocks[mesh.stage], tensor_parallel_plan or {}, Group(mesh.t, mesh.tensor_parallel, tp_group)
+            )
+        for b in stage_blocks[mesh.stage]:
+            b.module.to(device)
         role = TieRole.for_stage(mesh.stage, mesh.stages, tie, own_copy=True)
-        stage = Stage(mesh.stage, mesh.stages, stage_blocks[mesh.stage], loss_fn, options, role)
-        _check_same_weights(stage, mesh, world)
-        ranks = mesh.pipeline_ranks(mesh.replica)
+        stage = Stage(mesh.stage, mesh.stages, stage_blocks[mesh.stage], loss_fn, options, role, part)
+        _check_same_weights(stage, mesh)
+        ranks = mesh.pipeline_ranks(mesh.replica, mesh.t)
+        pipeline_groups = groups.pipelines[(mesh.replica, mesh.t)]
+        if pipeline_groups.norms is None:  # per-stage / per-layer clipping: the stage's ranks' parts
+            pipeline_groups = PipelineGroups(pipeline_groups.activations, pipeline_groups.gradients, tp_group)
         transport = DistTransport(
             mesh.stage,
             rank,
             ranks[mesh.stage - 1] if mesh.stage > 0 else None,
             ranks[mesh.stage + 1] if mesh.stage < mesh.stages - 1 else None,
-            groups.pipelines[mesh.replica],
+            pipeline_groups,
             device,
         )
         executor = Executor(stage, transport, schedule.for_stage(mesh.stage))
         tie_group = groups.ties[mesh.replica] if groups.ties else None
-        return cls(mesh, stage, executor, groups.data_parallel[mesh.stage], groups.world, tie_group, device, state_keys)
+        dp_group = groups.data_parallel[(mesh.stage, mesh.t)]
+        runtime = cls(mesh, stage, executor, dp_group, groups.world, tie_group, device, state_keys)
+        runtime.tp_group = tp_group
+        return runtime
 
     def check_same_batch(self, inputs: Inputs, targets: torch.Tensor) -> None:
         """Every rank must step on the same logical batch: compare its size and a fingerprint."""
@@ -271,13 +336,30 @@ class DistributedRuntime:
         self.executor.start_pass(batch)
         self.executor.run()
         self.executor.end_pass()
-        return self.executor.totals().cpu()
+        return self._counted(self.executor.totals().cpu())
 
     def run_eval(self, batch: PassBatch) -> torch.Tensor:
         actions = forward_only(self.mesh.stages, len(batch.masks)).for_stage(self.mesh.stage)
         self.executor.start_pass(batch, actions)
         self.executor.run()
-        return self.executor.totals().cpu()
+        return self._counted(self.executor.totals().cpu())
+
+    def _counted(self, totals: torch.Tensor) -> torch.Tensor:
+        """The losses and counts once per stage: its tensor-parallel ranks all compute them (the flag stays)."""
+        if self.mesh.t != 0:
+            totals[:3] = 0
+        return totals
+
+    def broadcast_whole(self, stage: Stage, grads: List[torch.Tensor]) -> List[torch.Tensor]:
+        if self.tp_group is None:
+            return grads
+        source = self.mesh.rank_of(self.replica, self.mesh.stage, 0)
+        for p, g in zip(stage.parameters, grads):
+            if id(p) not in stage.tensor_parallel.shards:
+                self._collective(
+                    "tensor-parallel broadcast", functools.partial(dist.broadcast, g, source, self.tp_group)
+                )
+        return grads
 
     def sum_over_replicas(self, grads: List[torch.Tensor]) -> List[torch.Tensor]:
         if self.replicas == 1 or not grads:
@@ -326,11 +408,13 @@ class DistributedRuntime:
 
         Tensor by tensor, point to point: replica 0's stage k sends its tensors to rank 0 one at
         a time, so no other rank ever holds another stage's weights, and rank 0 holds only what
-        it returns (plus one tensor in flight)."""
-        own = self.stage.named_state() if self.replica == 0 else {}
+        it returns (plus one tensor in flight). Under tensor parallelism the stage's rank 0 first joins
+        each split tensor's slices, one tensor at a time."""
+        own = self._whole_state() if self.replica == 0 else {}
         if self.rank == 0:
             merged = {k: v.detach().cpu() for k, v in own.items()}
-            for src in range(1, self.mesh.stages):  # replica 0's stage `src` is rank `src`
+            for stage in range(1, self.mesh.stages):
+                src = self.mesh.rank_of(0, stage)
                 header: List[Any] = [None]
                 dist.recv_object_list(header, src=src, group=self.world_group)
                 for name, dtype, shape in header[0]:
@@ -338,13 +422,42 @@ class DistributedRuntime:
                     dist.recv(buffer, src=src, group=self.world_group)
                     merged[name] = buffer.cpu()
             return {k: merged[k] for k in self.state_keys if k in merged}
-        if self.replica == 0:
+        if self.replica == 0 and self.mesh.t == 0:
             dist.send_object_list(
                 [[(k, v.dtype, tuple(v.shape)) for k, v in own.items()]], dst=0, group=self.world_group
             )
             for v in own.values():
                 dist.send(v.detach().contiguous().to(self.device), dst=0, group=self.world_group)
         return None
+
+    def _whole_state(self) -> Dict[str, torch.Tensor]:
+        """The stage's state dict with every split tensor whole (on its tensor-parallel rank 0; the slices
+        elsewhere, which are not used)."""
+        state = self.stage.named_state()
+        split = self.stage.tensor_parallel.by_name(self.stage.names())
+        whole = self.gather_slices(self.stage, [(v, split.get(k)) for k, v in state.items()])
+        return dict(zip(state, whole)) if whole is not None else state
+
+    def gather_slices(
+        self, stage: Stage, items: List[Tuple[torch.Tensor, Optional[Shard]]]
+    ) -> Optional[List[torch.Tensor]]:
+        """Each (tensor, its slice or None: held whole) whole on the stage's tensor-parallel rank 0, one tensor at a
+        time; None on the other ranks (every rank of the stage calls it with its own slices, in one order)."""
+        if self.tp_group is None:
+            return [t for t, _ in items]
+        root, mine = self.mesh.rank_of(self.replica, self.mesh.stage, 0), self.mesh.t == 0
+        out = []
+        for value, shard in items:
+            if shard is None:
+                out.append(value)
+                continue
+            parts = [torch.empty_like(value) for _ in range(self.mesh.tensor_parallel)] if mine else None
+            self._collective(
+                "tensor-parallel gather",
+                functools.partial(dist.gather, value.detach().contiguous(), parts, root, self.tp_group),
+            )
+            out.append(torch.cat(parts, dim=shard.dim) if parts is not None else value)
+        return out if mine else None
 
     def abort_step(self, error: BaseException) -> None:
         self.stage.reset()

@@ -65,7 +65,10 @@ class Executor:
         self.tie = stage.tie
         self.transport = transport
         self.actions = actions
-        self.reduce_norms = stage.clip.rule.across_stages
+        # flat clipping sums the norms over the stages; under tensor parallelism every clip rule sums the ranks'
+        # parts (the transport's norm group says over whom: runtime/distributed.py)
+        self.across_stages = stage.clip.rule.across_stages
+        self.reduce_norms = self.across_stages or stage.tensor_parallel.size > 1
         self.handlers: Dict[Kind, Callable[[int], None]] = {
             Kind.F: self._forward,
             Kind.I: self._backward_input,
@@ -195,7 +198,7 @@ class Executor:
         del state.reductions[mb]
         mask = state.batch.masks[mb]
         total = total.to(mask.device)  # the stage's device (a distributed reduction comes back on the CPU)
-        if self.reduce_norms and not self.stage.is_first:
+        if self.across_stages and not self.stage.is_first:
             # every stage joined mb's reduction, the previous one after receiving our gradient of mb
             self.transport.release(Kind.SEND_B, mb)
         clip, units = self.stage.clip, self.stage.units

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -54,6 +54,12 @@ class InProcessRuntime:
 
     def sum_over_replicas(self, grads: List[torch.Tensor]) -> List[torch.Tensor]:
         return grads
+
+    def broadcast_whole(self, stage: Stage, grads: List[torch.Tensor]) -> List[torch.Tensor]:
+        return grads  # (no tensor parallelism in one process)
+
+    def gather_slices(self, stage: Stage, items: List[Tuple[torch.Tensor, Any]]) -> Optional[List[torch.Tensor]]:
+        return [t for t, _ in items]  # every tensor is whole here
 
     def combine_tied(self, stage: Stage, grads: List[torch.Tensor]) -> List[torch.Tensor]:
         """The owner adds the head's clipped part of the shared tensor (the partner does not step it)."""

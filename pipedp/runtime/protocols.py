@@ -5,7 +5,7 @@ that both implementations of each (in-process and torch.distributed) conform.
 
 from __future__ import annotations
 
-from typing import Any, Dict, List, Optional, Protocol
+from typing import Any, Dict, List, Optional, Protocol, Tuple
 
 import torch
 
@@ -70,6 +70,16 @@ class Runtime(Protocol):
         ...
 
     def sum_over_replicas(self, grads: List[torch.Tensor]) -> List[torch.Tensor]: ...
+
+    def broadcast_whole(self, stage: Stage, grads: List[torch.Tensor]) -> List[torch.Tensor]:
+        """Tensor parallelism: the noisy sums of the parameters every rank of the stage holds whole, rank 0's on
+        every rank (they are computed alike; this makes the steps identical by construction)."""
+        ...
+
+    def gather_slices(self, stage: Stage, items: List[Tuple[torch.Tensor, Any]]) -> Optional[List[torch.Tensor]]:
+        """Tensor parallelism: each (tensor, its Shard or None) whole on the stage's tensor-parallel rank 0, which
+        writes the stage's checkpoint file; None on the others. Without it, the tensors as they are."""
+        ...
 
     def combine_tied(self, stage: Stage, grads: List[torch.Tensor]) -> List[torch.Tensor]:
         """A tied embedding / head: both clipped parts summed into the tensor(s) that get stepped."""

@@ -40,6 +40,7 @@ from ..privacy.per_sample import (
 )
 from ..privacy.rules import layer_parameters
 from ..privacy.units import Units
+from ..shards import TensorParallelPart
 from ..split.blocks import Block
 from ..split.hf_drive import rng_kept
 from . import grad_modes, self_check, state_watch
@@ -106,8 +107,11 @@ class Stage:
         loss_fn: Optional[Callable] = None,
         options: Optional[StageOptions] = None,
         tie: Optional[TieRole] = None,
+        tensor_parallel: Optional[TensorParallelPart] = None,
     ):
         options = options or StageOptions()
+        # this rank's slices of the stage's split layers (parallel/): which parameters' norms it adds
+        self.tensor_parallel = tensor_parallel or TensorParallelPart()
         self.index, self.options = index, options
         self.is_first, self.is_last = index == 0, index == num_stages - 1
         self.blocks = list(blocks)
@@ -415,9 +419,12 @@ class Stage:
         return tuple(inputs) if self.units.single else tuple(self.units.fold(a) for a in inputs)
 
     def _per_layer(self, per_param: Dict[nn.Parameter, torch.Tensor]) -> Dict[str, torch.Tensor]:
-        """{layer: [n]}: the per-parameter norms summed per owning layer."""
+        """{layer: [n]}: the per-parameter norms summed per owning layer; under tensor parallelism this rank's
+        part (the slices it holds, and the whole tensors every rank holds on rank 0 only)."""
         out: Dict[str, torch.Tensor] = {}
         for p, v in per_param.items():
+            if not self.tensor_parallel.counts(p):
+                continue
             name = self._owner[p]
             out[name] = out[name] + v if name in out else v
         return out

@@ -16,6 +16,7 @@ import torch.nn as nn
 
 from ..config import Balance, PipelineConfig, PrivacyConfig
 from ..errors import ConfigError, UnsupportedModelError
+from ..parallel.plan import tensor_parallel_plan
 from ..privacy.clipping import ClipRule
 from ..privacy.units import Units
 from ..privacy.validation import validate_model
@@ -41,6 +42,7 @@ class Prepared:
     tie: Optional[Tie]  # an embedding on the first stage tied to the head on the last
     options: StageOptions  # how every stage computes
     report: PartitionReport
+    tensor_parallel_plan: Dict[str, str]  # qualified layer name -> how it is split across a stage's ranks
 
 
 def prepare(
@@ -66,8 +68,9 @@ def prepare(
         )
     tie = the_tie(find_ties(stage_blocks), clip.across_stages)
     options = stage_options(pipeline, clip, units)
+    plan = tensor_parallel_plan(model, blocks, pipeline.tensor_parallel)
     return Prepared(
-        model, stage_blocks, list(costs), clip, units, tie, options, report(stage_blocks, costs, cost_unit(rule))
+        model, stage_blocks, list(costs), clip, units, tie, options, report(stage_blocks, costs, cost_unit(rule)), plan
     )
 
 

@@ -188,6 +188,8 @@ class PipelineDPTrainer:
         schedules.validate(self.schedule)
         prepared = prepare(model, pipeline, privacy)  # precision, blocks, partition, clip rule, units, tie
         self.model = model
+        # the whole model's names, shapes and dtypes: taken before tensor parallelism cuts this rank's slices
+        self.signature = model_signature(model)
         self.last_batch_size = 0
         self.last_dropped_samples = 0  # samples of the last step left out for a non-finite gradient norm
         self.last_clipped_fraction = 0.0  # of the last step's samples, those clipped (a diagnostic, not private)
@@ -204,6 +206,7 @@ class PipelineDPTrainer:
             self.agreement(),
             list(model.state_dict().keys()),
             prepared.tie,
+            prepared.tensor_parallel_plan,
         )
         self._finalizer = weakref.finalize(self, self.runtime.close)  # hooks off when the trainer goes
         # a stage with nothing to train (e.g. a frozen embedding) gets no optimizer
@@ -300,6 +303,7 @@ class PipelineDPTrainer:
                 self._noised(stage, grads, std)
             grads = self.runtime.combine_tied(stage, grads)  # a tied embedding / head: both parts, noised once
             grads = self.runtime.sum_over_replicas(grads)
+            grads = self.runtime.broadcast_whole(stage, grads)  # tensor parallel: every rank steps rank 0's
             in_storage = opt is not None and steps_without_temporaries(opt)
             for k, p in enumerate(stage.parameters):
                 # in place, and each float32 sum dropped once it is the parameter's gradient: a bf16 model's
@@ -322,6 +326,7 @@ class PipelineDPTrainer:
         (a tied head's copy); each parameter's noise is drawn from its own (step, name) stream."""
         names = stage.parameter_names()
         keep = [k for k in range(len(grads)) if k not in stage.noised_elsewhere]
+        slices = stage.tensor_parallel.shards  # a split parameter: its slice of the whole one's noise
         add_noise(
             [grads[k] for k in keep],
             [names[k] for k in keep],
@@ -329,6 +334,7 @@ class PipelineDPTrainer:
             self.state.seed,
             self.state.step,
             self.privacy.secure_mode,
+            [slices.get(id(stage.parameters[k])) for k in keep],
         )
 
     # ---- the run as the checks see it: what ranks agree on, what a resume must keep (its identity) ---------------------------------------------------
@@ -338,7 +344,7 @@ class PipelineDPTrainer:
         return {
             **describe(self.pipeline),
             **describe(self.privacy),
-            "model": model_signature(self.model),
+            "model": self.signature,
             "blocks per stage": self.partition_report.blocks_per_stage,
         }
 
@@ -349,7 +355,7 @@ class PipelineDPTrainer:
         config = {
             **describe(self.pipeline, only_resume=True),
             **describe(self.privacy, only_resume=True),
-            "model": model_signature(self.model),
+            "model": self.signature,
         }
         if self.clip.mode == "per_stage":
             config["stages"] = self.pipeline.stages

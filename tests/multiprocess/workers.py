@@ -480,3 +480,82 @@ def time_first_rank(rank):
     )
     g = torch.Generator().manual_seed(0)
     trainer.step(torch.randn(4, 4, 8, generator=g, dtype=torch.float64), torch.randint(0, 5, (4, 4), generator=g))
+
+
+def tensor_parallel_llama(**overrides):
+    """The tensor-parallel tests' tiny Llama: 4 heads over 2 key-value heads (grouped), biased attention (a
+    row-parallel bias), untied head, float64."""
+    import transformers
+    from steps import tiny_llama_config  # here: some launches put only this folder on the path
+
+    fields = dict(num_attention_heads=4, num_key_value_heads=2, attention_bias=True, tie_word_embeddings=False)
+    fields.update(overrides)
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(tiny_llama_config(**fields)).double()
+    with torch.no_grad():  # trained norms, so that their gradients are not all alike
+        for name, p in model.named_parameters():
+            if "norm" in name or name.endswith("bias"):
+                p.add_(0.1 * torch.randn_like(p))
+    return model
+
+
+def tensor_parallel_batch(n=6, seed=2):
+    """A left-padded dict batch whose labels hold -100 at the padding and at a few real positions."""
+    g = torch.Generator().manual_seed(seed)
+    ids, labels = torch.randint(1, 40, (n, 8), generator=g), torch.randint(0, 40, (n, 8), generator=g)
+    mask = torch.ones(n, 8, dtype=torch.long)
+    for i in range(n):
+        mask[i, : i % 4] = 0
+    ids, labels = ids.masked_fill(mask == 0, 0), labels.masked_fill(mask == 0, -100)
+    labels[:, -1] = -100
+    return {"input_ids": ids, "attention_mask": mask}, labels
+
+
+def tensor_parallel_steps(rank, steps, options, plant=None, checkpoint=None, first_step=0):
+    """``steps`` DP steps of the tiny Llama under ``options`` (stages, tensor_parallel, clipping, noise...);
+    returns the state dict (rank 0), this rank's parameters every rank holds whole (their sameness) and the shapes
+    of all it holds.
+    ``plant``: a bug put in on purpose, which the tests must catch; ``checkpoint``: (folder, "save" after the steps
+    or "load" before them; SGD with momentum then, whose buffers are split as their parameters);
+    ``first_step``: the first step's batch."""
+    if plant is not None:
+        _plant(plant)
+    model = tensor_parallel_llama()
+    args = dict(noise_multiplier=0.0, max_grad_norm=0.05, expected_batch_size=6, seed=0, microbatches=2)
+    args.update(options)
+    momentum = 0.9 if checkpoint is not None else 0.0
+    trainer = PipelineDPTrainer(model, token_loss, lambda p: torch.optim.SGD(p, lr=0.5, momentum=momentum), **args)
+    if checkpoint is not None and checkpoint[1] == "load":
+        trainer.load_checkpoint(checkpoint[0])
+    for step in range(first_step, first_step + steps):
+        trainer.step(*tensor_parallel_batch(seed=2 + step))
+    if checkpoint is not None and checkpoint[1] == "save":
+        trainer.save_checkpoint(checkpoint[0])
+    stage = trainer.runtime.local_stages[0]
+    names = stage.names()
+    whole = {names[id(p)]: p.detach().clone() for p in stage.parameters if id(p) not in stage.tensor_parallel.shards}
+    shapes = {names[id(p)]: tuple(p.shape) for p in stage.parameters}
+    return trainer.state_dict(), whole, shapes
+
+
+def _plant(bug):
+    """The bugs the tensor-parallel tests must catch."""
+    from pipedp.privacy import noise
+    from pipedp.runtime import stage as stage_module
+    from pipedp.shards import TensorParallelPart
+
+    if bug == "norm counted on every rank":
+        TensorParallelPart.counts = lambda self, p: True
+    elif bug == "slice norm left out":
+        TensorParallelPart.counts = lambda self, p: self.rank == 0 and id(p) not in self.shards
+    elif bug == "noise divided by T":
+        add = noise.add_noise
+
+        def divided(grads, names, std, *rest, **kw):
+            shards = rest[3] if len(rest) > 3 else kw.get("shards")
+            return add(grads, names, std / 2 if shards and any(shards) else std, *rest, **kw)
+
+        import pipedp.train.trainer as trainer_module
+
+        trainer_module.add_noise = divided
+    assert stage_module is not None

@@ -16,8 +16,10 @@ LAYERS = {
     "pipedp.config": 0,
     "pipedp.models": 0,
     "pipedp.data": 0,
+    "pipedp.shards": 0,
     "pipedp.privacy": 1,
     "pipedp.split": 2,
+    "pipedp.parallel": 2,  # the tensor-parallel layers and their split: beside split, which it applies to
     "pipedp.runtime": 3,
     "pipedp.train": 4,
     "pipedp.audit": 5,

@@ -201,7 +201,7 @@ def test_a_user_made_nccl_group_still_gets_the_local_ranks_gpu(monkeypatch, nccl
 
 def test_every_group_waits_at_most_the_timeout(nccl_calls):
     wait = timedelta(seconds=11)
-    distributed._create_groups(distributed.Mesh(2, 2, 0), wait, tied=True)
+    distributed._create_groups(distributed.Mesh(2, 2, 0), wait, tied=True, across_stages=True)
     assert len(nccl_calls.groups) == 2 * 3 + 2 + 1 + 2
     assert all(kwargs.get("timeout") == wait for _, kwargs in nccl_calls.groups)
 

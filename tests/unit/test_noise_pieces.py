@@ -55,3 +55,21 @@ def test_each_parameter_its_own_stream_and_secure_mode_in_place():
     view = secure
     noise.add_noise([secure], ["a"], 2.0, seed=0, step=0, secure_mode=True)
     assert secure is view and 1.6 < float(secure.std()) < 2.4
+
+
+@pytest.mark.parametrize(
+    "shape, dim, ranks",
+    [((10, 12), 0, 2), ((10, 12), 1, 3), ((7, 9), 1, 3), ((40,), 0, 4), ((5, 6, 4), 1, 2), ((33, 5), 1, 5)],
+)
+def test_each_tensor_parallel_slice_gets_exactly_its_part_of_the_whole_noise(monkeypatch, shape, dim, ranks):
+    """Pieces of 64 elements: slices whose rows straddle pieces, pieces spanning whole rows, the short last piece."""
+    from pipedp.shards import Shard
+
+    monkeypatch.setattr(noise, "PIECE", 64)
+    whole = torch.zeros(shape, dtype=torch.float64)
+    noise.add_noise([whole], ["w"], 1.0, 3, 2)
+    for t in range(ranks):
+        shard = Shard.even(shape, dim, t, ranks)
+        mine = torch.zeros(shard.shape, dtype=torch.float64)
+        noise.add_noise([mine], ["w"], 1.0, 3, 2, shards=[shard])
+        assert torch.equal(mine, shard.of(whole))

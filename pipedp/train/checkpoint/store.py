@@ -11,6 +11,7 @@ and all ranks raise together.
 
 from __future__ import annotations
 
+import functools
 import os
 import warnings
 from typing import Any, Callable, Dict, List, Optional, Tuple
@@ -19,6 +20,7 @@ import torch
 
 from ...errors import CheckpointError
 from ...runtime.protocols import Runtime
+from ...shards import Shard
 from ..state import TrainingState
 from . import folder, optim, tensorfile
 from .format import FORMAT, Manifest, StageRecord, encode
@@ -137,6 +139,14 @@ def save(
     return this_job
 
 
+def _whole(runtime: Runtime, stage: Any, named: List[Tuple[str, torch.Tensor, Optional[Shard]]]):
+    """The tensors as one rank holds the whole stage: under tensor parallelism gathered on the stage's rank 0
+    (which writes its file: the file is the one a run on one rank writes, so it resumes on any split); None on
+    the stage's other ranks."""
+    whole = runtime.gather_slices(stage, [(t, shard) for _, t, shard in named])
+    return None if whole is None else [(name, t) for (name, _, _), t in zip(named, whole)]
+
+
 def _write_stages(temporary: str, state: TrainingState, runtime: Runtime) -> Dict[int, StageRecord]:
     trainable = _trainable(runtime)
     schedulers = list(state.schedulers) or [None] * len(state.optimizers)
@@ -146,17 +156,25 @@ def _write_stages(temporary: str, state: TrainingState, runtime: Runtime) -> Dic
         if opt is None and names:
             raise CheckpointError(f"stage {stage.index} trains {names[0]} but has no optimizer")
         groups, states, optimizer_tensors = optim.export(opt, stage.parameters, names)
-        aliases, untrained = {}, {}
+        split = stage.tensor_parallel.by_name(stage.names())
+        aliases, untrained = {}, []
         for tensor_name, t in stage.named_state().items():
             owner = trainable.get(_identity(t))
             if owner is None:
-                untrained[tensor_name] = t
+                untrained.append((tensor_name, t, split.get(tensor_name)))
             elif owner != tensor_name:
                 aliases[tensor_name] = owner  # a tie: the same tensor saved once, under the other name
-        frozen = tensorfile.fingerprints(untrained)
         params = {n: f"p/{n}" for n in names}
+        saved = [(params[n], p, split.get(n)) for n, p in zip(names, stage.parameters)]
+        of_param = {params[n]: p for n, p in zip(names, stage.parameters)}
+        for key, v in optimizer_tensors:  # a moment has its parameter's slice; a step count is whole
+            p = of_param[f"p/{key[2:].rsplit('/', 1)[0]}"]
+            saved.append((key, v, split.get(key[2:].rsplit("/", 1)[0]) if v.shape == p.shape else None))
+        frozen_whole, tensors = _whole(runtime, stage, untrained), _whole(runtime, stage, saved)
+        if frozen_whole is None or tensors is None:  # another tensor-parallel rank writes this stage
+            continue
+        frozen = tensorfile.fingerprints(dict(frozen_whole))
         file = f"stage-{stage.index}.safetensors"
-        tensors = [(params[n], p) for n, p in zip(names, stage.parameters)] + optimizer_tensors
         sha256, size = tensorfile.write(os.path.join(temporary, file), tensors)
         sched = None
         if scheduler is not None:
@@ -241,7 +259,9 @@ def _shown(value: Any, absent: object) -> str:
 
 
 class _StagePlan:
-    def __init__(self, params: List[Tuple[torch.nn.Parameter, StageRecord, str]], optimizer: Any, scheduler: Any):
+    def __init__(
+        self, params: List[Tuple[torch.nn.Parameter, StageRecord, str, Optional[Shard]]], optimizer: Any, scheduler: Any
+    ):
         self.params, self.optimizer, self.scheduler = params, optimizer, scheduler
 
 
@@ -264,13 +284,15 @@ def _plan(
         names = stage.parameter_names()
         sources: Dict[str, Tuple[StageRecord, str]] = {}
         params = []
+        split = stage.tensor_parallel.by_name(stage.names())
         for p, name in zip(stage.parameters, names):
             if name not in where:
                 was = "frozen in the checkpoint, trainable now" if name in frozen else "not in the checkpoint"
                 raise CheckpointError(f"stage {stage.index}: parameter {name} is {was}: refused")
             record, saved = where[name], manifest.canonical(name)
             dtype, shape = open_file(record).meta(record.params[saved])
-            if (dtype, shape) != (p.dtype, tuple(p.shape)):
+            whole_shape = split[name].full_shape if name in split else tuple(p.shape)  # a slice reads its part
+            if (dtype, shape) != (p.dtype, whole_shape):
                 raise CheckpointError(
                     f"parameter {name} is {p.dtype} {tuple(p.shape)} here but {dtype} {shape} in {record.file}"
                 )
@@ -281,7 +303,9 @@ def _plan(
             if tensor_name not in frozen:
                 was = "trained in the checkpoint, frozen now" if tensor_name in where else "not in the checkpoint"
                 raise CheckpointError(f"stage {stage.index}: tensor {tensor_name} is {was}: refused")
-        for tensor_name, now in tensorfile.fingerprints(untrained).items():
+        # fingerprints of the whole tensors: on the stage's tensor-parallel rank 0, which holds them gathered
+        whole = _whole(runtime, stage, [(n, t, split.get(n)) for n, t in untrained.items()])
+        for tensor_name, now in tensorfile.fingerprints(dict(whole or [])).items():
             recorded = frozen[tensor_name]
             if not now.matches(recorded):
                 both = recorded.sha256 is not None and now.sha256 is not None
@@ -300,34 +324,47 @@ def _plan(
                     "trainer as the checkpointed run was (scheduler=...)"
                 )
             optimizer, origins = optim.torch_state(
-                opt, stage.parameters, names, sources, lambda rec, k: _Deferred(open_file(rec), k)
+                opt, stage.parameters, names, sources, functools.partial(_deferred, open_file, split)
             )
             if scheduler is not None:
                 sched = optim.scheduler_state(origins, stage.index, scheduler.state_dict())
-        plans.append(_StagePlan(params, optimizer, sched))
+        plans.append(_StagePlan([(p, r, k, split.get(n)) for (p, r, k), n in zip(params, names)], optimizer, sched))
     return plans
 
 
-class _Deferred:
-    """An optimizer-state tensor read when it is loaded, not when it is planned."""
+def _deferred(open_file: Callable, split: Dict[str, Shard], record: StageRecord, key: str) -> "_Deferred":
+    """The optimizer-state tensor ``key`` ("o/<parameter>/<state>"), cut to its parameter's slice if it is split."""
+    return _Deferred(open_file(record), key, split.get(key[2:].rsplit("/", 1)[0]))
 
-    def __init__(self, file: tensorfile.TensorFile, key: str):
-        self.file, self.key = file, key
+
+class _Deferred:
+    """An optimizer-state tensor read when it is loaded, not when it is planned (``shard``: its parameter's slice,
+    which a tensor of the whole parameter's shape is cut to)."""
+
+    def __init__(self, file: tensorfile.TensorFile, key: str, shard: Optional[Shard] = None):
+        self.file, self.key, self.shard = file, key, shard
         file.meta(key)
+
+    def read(self) -> torch.Tensor:
+        value = self.file.read(self.key)
+        if self.shard is not None and tuple(value.shape) == self.shard.full_shape:
+            value = self.shard.of(value).clone()
+        return value
 
 
 def _apply(plans: List[_StagePlan], state: TrainingState, files: Dict[str, tensorfile.TensorFile]) -> None:
     schedulers = list(state.schedulers) or [None] * len(state.optimizers)
     for plan, opt, scheduler in zip(plans, state.optimizers, schedulers):
         with torch.no_grad():
-            for p, record, key in plan.params:
-                p.copy_(files[record.file].read(key))
+            for p, record, key, shard in plan.params:
+                value = files[record.file].read(key)
+                p.copy_(shard.of(value) if shard is not None else value)
         if opt is not None:
             optimizer = plan.optimizer
             for values in optimizer["state"].values():
                 for k, v in values.items():
                     if isinstance(v, _Deferred):
-                        values[k] = v.file.read(v.key)
+                        values[k] = v.read()
             opt.load_state_dict(optimizer)
         if scheduler is not None:
             scheduler.load_state_dict(plan.scheduler)

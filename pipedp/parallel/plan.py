@@ -1,0 +1,146 @@
+"""Which layers of a model are split across a stage's tensor-parallel ranks, checked at construction; the split.
+
+For a Hugging Face decoder the plan is transformers' own (``config.base_model_tp_plan``: q/k/v and gate/up
+column-parallel, o and down row-parallel), the input embedding vocabulary-parallel and the head
+column-parallel with its logits gathered (the loss sees every logit: any loss function stays exact). Every other
+parameter is held whole by each rank of the stage (norms, a row-parallel layer's bias) and counted once.
+What pipedp cannot split exactly is refused here, by name: head counts or widths T does not divide, a plan style
+it does not implement (sequence parallelism, packed projections), dropout, a tie between embedding and head,
+PEFT adapters, models without a plan.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any, Dict, Sequence
+
+import torch.nn as nn
+
+from ..errors import UnsupportedModelError
+from ..shards import Shard, TensorParallelPart
+from ..split.blocks import Block
+from . import rules  # noqa: F401  (registers the parallel layers' rules)
+from .layers import ColumnParallelLinear, GatheredColumnLinear, Group, RowParallelLinear, VocabParallelEmbedding
+
+COLUMN, ROW, HEAD, VOCAB = "colwise", "rowwise", "colwise_gather_output", "vocab"
+_WAY_OUT = "use tensor_parallel=1 (pipeline stages and replicas only)"
+
+
+def tensor_parallel_plan(model: nn.Module, blocks: Sequence[Block], size: int) -> Dict[str, str]:
+    """{qualified module name: COLUMN / ROW / HEAD / VOCAB} over every block, refused where not exact.
+
+    Transformers' plan names modules relative to the base model ("layers.*.self_attn.q_proj"): a pattern matches
+    the end of a qualified name, ``*`` one layer index."""
+    if size == 1:
+        return {}
+    config = getattr(model, "config", None)
+    patterns = getattr(config, "base_model_tp_plan", None) if config is not None else None
+    if not patterns or not hasattr(model, "get_input_embeddings"):
+        raise UnsupportedModelError(
+            f"tensor_parallel={size}: {type(model).__name__} is not a Hugging Face decoder whose config carries "
+            f"transformers' tensor-parallel plan (base_model_tp_plan), the only models pipedp splits across ranks; "
+            f"{_WAY_OUT}"
+        )
+    _refuse_model(model, size)
+    compiled = [(_regex(p), style) for p, style in patterns.items()]
+    embedding, head = model.get_input_embeddings(), model.get_output_embeddings()
+    plan: Dict[str, str] = {}
+    for b in blocks:
+        for name, module in b.module.named_modules():
+            qualified = b.qualified(name) if name else b.name
+            style = next((s for r, s in compiled if r.search(qualified)), None)
+            if module is embedding and type(module) is nn.Embedding:
+                style = VOCAB
+            elif module is head and type(module) is nn.Linear:
+                style = HEAD
+            if style is None or qualified in plan:
+                continue
+            plan[qualified] = _checked(qualified, module, style, size)
+    return plan
+
+
+def _regex(pattern: str) -> "re.Pattern[str]":
+    return re.compile(r"(?:^|\.)" + re.escape(pattern).replace(r"\*", r"\d+") + "$")
+
+
+def _refuse_model(model: nn.Module, size: int) -> None:
+    config = model.config
+    if type(model).__module__.startswith("peft.") or getattr(model, "peft_config", None):
+        raise UnsupportedModelError(
+            f"tensor_parallel={size} with PEFT adapters: a LoRA on a split layer needs its own split (not built "
+            f"yet); {_WAY_OUT}, or train the whole model"
+        )
+    for field in ("num_attention_heads", "num_key_value_heads"):
+        heads = getattr(config, field, None)
+        if isinstance(heads, int) and heads % size:
+            raise UnsupportedModelError(
+                f"tensor_parallel={size} does not divide {type(config).__name__}.{field}={heads}: each rank computes "
+                f"whole attention heads; choose a tensor_parallel that divides it"
+            )
+    head, embedding = model.get_output_embeddings(), model.get_input_embeddings()
+    if head is not None and getattr(head, "weight", None) is getattr(embedding, "weight", False):
+        raise UnsupportedModelError(
+            f"tensor_parallel={size}: the head is tied to the input embedding, which is not split per vocabulary "
+            "slice yet: give the head its own copy (untie_weights=True)"
+        )
+    dropping = [n for n, m in model.named_modules() if isinstance(m, nn.Dropout) and m.p > 0 and m.training]
+    rates = [f for f in ("attention_dropout", "hidden_dropout", "resid_pdrop", "attn_pdrop", "embd_pdrop")]
+    dropping += [f"config.{f}" for f in rates if float(getattr(config, f, 0.0) or 0.0) > 0 and model.training]
+    if dropping:
+        raise UnsupportedModelError(
+            f"tensor_parallel={size} with dropout ({dropping[0]}): each rank would draw its own masks, so the "
+            "activations every rank holds whole would differ between them; set the dropout to 0, or the model to "
+            f"eval mode, or {_WAY_OUT}"
+        )
+
+
+def _checked(name: str, module: nn.Module, style: str, size: int) -> str:
+    kinds = {COLUMN: nn.Linear, ROW: nn.Linear, HEAD: nn.Linear, VOCAB: nn.Embedding}
+    if style not in kinds:
+        raise UnsupportedModelError(
+            f"tensor_parallel={size}: layer {name!r} is planned {style!r} by transformers, a split pipedp does not "
+            f"implement (it takes colwise and rowwise Linear layers); {_WAY_OUT}"
+        )
+    if type(module) is not kinds[style]:
+        raise UnsupportedModelError(
+            f"tensor_parallel={size}: layer {name!r} is a {type(module).__name__}, not a plain "
+            f"{kinds[style].__name__} (an adapter or a quantised layer?), so pipedp cannot split it; {_WAY_OUT}"
+        )
+    width = {COLUMN: "out_features", HEAD: "out_features", ROW: "in_features", VOCAB: "num_embeddings"}[style]
+    value = getattr(module, width)
+    if value % size:
+        raise UnsupportedModelError(
+            f"tensor_parallel={size} does not divide layer {name!r}'s {width}={value}; choose a tensor_parallel "
+            "that divides it"
+        )
+    if style == VOCAB and module.max_norm is not None:
+        raise UnsupportedModelError(
+            f"layer {name!r}: an embedding with max_norm renormalises its rows in place; {_WAY_OUT}"
+        )
+    return style
+
+
+_BUILD: Dict[str, Any] = {
+    COLUMN: ColumnParallelLinear,
+    ROW: RowParallelLinear,
+    HEAD: GatheredColumnLinear,
+    VOCAB: VocabParallelEmbedding,
+}
+_DIM = {COLUMN: 0, HEAD: 0, ROW: 1, VOCAB: 0}
+_BUILT = (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding)
+
+
+def split_stage(blocks: Sequence[Block], plan: Dict[str, str], group: Group) -> TensorParallelPart:
+    """This rank's slice of every planned layer of one stage's blocks, cut in place (layers.py)."""
+    part = TensorParallelPart(group.rank, group.size)
+    for b in blocks:
+        for name, module in b.module.named_modules():
+            style = plan.get(b.qualified(name) if name else b.name)
+            if style is None or isinstance(module, _BUILT):
+                continue
+            whole_shapes = {n: tuple(p.shape) for n, p in module.named_parameters()}
+            layer = _BUILD[style].split(module, group)
+            for n, p in layer.named_parameters():
+                if p.dim() > _DIM[style] and not (style == ROW and n == "bias"):
+                    part.shards[id(p)] = Shard.even(whole_shapes[n], _DIM[style], group.rank, group.size)
+    return part

@@ -1,0 +1,60 @@
+"""A tensor split across the tensor-parallel ranks of a stage: which slice this rank holds.
+
+One home for the idea, used by the parallel layers (which hold the slice), the noise (which draws the whole
+tensor's values and keeps the slice's, so a run on T ranks is noised exactly as one on 1), the per-sample norms
+(a rank adds its slices' partial norms; a tensor every rank holds whole is counted on rank 0 only) and the
+state dict (the slices gathered into the whole tensor).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Dict, Optional, Tuple
+
+import torch
+
+
+@dataclass(frozen=True)
+class Shard:
+    """Indices [start, stop) of dimension ``dim`` of a tensor whose whole shape is ``full_shape``."""
+
+    full_shape: Tuple[int, ...]
+    dim: int
+    start: int
+    stop: int
+
+    @classmethod
+    def even(cls, full_shape: Tuple[int, ...], dim: int, rank: int, size: int) -> "Shard":
+        """Rank ``rank``'s equal part of ``size`` along ``dim`` (the caller refused an uneven split)."""
+        width = full_shape[dim] // size
+        return cls(tuple(full_shape), dim, rank * width, (rank + 1) * width)
+
+    def of(self, whole: torch.Tensor) -> torch.Tensor:
+        """This slice of the whole tensor (a view)."""
+        return whole.narrow(self.dim, self.start, self.stop - self.start)
+
+    @property
+    def shape(self) -> Tuple[int, ...]:
+        return tuple(self.stop - self.start if d == self.dim else s for d, s in enumerate(self.full_shape))
+
+
+@dataclass
+class TensorParallelPart:
+    """A stage's place in its tensor-parallel group: rank ``rank`` of ``size``, and the slices it holds
+    (by parameter identity). A parameter without a slice is held whole by every rank of the group."""
+
+    rank: int = 0
+    size: int = 1
+    shards: Dict[int, Shard] = field(default_factory=dict)  # id(parameter) -> its slice
+
+    def by_name(self, names: Dict[int, str]) -> Dict[str, Shard]:
+        """{the model's name of each split parameter: its slice}, from ``names`` (id -> name: Stage.names())."""
+        return {names[pid]: shard for pid, shard in self.shards.items() if pid in names}
+
+    def of(self, parameter: torch.Tensor) -> Optional[Shard]:
+        return self.shards.get(id(parameter))
+
+    def counts(self, parameter: torch.Tensor) -> bool:
+        """Whether this rank adds ``parameter``'s per-sample squared norms: its own slice always, a whole tensor
+        on rank 0 only (counted once, never ``size`` times)."""
+        return self.rank == 0 or id(parameter) in self.shards

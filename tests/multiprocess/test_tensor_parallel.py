@@ -1,0 +1,95 @@
+"""Tensor parallelism inside the stages, in real processes over gloo, against the batch-size-1 loop oracle
+calling the user's own model: 2 tensor-parallel ranks alone, and 2 stages x 2 ranks (4 processes)."""
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+from oracles import loop_clipped_sum, max_relative_error  # noqa: E402
+
+from pipedp.models import token_loss  # noqa: E402
+from pipedp.runtime.launch import launch  # noqa: E402
+
+pytestmark = pytest.mark.dist
+
+LR, CLIP, N = 0.5, 0.05, 6
+
+
+def oracle(steps, per_layer=False):
+    """``steps`` DP-SGD steps (noise 0) of the same model, each sample's gradient from its own backward pass
+    (``per_layer``: each layer's part clipped to C / sqrt(layers) on its own)."""
+    from workers import tensor_parallel_batch, tensor_parallel_llama
+
+    model = tensor_parallel_llama()
+    groups = None
+    if per_layer:
+        layers = [n for n, m in model.named_modules() if any(True for _ in m.parameters(recurse=False))]
+        groups = [(f"{n}.", CLIP / len(layers) ** 0.5) for n in layers]
+    for step in range(steps):
+        x, y = tensor_parallel_batch(seed=2 + step)
+        total = loop_clipped_sum(model, lambda out, t: token_loss(out.logits, t), x, y, CLIP, groups)
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                p -= LR * total[name] / N
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def run(steps, options, plant=None, world=None, checkpoint=None, first_step=0):
+    from workers import tensor_parallel_steps
+
+    if options.get("transport") == "inprocess":
+        return [tensor_parallel_steps(0, steps, options, plant, checkpoint, first_step)]
+    world = world or options.get("stages", 1) * options["tensor_parallel"]
+    return launch(tensor_parallel_steps, world, (steps, options, plant, checkpoint, first_step), timeout_s=600)
+
+
+def test_two_tensor_parallel_ranks_equal_the_loop_oracle_and_keep_whole_tensors_alike():
+    results = run(2, {"stages": 1, "tensor_parallel": 2})
+    want = oracle(2)
+    assert max_relative_error(results[0][0], want) < 1e-12
+    first, second = results[0][1], results[1][1]
+    assert set(first) == set(second) and first  # the norms and the row-parallel biases
+    assert all(torch.equal(first[k], second[k]) for k in first)
+    shapes = results[1][2]  # each rank holds its slices only: heads, MLP width, vocabulary
+    assert shapes["model.layers.0.self_attn.q_proj.weight"] == (8, 16)
+    assert shapes["model.layers.0.self_attn.o_proj.weight"] == (16, 8)
+    assert shapes["model.layers.0.mlp.down_proj.weight"] == (16, 16)
+    assert shapes["model.embed_tokens.weight"] == shapes["lm_head.weight"] == (20, 16)
+
+
+@pytest.mark.parametrize("plant", ["norm counted on every rank", "slice norm left out"])
+def test_a_planted_norm_bug_is_caught_by_the_oracle(plant):
+    results = run(1, {"stages": 1, "tensor_parallel": 2}, plant)
+    assert max_relative_error(results[0][0], oracle(1)) > 1e-6
+
+
+def test_two_stages_by_two_tensor_parallel_ranks_equal_the_loop_oracle():
+    results = run(1, {"stages": 2, "tensor_parallel": 2, "schedule": "gpipe"})
+    assert max_relative_error(results[0][0], oracle(1)) < 1e-12
+
+
+def test_per_layer_clipping_over_two_stages_by_two_ranks_equals_the_grouped_loop_oracle():
+    results = run(1, {"stages": 2, "tensor_parallel": 2, "clipping": "per_layer"})
+    assert max_relative_error(results[0][0], oracle(1, per_layer=True)) < 1e-12
+
+
+def test_the_noise_of_two_ranks_equals_one_ranks_and_a_divided_noise_is_caught():
+    noisy = {"noise_multiplier": 1.0}
+    one = run(1, {"stages": 1, "tensor_parallel": 1, "transport": "inprocess", **noisy})[0][0]
+    two = run(1, {"stages": 1, "tensor_parallel": 2, **noisy})[0][0]
+    assert max_relative_error(two, one) < 1e-12
+    planted = run(1, {"stages": 1, "tensor_parallel": 2, **noisy}, "noise divided by T")[0][0]
+    assert max_relative_error(planted, one) > 1e-3
+
+
+def test_a_checkpoint_of_two_ranks_resumes_on_one_and_on_two_stages_as_if_it_never_stopped(tmp_path):
+    """Saved by 2 tensor-parallel ranks (their slices and momentum buffers joined into the one-rank file), resumed
+    on 1 rank in one process and on 2 stages x 2 ranks: both equal 2 steps that never stopped."""
+    one = {"stages": 1, "tensor_parallel": 1, "transport": "inprocess"}
+    never = run(2, one, checkpoint=(str(tmp_path / "never"), "save"))[0][0]
+    run(1, {"stages": 1, "tensor_parallel": 2}, checkpoint=(str(tmp_path / "tp"), "save"))
+    on_one = run(1, one, checkpoint=(str(tmp_path / "tp"), "load"), first_step=1)[0][0]
+    assert max_relative_error(on_one, never) < 1e-12
+    split = {"stages": 2, "tensor_parallel": 2}
+    on_four = run(1, split, checkpoint=(str(tmp_path / "tp"), "load"), first_step=1)[0][0]
+    assert max_relative_error(on_four, never) < 1e-12

@@ -1,0 +1,83 @@
+"""Which layers tensor parallelism splits, and what it refuses at construction, by name (no processes: the split
+itself runs in tests/multiprocess/test_tensor_parallel.py)."""
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+from steps import tiny_llama_config  # noqa: E402
+
+from pipedp import PipelineDPTrainer  # noqa: E402
+from pipedp.errors import ConfigError, UnsupportedModelError  # noqa: E402
+from pipedp.models import GPTConfig, tiny_gpt, token_loss  # noqa: E402
+from pipedp.parallel.plan import COLUMN, HEAD, ROW, VOCAB, tensor_parallel_plan  # noqa: E402
+from pipedp.split.adapters import model_blocks  # noqa: E402
+
+
+def llama(**overrides):
+    torch.manual_seed(0)
+    fields = dict(num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False)
+    fields.update(overrides)
+    return transformers.LlamaForCausalLM(tiny_llama_config(**fields)).eval()
+
+
+def plan_of(model, size=2):
+    return tensor_parallel_plan(model, model_blocks(model), size)
+
+
+def test_a_llama_is_split_by_transformers_own_plan_with_a_vocabulary_parallel_embedding_and_head():
+    plan = plan_of(llama())
+    layer = "model.layers.1."
+    assert {k: v for k, v in plan.items() if k.startswith(layer)} == {
+        layer + "self_attn.q_proj": COLUMN,
+        layer + "self_attn.k_proj": COLUMN,
+        layer + "self_attn.v_proj": COLUMN,
+        layer + "self_attn.o_proj": ROW,
+        layer + "mlp.gate_proj": COLUMN,
+        layer + "mlp.up_proj": COLUMN,
+        layer + "mlp.down_proj": ROW,
+    }
+    assert plan["model.embed_tokens"] == VOCAB and plan["lm_head"] == HEAD
+    assert not any("norm" in k for k in plan)  # held whole by every rank, counted once
+    assert plan_of(llama(), size=1) == {}
+
+
+@pytest.mark.parametrize(
+    "model, size, match",
+    [
+        (lambda: llama(num_key_value_heads=1), 2, "num_key_value_heads=1"),
+        (lambda: llama(), 3, "num_attention_heads=4"),
+        (lambda: llama(vocab_size=41), 2, "num_embeddings=41"),
+        (lambda: llama(tie_word_embeddings=True), 2, "untie_weights=True"),
+        (lambda: llama(attention_dropout=0.1).train(), 2, "attention_dropout"),
+        (
+            lambda: tiny_gpt(GPTConfig(vocab_size=32, seq_len=8, d_model=16, n_heads=2, n_layers=2)),
+            2,
+            "base_model_tp_plan",
+        ),
+    ],
+)
+def test_what_cannot_be_split_exactly_is_refused_by_name(model, size, match):
+    m = model()
+    with pytest.raises(UnsupportedModelError, match=match):
+        plan_of(m, size)
+
+
+def test_gpt2_has_no_plan_and_is_refused():
+    model = transformers.GPT2LMHeadModel(transformers.GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=40))
+    with pytest.raises(UnsupportedModelError, match="base_model_tp_plan"):
+        plan_of(model.eval())
+
+
+def test_peft_adapters_are_refused():
+    peft = pytest.importorskip("peft")
+    model = peft.get_peft_model(llama(), peft.LoraConfig(r=2, target_modules=["q_proj"]))
+    with pytest.raises(UnsupportedModelError, match="PEFT"):
+        tensor_parallel_plan(model, model_blocks(model), 2)
+
+
+def test_tensor_parallel_in_one_process_is_refused_with_the_launch_line():
+    with pytest.raises(ConfigError, match="torchrun --nproc_per_node 4"):
+        PipelineDPTrainer(
+            llama(), token_loss, stages=2, tensor_parallel=2, expected_batch_size=4, transport="inprocess", seed=0
+        )
