@@ -70,6 +70,20 @@ def test_the_launcher_and_its_ranks_listen_on_loopback_only():
     assert set(addresses) == {"0100007F"}, addresses  # 127.0.0.1, little-endian hex in /proc/net/tcp
 
 
+def test_the_ranks_rendezvous_through_a_private_file_and_nothing_listens_but_gloo_on_loopback():
+    """Another user cannot open a folder of mode 0700 (testing that needs root: the bits are tested); the
+    launcher listens on no port at all (the TCPStore it hosted took any local connection)."""
+    from workers import report_rendezvous
+
+    reports = launch(report_rendezvous, 2, timeout_s=60)
+    path, mode, launcher_ports, rank_ports = reports[0]
+    assert [r[0] for r in reports] == [path, path]  # one store for the job
+    assert mode == 0o700, oct(mode)
+    assert launcher_ports == []
+    assert rank_ports and set(rank_ports) == {"0100007F"}, rank_ports  # gloo's pairs, on 127.0.0.1
+    assert not os.path.exists(os.path.dirname(path)), "the rendezvous folder outlived the job"
+
+
 def test_the_audit_over_processes_equals_the_in_process_one(tmp_path):
     from pipedp.audit.run import AuditConfig, AuditResult, audit_rank, run_audit
 

@@ -181,6 +181,19 @@ def report_listening_sockets(rank):
     return listening_addresses([os.getpid(), os.getppid()]) if rank == 0 else []
 
 
+def report_rendezvous(rank):
+    """The rendezvous file, its folder's permission bits, and the TCP ports the launcher (this rank's parent)
+    and this rank listen on."""
+    import stat
+
+    import torch.distributed as dist
+
+    path = os.environ["PIPEDP_RENDEZVOUS"]
+    dist.barrier()  # every rank is connected: all sockets are up
+    mode = stat.S_IMODE(os.stat(os.path.dirname(path)).st_mode)
+    return path, mode, listening_addresses([os.getppid()]), listening_addresses([os.getpid()])
+
+
 def llama_export(rank, path):
     """One noisy DP step of a tiny Llama on 2 stages, then a Hugging Face folder written by rank 0."""
     import transformers
