@@ -55,3 +55,11 @@ class CheckpointError(PipeDPError, RuntimeError):
 
 class NonFiniteError(PipeDPError, FloatingPointError):
     """A clipped sum, its noise or an update is NaN/inf: the optimizer step was refused."""
+
+
+class AgentLostError(PipeDPError, RuntimeError):
+    """The launcher that started this rank (torchrun's agent) died: the rank stops instead of training alone."""
+
+
+class StepFailedError(PipeDPError, RuntimeError):
+    """A step of a multi-process run failed on one rank; every rank raises it, naming that rank and its error."""

@@ -34,6 +34,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from ..errors import RankFailedError
+from .lifeline import watch_agent
 from .placement import local_device
 
 
@@ -97,7 +98,8 @@ def cuda_device_of_rank() -> int:
 def init_from_env(backend: Optional[str] = None, timeout_s: float = 300.0, store: Optional[dist.Store] = None) -> None:
     """init_process_group from torchrun's environment (or the given store); NCCL when CUDA is there, else gloo.
     Under NCCL each rank takes its own GPU (refused, by name, where two would share one) and NCCL's faults
-    raise within ``timeout_s``."""
+    raise within ``timeout_s``. Under torchrun the rank stops if torchrun's agent dies (lifeline.py)."""
+    watch_agent(timeout_s)
     if dist.is_initialized():
         return
     if backend is None:

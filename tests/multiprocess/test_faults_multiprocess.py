@@ -94,3 +94,68 @@ def test_the_audit_over_processes_equals_the_in_process_one(tmp_path):
     assert over_processes.scores == in_process.scores  # the same noise, draw for draw
     assert over_processes.epsilon_lower_bound == in_process.epsilon_lower_bound
     assert over_processes.passed
+
+
+def children(pid):
+    """The pids of ``pid``'s child processes (Linux /proc)."""
+    out = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    if int(f.read().rsplit(")", 1)[1].split()[1]) == pid:
+                        out.append(int(entry))
+            except (OSError, IndexError, ValueError):
+                pass
+    return out
+
+
+def wait_until(condition, seconds):
+    deadline = time.monotonic() + seconds
+    while not condition() and time.monotonic() < deadline:
+        time.sleep(0.2)
+    return condition()
+
+
+@pytest.mark.parametrize("phase", ["before the first step", "mid-training"])
+def test_killing_torchrun_s_agent_stops_every_rank_and_frees_the_folder(tmp_path, phase):
+    """torchrun starts its ranks in their own session: nothing but the ranks' own watch ends them when the
+    agent is SIGKILLed. Planted: the agent killed while the ranks start, and once they have trained."""
+    from pipedp.runtime.launch import free_port
+
+    run = tmp_path / "run"
+    train = ["-m", "pipedp", "train", "--stages", "2", "--device", "cpu", "--checkpoint-dir", str(run)]
+    train += ["--timeout", "20", "--no-progress", "--threads", "1"]
+    log = open(tmp_path / "torchrun.log", "w")
+    agent = subprocess.Popen(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port())]
+        + train
+        + ["--steps", "100000", "--checkpoint-every", "1"],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        env=dict(os.environ, PYTHONPATH=ROOT),
+        cwd=tmp_path,
+    )
+    try:
+        assert wait_until(lambda: len(children(agent.pid)) == 2, 60), "torchrun started no ranks"
+        ranks = children(agent.pid)
+        if phase == "mid-training":
+            assert wait_until(lambda: len(list(run.glob("step-*"))) >= 2, 180), (tmp_path / "torchrun.log").read_text()
+        agent.kill()
+        agent.wait()
+        assert wait_until(lambda: not any(alive(p) for p in ranks), 60), "ranks outlived torchrun's agent"
+    finally:
+        agent.kill()
+        log.close()
+    text = (tmp_path / "torchrun.log").read_text()
+    assert "torchrun's agent (pid" in text and "is gone" in text, text[-3000:]
+    again = subprocess.run(
+        [sys.executable] + train + ["--resume", "--steps", "1", "--inprocess"],
+        capture_output=True,
+        text=True,
+        env=dict(os.environ, PYTHONPATH=ROOT),
+        cwd=tmp_path,
+        timeout=300,
+    )
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert "in use by another job" not in again.stderr
