@@ -62,4 +62,12 @@ class AgentLostError(PipeDPError, RuntimeError):
 
 
 class StepFailedError(PipeDPError, RuntimeError):
-    """A step of a multi-process run failed on one rank; every rank raises it, naming that rank and its error."""
+    """A step of a multi-process run failed on one rank; every rank raises it, naming that rank and its error.
+    ``report``: that rank and its error; ``dropped``: every rank dropped the step together, so the run can go
+    on (the next step is the one it would have been); else the ranks are out of step and every later call
+    is refused with this error."""
+
+    def __init__(self, message: str, report: str = "", dropped: bool = False):
+        super().__init__(message)
+        self.report = report or message
+        self.dropped = dropped

@@ -18,6 +18,7 @@ import ctypes
 import io
 import os
 import queue
+import re
 import shutil
 import signal
 import socket
@@ -295,7 +296,8 @@ def _state(p) -> str:
 
 def _at_fault(procs, reporter: int, report: str, finished: dict, settle_s: float = 1.0):
     """(rank, message) for the failure: a rank that died or stopped without reporting, if any
-    (the reporter often only saw the connection it broke), else the reporter."""
+    (the reporter often only saw the connection it broke), else the rank whose failed step the reporter's
+    StepFailedError names (every rank raises it), else the reporter."""
     deadline = time.monotonic() + settle_s
     while True:
         silent = [
@@ -310,6 +312,9 @@ def _at_fault(procs, reporter: int, report: str, finished: dict, settle_s: float
     if silent:
         rank, how = silent[0]
         return rank, f"{how} and stopped answering; rank {reporter} then reported: {report.strip()}"
+    named = re.match(r"StepFailedError: rank (\d+) \(stage \d+\) failed in a step", report)
+    if named is not None and int(named.group(1)) < len(procs):
+        return int(named.group(1)), report
     return reporter, report
 
 

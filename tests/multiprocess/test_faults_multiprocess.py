@@ -159,3 +159,38 @@ def test_killing_torchrun_s_agent_stops_every_rank_and_frees_the_folder(tmp_path
     )
     assert again.returncode == 0, again.stderr[-3000:]
     assert "in use by another job" not in again.stderr
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+@pytest.mark.parametrize("bad_stage", [0, 1])
+def test_a_failed_step_ends_with_one_named_error_on_every_rank_fast_and_the_run_recovers(schedule, bad_stage):
+    """The failing stage drains the pass (abort headers in place of its messages), so its peer stops waiting
+    at once; every rank raises the same StepFailedError naming the rank and its error, and the next step
+    equals a run that never failed. Planted: a token id (stage 0) or a label (stage 1) past the vocabulary."""
+    import torch
+    from workers import failed_step
+
+    results = launch(failed_step, 2, (schedule, bad_stage), timeout_s=300)
+    errors = [r[0] for r in results]
+    assert errors[0] is not None and errors == [errors[0]] * 2, errors  # one error, the same on every rank
+    assert errors[0].startswith(f"StepFailedError: rank {bad_stage} (stage {bad_stage}) failed in a step: Index")
+    assert "every rank dropped the step" in errors[0]
+    assert all(r[1] < 15 for r in results), [r[1] for r in results]  # the timeout is 30 s
+    recovered, straight = results[0][2], results[0][3]
+    assert recovered.keys() == straight.keys()
+    assert all(torch.equal(recovered[k], straight[k]) for k in straight)
+
+
+def test_a_rank_whose_update_fails_tells_the_others_and_every_later_call_is_refused(tmp_path, monkeypatch):
+    from workers import failed_update
+
+    monkeypatch.setenv("PIPEDP_TEST_DIR", str(tmp_path))
+    first, second = launch(failed_update, 2, timeout_s=300)
+    assert second["step"] == "RuntimeError: planted: this stage's update failed"
+    report = "rank 1 (stage 1) failed in a step: RuntimeError: planted"
+    assert first["step"].startswith(f"StepFailedError: {report}"), first["step"]
+    for out in (first, second):
+        for what in ("next step", "state_dict", "checkpoint"):
+            assert out[what].startswith(f"StepFailedError: {report}"), (what, out[what])
+            assert "refuses every later step" in out[what]
+        assert out["seconds"] < 15, out["seconds"]  # the timeout is 30 s
