@@ -21,6 +21,7 @@ from typing import Any
 
 from .config import PipelineConfig, PrivacyConfig
 from .errors import (
+    AgentLostError,
     BatchError,
     CheckpointError,
     ConfigError,
@@ -30,6 +31,7 @@ from .errors import (
     PipeDPError,
     PrivacyBudgetExceeded,
     RankFailedError,
+    StepFailedError,
     TransportError,
     UnsupportedModelError,
 )
@@ -63,6 +65,8 @@ __all__ = [
     "BatchError",
     "ConfigMismatchError",
     "RankFailedError",
+    "StepFailedError",
+    "AgentLostError",
     "TransportError",
     "PrivacyBudgetExceeded",
     "CheckpointError",

@@ -55,3 +55,19 @@ class CheckpointError(PipeDPError, RuntimeError):
 
 class NonFiniteError(PipeDPError, FloatingPointError):
     """A clipped sum, its noise or an update is NaN/inf: the optimizer step was refused."""
+
+
+class AgentLostError(PipeDPError, RuntimeError):
+    """The launcher that started this rank (torchrun's agent) died: the rank stops instead of training alone."""
+
+
+class StepFailedError(PipeDPError, RuntimeError):
+    """A step of a multi-process run failed on one rank; every rank raises it, naming that rank and its error.
+    ``report``: that rank and its error; ``dropped``: every rank dropped the step together, so the run can go
+    on (the next step is the one it would have been); else the ranks are out of step and every later call
+    is refused with this error."""
+
+    def __init__(self, message: str, report: str = "", dropped: bool = False):
+        super().__init__(message)
+        self.report = report or message
+        self.dropped = dropped

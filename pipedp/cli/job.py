@@ -77,6 +77,11 @@ def _run(args, defaults: Optional[dict], hold) -> int:
 
     under_torchrun = "RANK" in os.environ and "WORLD_SIZE" in os.environ and not args.inprocess
     lead = not under_torchrun or os.environ["RANK"] == "0"  # under torchrun every rank resolves; rank 0 speaks
+    if under_torchrun:  # from the start: the preflight takes the folder's lock on rank 0
+        from ..config import PipelineConfig
+        from ..runtime.lifeline import watch_agent
+
+        watch_agent(getattr(args, "timeout", None) or PipelineConfig.timeout)  # (a config file's: resolved later)
     job = resolve(args, say=print if lead else lambda line: None, lead=lead, hold=hold)
     if lead:
         folder = RunFolder(job.run_dir)

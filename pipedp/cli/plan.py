@@ -450,6 +450,9 @@ class _HeldTransport:
     def norm_reduce_start(self, mb, squared_norms):
         return self.inner.norm_reduce_start(mb, squared_norms)
 
+    def send_aborted(self, kind, mb) -> None:
+        self.inner.send_aborted(kind, mb)
+
     def release(self, kind, mb) -> None:
         self.held.pop((_channel(kind), mb), None)
 

@@ -29,11 +29,13 @@ from schedules import Kind
 
 from ..errors import TransportError
 from .microbatch import Activation
+from .protocols import PeerAborted
 
 _HEADER = 11  # mb, channel, parts, dtype code, ndim, up to 6 dims
 _HEADER_BYTES = 8 * _HEADER  # a multiple of every element size: the payload after it views as any dtype
 _BARE = -1  # "parts" of a bare tensor; a tuple of k tensors says k
 _RESHAPED = -2  # "parts" of a notice in a joined buffer: this message has a new shape, its header follows
+_ABORTED = -3  # "parts" of a header sent in place of a message: the sender's step failed, it drains the pass
 _DTYPES = [
     torch.float32,
     torch.float64,
@@ -70,11 +72,11 @@ class PipelineGroups:
 
 
 class DistReduction:
-    def __init__(self, work, tensor: torch.Tensor):
-        self.work, self.tensor = work, tensor
+    def __init__(self, work, tensor: torch.Tensor, transport: "DistTransport"):
+        self.work, self.tensor, self.transport = work, tensor, transport
 
     def wait(self) -> torch.Tensor:
-        self.work.wait()
+        self.transport.complete(self.work, "the norm all-reduce")
         return self.tensor.cpu()
 
 
@@ -89,6 +91,7 @@ class DistTransport:
         # this pass's message shapes, by (side, channel, n): the n-th message of a micro-batch on a channel
         self._known: Dict[tuple, Spec] = {}
         self._count: Dict[tuple, int] = {}  # (side, channel, mb) -> messages so far
+        self.broken = False  # a receive, send or reduction failed: the channels are no longer in step
 
     def _slot(self, side: str, kind: Kind, mb: int) -> tuple:
         count = (side, _CHANNEL[kind], mb)
@@ -133,6 +136,15 @@ class DistTransport:
                 [(dist.isend(header, dst, group=group), header), (dist.isend(tensor, dst, group=group), tensor)]
             )
 
+    def send_aborted(self, kind: Kind, mb: int) -> None:
+        """One header in place of the whole message (every tensor of it): this stage's step failed. It fits
+        any buffer the receiver posts first (a header, or a larger joined buffer: gloo takes a smaller
+        message into a larger buffer), and the receiver then stops reading that message."""
+        self._slot("send", kind, mb)
+        header = self._header(mb, kind, _ABORTED, None)
+        dst, group = self.peer[kind], self.channel_group[_CHANNEL[kind]]
+        self._pending.setdefault((_CHANNEL[kind], mb), []).append((dist.isend(header, dst, group=group), header))
+
     def _header(self, mb: int, kind: Kind, parts: int, tensor) -> torch.Tensor:
         """The message's header, made on this stage's device (one copy from the host)."""
         values = [mb, _CHANNEL[kind], parts]
@@ -166,6 +178,7 @@ class DistTransport:
         header = torch.zeros(_HEADER, dtype=torch.int64, device=self.device)
         self._wait_for(lambda: dist.recv(header, src, group=group), src, kind, mb)
         parts, dtype, shape = self._check(header, kind, mb, None)
+        self._refuse_aborted(parts, kind, mb)
         if parts == 0:
             return 0, header
         payload = torch.empty(shape, dtype=_DTYPES[dtype], device=self.device)
@@ -179,7 +192,9 @@ class DistTransport:
         src, group = self.peer[kind], self.channel_group[_CHANNEL[kind]]
         joined = torch.empty(_joined_bytes(code, shape), dtype=torch.uint8, device=self.device)
         self._wait_for(lambda: dist.recv(joined, src, group=group), src, kind, mb)
-        if self._check(joined[:_HEADER_BYTES].view(torch.int64), kind, mb, (parts, code, shape))[0] == _RESHAPED:
+        got = self._check(joined[:_HEADER_BYTES].view(torch.int64), kind, mb, (parts, code, shape))[0]
+        self._refuse_aborted(got, kind, mb)
+        if got == _RESHAPED:
             return None
         return joined[_HEADER_BYTES:].view(_DTYPES[code]).view(shape)
 
@@ -193,18 +208,36 @@ class DistTransport:
                 f"got the {_NAMES.get(channel, channel)} of micro-batch {got_mb}: the ranks run different schedules"
             )
         shape = tuple(int(v) for v in header[5 : 5 + ndim].tolist())
-        if expected is not None and parts != _RESHAPED and (parts, dtype, shape) != expected:
+        if expected is not None and parts not in (_RESHAPED, _ABORTED) and (parts, dtype, shape) != expected:
             raise TransportError(
                 f"stage {self.stage} got the {_NAMES[channel]} of micro-batch {mb} from rank {src} as (parts, dtype, "
                 f"shape) {(parts, dtype, shape)}, expected {expected} like the earlier micro-batches of this pass"
             )
         return parts, dtype, shape
 
+    def _refuse_aborted(self, parts: int, kind: Kind, mb: int) -> None:
+        if parts == _ABORTED:
+            raise PeerAborted(
+                f"rank {self.peer[kind]}'s step failed: it sent no {_NAMES[_CHANNEL[kind]]} of micro-batch {mb}"
+            )
+
+    def complete(self, work, what: str) -> None:
+        """Wait for a send or reduction; a broken peer or a timeout is an error that says so."""
+        try:
+            work.wait()
+        except RuntimeError as exc:
+            self.broken = True
+            raise TransportError(
+                f"rank {self.rank} (stage {self.stage}): {what} did not complete: a rank stopped answering or died "
+                f"({str(exc).splitlines()[0][:200]})"
+            ) from exc
+
     def _wait_for(self, receive, src: int, kind: Kind, mb: int) -> None:
         """A receive that names the silent peer when it times out or the peer's connection breaks."""
         try:
             receive()
         except RuntimeError as exc:
+            self.broken = True
             raise TransportError(
                 f"rank {self.rank} (stage {self.stage}) got no {_NAMES[_CHANNEL[kind]]} of micro-batch {mb} from "
                 f"rank {src}: rank {src} stopped answering or died ({str(exc).splitlines()[0][:200]})"
@@ -213,16 +246,16 @@ class DistTransport:
     def norm_reduce_start(self, mb: int, squared_norms: torch.Tensor) -> DistReduction:
         tensor = squared_norms.to(self.device).clone()
         work = dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=self.group, async_op=True)
-        return DistReduction(work, tensor)
+        return DistReduction(work, tensor, self)
 
     def release(self, kind: Kind, mb: int) -> None:
         """The peer has received what this stage sent as ``kind`` for ``mb``: complete it, free it."""
         for work, _ in self._pending.pop((_CHANNEL[kind], mb), []):
-            work.wait()
+            self.complete(work, f"the send of micro-batch {mb}")
 
     def finish_pass(self) -> None:
-        for sends in self._pending.values():
+        for (_, mb), sends in self._pending.items():
             for work, _ in sends:
-                work.wait()
+                self.complete(work, f"the send of micro-batch {mb}")
         self._pending = {}
         self._known, self._count = {}, {}  # the next pass may have other shapes

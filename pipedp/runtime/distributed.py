@@ -13,6 +13,7 @@ moved to the meta device (their memory is freed); only this rank's stage stays r
 from __future__ import annotations
 
 import functools
+import time
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
@@ -23,7 +24,15 @@ import torch.distributed as dist
 from schedules import Schedule, forward_only
 
 from ..config import PipelineConfig
-from ..errors import BatchError, ConfigError, ConfigMismatchError, TransportError
+from ..errors import (
+    AgentLostError,
+    BatchError,
+    ConfigError,
+    ConfigMismatchError,
+    PipeDPError,
+    StepFailedError,
+    TransportError,
+)
 from ..parallel.layers import Group
 from ..parallel.plan import split_stage
 from ..shards import Shard
@@ -33,6 +42,7 @@ from .dist_transport import DistTransport, PipelineGroups
 from .executor import Executor
 from .launch import bounded, cuda_device_of_rank, nccl_fault_handling
 from .microbatch import Inputs, PassBatch, rows, tensors_of
+from .protocols import PeerAborted
 from .stage import Stage, StageOptions
 from .tie import TieRole
 
@@ -219,6 +229,33 @@ def _fingerprint(t: torch.Tensor) -> float:
     return float(_fingerprint_tensor(t))
 
 
+FAILURE_KEY = "pipedp/step-failure"  # in the default group's store: a failure no collective carried
+POLL_S = 0.05  # a waiting collective looks for that key this often (after waiting this long)
+
+
+def _store_get(key: str) -> Optional[str]:
+    """The key's value in the default group's store, or None (absent, or the store is gone)."""
+    try:
+        store = dist.distributed_c10d._get_default_store()
+        return store.get(key).decode() if store.check([key]) else None
+    except (RuntimeError, ValueError):  # a killed launcher's store: nothing to learn there
+        return None
+
+
+def _store_set(key: str, value: str) -> None:
+    try:
+        dist.distributed_c10d._get_default_store().set(key, value)
+    except (RuntimeError, ValueError):  # the others then learn of it by their timeout or a broken connection
+        pass
+
+
+def _refusal(report: str) -> str:
+    return (
+        f"{report}; the ranks are out of step, so this run refuses every later step, evaluation, state_dict() "
+        "and checkpoint: restart it (resume from the last checkpoint)"
+    )
+
+
 class DistributedRuntime:
     def __init__(
         self,
@@ -313,17 +350,16 @@ class DistributedRuntime:
 
     def check_same_batch(self, inputs: Inputs, targets: torch.Tensor) -> None:
         """Every rank must step on the same logical batch: compare its size and a fingerprint."""
-        if self.failure is not None:
-            raise TransportError(
-                f"rank {self.rank}: an earlier step failed here ({self.failure}); the other ranks may still be inside "
-                "it, so the ranks are out of step: restart the run (resume from the last checkpoint)"
-            )
+        self._refuse_if_failed()
         mine = torch.tensor(
             [float(rows(inputs)), sum(_fingerprint(t) for t in tensors_of(inputs)), _fingerprint(targets)],
             dtype=torch.float64,
         )
         extremes = torch.cat([mine, -mine]).to(self.device)  # one MAX all-reduce gives both max and -min
-        self._collective("batch check", lambda: dist.all_reduce(extremes, op=dist.ReduceOp.MAX, group=self.world_group))
+        self._polled(
+            "batch check",
+            lambda: dist.all_reduce(extremes, op=dist.ReduceOp.MAX, group=self.world_group, async_op=True),
+        )
         high, low = extremes.cpu().split(3)
         if not (torch.equal(high, mine) and torch.equal(-low, mine)):
             raise BatchError(
@@ -333,15 +369,11 @@ class DistributedRuntime:
             )
 
     def run_pass(self, batch: PassBatch) -> torch.Tensor:
-        self.executor.start_pass(batch)
-        self.executor.run()
-        self.executor.end_pass()
+        self._run(batch, None)
         return self._counted(self.executor.totals().cpu())
 
     def run_eval(self, batch: PassBatch) -> torch.Tensor:
-        actions = forward_only(self.mesh.stages, len(batch.masks)).for_stage(self.mesh.stage)
-        self.executor.start_pass(batch, actions)
-        self.executor.run()
+        self._run(batch, forward_only(self.mesh.stages, len(batch.masks)).for_stage(self.mesh.stage))
         return self._counted(self.executor.totals().cpu())
 
     def _counted(self, totals: torch.Tensor) -> torch.Tensor:
@@ -361,6 +393,54 @@ class DistributedRuntime:
                 )
         return grads
 
+    def _run(self, batch: PassBatch, actions) -> None:
+        """One pass; a pass that fails on any rank raises the same StepFailedError on every rank. The failing
+        rank drains the pass (Executor.drain: the rest of its communication, abort headers for its sends), its
+        neighbours drain once they receive an abort header, and a failure flag over every rank at the end
+        tells the rest: every rank leaves the pass in step, with nothing in flight, and drops the step."""
+        self._refuse_if_failed()
+        failed: Optional[BaseException] = None
+        try:
+            self.executor.start_pass(batch, actions)
+            self.executor.run()
+            if actions is None:
+                self.executor.end_pass()
+        except PeerAborted:
+            self.executor.drain(received_abort=True)
+        except TransportError:
+            self._refuse_if_announced()  # a peer that failed outside a pass said why
+            raise
+        except Exception as exc:
+            broken = self.executor.transport.broken  # type: ignore[attr-defined]
+            if isinstance(exc, AgentLostError) or broken or self.executor.failed_communicating:
+                raise  # the channels are not in step: nothing to drain through
+            self.executor.drain()
+            failed = exc
+        self._agree_on_pass(failed)
+
+    def _agree_on_pass(self, failed: Optional[BaseException]) -> None:
+        """Every rank learns whether a rank's pass failed (one MAX all-reduce of a flag); if one did, every
+        rank raises the failing ranks' first report."""
+        flag = torch.tensor([float(failed is not None)], dtype=torch.float64, device=self.device)
+        self._polled(
+            "failure check", lambda: dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.world_group, async_op=True)
+        )
+        if float(flag.cpu()[0]) == 0:
+            return
+        reports = self.all_gather(self._report(failed) if failed is not None else None)
+        report = next(r for r in reports if r is not None)
+        raise StepFailedError(
+            f"{report}; every rank dropped the step (nothing of it was applied): the next step is the one it would "
+            "have been",
+            report,
+            dropped=True,
+        ) from failed
+
+    def _report(self, error: BaseException) -> str:
+        """'rank R (stage S) failed in a step: Type: first line' (one line, at most 300 characters)."""
+        text = str(error).splitlines()[0][:300] if str(error) else ""
+        return f"rank {self.rank} (stage {self.mesh.stage}) failed in a step: {type(error).__name__}: {text}"
+
     def sum_over_replicas(self, grads: List[torch.Tensor]) -> List[torch.Tensor]:
         if self.replicas == 1 or not grads:
             return grads
@@ -368,8 +448,9 @@ class DistributedRuntime:
             # in place, a bucket at a time: one flat copy of every sum would hold them all twice
             alone = len(bucket) == 1 and bucket[0].is_contiguous()
             flat = bucket[0].view(-1) if alone else torch.cat([g.reshape(-1) for g in bucket])
-            self._collective(
-                "sum over replicas", functools.partial(dist.all_reduce, flat, dist.ReduceOp.SUM, self.dp_group)
+            self._polled(
+                "sum over replicas",
+                functools.partial(dist.all_reduce, flat, dist.ReduceOp.SUM, self.dp_group, async_op=True),
             )
             if not alone:
                 for g, chunk in zip(bucket, flat.split([g.numel() for g in bucket])):
@@ -381,15 +462,18 @@ class DistributedRuntime:
             return grads
 
         def all_reduce(total: torch.Tensor) -> None:
-            self._collective(
-                "tied weight sum", lambda: dist.all_reduce(total, op=dist.ReduceOp.SUM, group=self.tie_group)
+            self._polled(
+                "tied weight sum",
+                lambda: dist.all_reduce(total, op=dist.ReduceOp.SUM, group=self.tie_group, async_op=True),
             )
 
         return stage.tie.combine_across(grads, stage.parameters, all_reduce)
 
     def total(self, value: torch.Tensor) -> torch.Tensor:
         value = value.to(self.device, torch.float64).clone()
-        self._collective("loss total", lambda: dist.all_reduce(value, op=dist.ReduceOp.SUM, group=self.world_group))
+        self._polled(
+            "loss total", lambda: dist.all_reduce(value, op=dist.ReduceOp.SUM, group=self.world_group, async_op=True)
+        )
         return value.cpu()
 
     def all_gather(self, obj: Any) -> List[Any]:
@@ -409,7 +493,10 @@ class DistributedRuntime:
         Tensor by tensor, point to point: replica 0's stage k sends its tensors to rank 0 one at
         a time, so no other rank ever holds another stage's weights, and rank 0 holds only what
         it returns (plus one tensor in flight). Under tensor parallelism the stage's rank 0 first joins
-        each split tensor's slices, one tensor at a time."""
+        each split tensor's slices, one tensor at a time. Refused, with the failure, once the ranks are out of
+        step."""
+        self._refuse_if_failed()
+        self._refuse_if_announced()
         own = self._whole_state() if self.replica == 0 else {}
         if self.rank == 0:
             merged = {k: v.detach().cpu() for k, v in own.items()}
@@ -460,18 +547,65 @@ class DistributedRuntime:
         return out if mine else None
 
     def abort_step(self, error: BaseException) -> None:
+        """Drop what the step left here. A step every rank dropped together (StepFailedError.dropped) leaves the
+        run in step; any other failure does not (another rank may be past this step, or waiting in it): it is
+        remembered, refused from then on, and said in the store, where waiting collectives look for it."""
         self.stage.reset()
         self.executor.state = None
-        self.failure = f"{type(error).__name__}: {str(error).splitlines()[0][:200] if str(error) else ''}"
+        if isinstance(error, StepFailedError) and error.dropped:
+            return
+        if self.failure is None:
+            if isinstance(error, StepFailedError):  # another rank's failure, learnt from the store
+                self.failure = error.report
+            else:
+                self.failure = self._report(error)
+                _store_set(FAILURE_KEY, self.failure)
 
     def close(self) -> None:
         self.stage.close()
 
+    def _refuse_if_failed(self) -> None:
+        if self.failure is not None:
+            raise StepFailedError(_refusal(self.failure), self.failure)
+
+    def _refuse_if_announced(self) -> None:
+        """Raise (and remember) a failure another rank said in the store."""
+        report = _store_get(FAILURE_KEY)
+        if report is not None:
+            self.failure = self.failure or report
+            raise StepFailedError(_refusal(report), report)
+
+    def _polled(self, what: str, start: Callable[[], Any]) -> None:
+        """An asynchronous collective, waited for while looking in the store for another rank's failure
+        (every POLL_S once it takes that long): a rank whose step failed outside a pass, or that gave up,
+        ends the wait at once instead of after the timeout."""
+        self._refuse_if_failed()
+        began, pause = time.monotonic(), 1e-4
+        try:
+            work = start()
+            while not work.is_completed():
+                time.sleep(pause)
+                pause = min(2 * pause, POLL_S)
+                if time.monotonic() - began >= POLL_S:
+                    self._refuse_if_announced()
+            work.wait()
+        except PipeDPError:
+            raise
+        except RuntimeError as exc:
+            self._refuse_if_announced()
+            raise TransportError(
+                f"rank {self.rank}: the {what} over every rank got no answer (a rank stopped answering or died; "
+                f"{str(exc).splitlines()[0][:200]})"
+            ) from exc
+
     def _collective(self, what: str, operation: Callable[[], Any]) -> None:
-        """Run a collective; a timeout or a broken peer becomes an error that says so."""
+        """Run a blocking collective (refused once the ranks are out of step); a timeout or a broken peer
+        becomes an error that says so (another rank's failure, if it said one)."""
+        self._refuse_if_failed()
         try:
             operation()
         except RuntimeError as exc:
+            self._refuse_if_announced()
             raise TransportError(
                 f"rank {self.rank}: the {what} over every rank got no answer (a rank stopped answering or died; "
                 f"{str(exc).splitlines()[0][:200]})"

@@ -9,6 +9,7 @@ another stage progress.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Callable, Dict, List, Optional, Tuple
 
@@ -18,7 +19,7 @@ from schedules import Action, Kind
 
 from ..errors import UnsupportedModelError
 from .microbatch import Activation, PassBatch, detached
-from .protocols import PendingReduction, Transport, WouldBlock
+from .protocols import PeerAborted, PendingReduction, Transport, WouldBlock
 from .self_check import Probe
 from .stage import Stage
 
@@ -43,6 +44,9 @@ class PassState:
     probes_in: Tuple[Activation, ...] = ()  # the self-check's per-row gradient messages, behind micro-batch 0's
     probes_out: Tuple[Activation, ...] = ()
     reductions: Dict[int, PendingReduction] = field(default_factory=dict)
+
+
+_CHANNEL_KINDS = (Kind.SEND_F, Kind.SEND_B, Kind.RECV_F, Kind.RECV_B)
 
 
 class LocalReduction:
@@ -90,11 +94,12 @@ class Executor:
         """``actions``: another action list for this pass only (evaluation's forward-only one)."""
         zero = torch.zeros((), dtype=torch.float64, device=self.stage.device)
         evaluating = actions is not None
+        self.pass_actions = actions if actions is not None else self.actions  # first: drain() runs them
+        self.position = 0
+        self.state = PassState(batch, zero, zero.clone(), zero.clone(), evaluating=evaluating)
         batch = batch.to(self.stage.device)  # in one process, stages may sit on several devices
         probe = None if evaluating else self.stage.check_plan(batch.inputs[0], batch.masks[0])
         self.state = PassState(batch, zero, zero.clone(), zero.clone(), evaluating=evaluating, probe=probe)
-        self.pass_actions = actions if actions is not None else self.actions
-        self.position = 0
         # every parameter's and buffer's version and every buffer's digest around each pass; the parameters'
         # digests too at a checked pass and at the run's first (state_watch.py)
         self._with_parameters = not evaluating and (probe is not None or not self._watched)
@@ -139,6 +144,60 @@ class Executor:
             if self.done:
                 self.transport.finish_pass()
         return True
+
+    @property
+    def failed_communicating(self) -> bool:
+        """Whether the action that raised sends or receives (part of its message may be out: not drainable)."""
+        return not self.done and self.pass_actions[self.position].kind in _CHANNEL_KINDS
+
+    def drain(self, received_abort: bool = False) -> None:
+        """This pass failed (here, or on a peer: ``received_abort``, the current receive got its abort
+        header): run the rest of the pass's communication, with no computation, so every stage ends the
+        pass in step and no message is left in flight. Each send is an abort header (PeerAborted at the
+        receiver), each receive takes what the peer sends (a message, or its abort header), and each norm
+        reduction is joined (NaN where this stage has no norms). The failed action itself is skipped; after
+        ``received_abort`` only the rest of its receive's action is."""
+        state = self._pass
+        position = self.position
+        if received_abort:
+            action = self.pass_actions[position]
+            self._drain_action(action.kind, action.microbatch, received_abort=True)
+        for action in self.pass_actions[position + 1 :]:
+            self._drain_action(action.kind, action.microbatch)
+        self.position = len(self.pass_actions)
+        self.transport.finish_pass()
+        state.reductions.clear()
+
+    def _drain_action(self, kind: Kind, mb: int, received_abort: bool = False) -> None:
+        state, transport = self._pass, self.transport
+        if kind in (Kind.SEND_F, Kind.SEND_B):
+            transport.send_aborted(kind, mb)
+        elif kind is Kind.RECV_F and not received_abort:
+            self._receive_or_abort(Kind.RECV_F, mb, 1)
+        elif kind is Kind.RECV_B:
+            if not received_abort:  # the gradient, then what travels behind it (as _recv_backward)
+                behind = int(self.tie is not None) + (len(state.probe.rows) if mb == 0 and state.probe else 0)
+                self._receive_or_abort(Kind.RECV_B, mb, 1 + behind)
+            transport.release(Kind.SEND_F, mb)
+        elif kind is Kind.NORM_REDUCE and self.reduce_norms:
+            norms = state.norms.pop(mb, None)
+            if norms is None:
+                rows = int(state.batch.masks[mb].shape[0])
+                norms = torch.full((rows,), math.nan, dtype=torch.float64, device=self.stage.device)
+            state.reductions[mb] = transport.norm_reduce_start(mb, norms)
+        elif kind is Kind.W:
+            if mb in state.reductions:
+                state.reductions.pop(mb).wait()
+            if self.reduce_norms and not self.stage.is_first:
+                transport.release(Kind.SEND_B, mb)
+
+    def _receive_or_abort(self, kind: Kind, mb: int, messages: int) -> None:
+        """Take the ``messages`` of one receive action, or its abort header (then nothing more follows)."""
+        for _ in range(messages):
+            try:
+                self.transport.recv(kind, mb)
+            except PeerAborted:
+                return
 
     def _here(self, message: Activation) -> Activation:
         """A message from a stage on another device (one process), on this stage's device."""

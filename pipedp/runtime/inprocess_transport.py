@@ -84,5 +84,9 @@ class InProcessTransport:
     def release(self, kind: Kind, mb: int) -> None:
         """Nothing is held for a send in one process."""
 
+    def send_aborted(self, kind: Kind, mb: int) -> None:
+        """Never needed: in one process a failed pass is dropped whole (InProcessRuntime.abort_step)."""
+        raise TransportError("in one process a failed pass is dropped whole: there is no pass to drain")
+
     def finish_pass(self) -> None:
         """Nothing to wait for in one process; the hub checks and clears once all stages are done."""

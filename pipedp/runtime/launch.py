@@ -6,6 +6,8 @@ RankFailedError names the rank at fault: a rank that died (its exit code or sign
 stopped (SIGSTOP) is named before a healthy rank that only reported the broken
 connection or the timeout it caused. Every rank dies with the launcher (Linux parent-death
 signal), so killing the launcher never leaves ranks training unattended.
+The ranks rendezvous through a FileStore in a folder only this user can enter (no listening store: no
+other local user can reach the rendezvous), and gloo's pairs listen on loopback only.
 Used by the tests, the CLI (when not started by torchrun) and the benchmarks.
 """
 
@@ -16,20 +18,24 @@ import ctypes
 import io
 import os
 import queue
+import re
+import shutil
 import signal
 import socket
 import sys
+import tempfile
 import threading
 import time
 import traceback
 from datetime import timedelta
-from typing import Any, Callable, List, Optional
+from typing import Any, Callable, Iterator, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from ..errors import RankFailedError
+from .lifeline import watch_agent
 from .placement import local_device
 
 
@@ -93,7 +99,8 @@ def cuda_device_of_rank() -> int:
 def init_from_env(backend: Optional[str] = None, timeout_s: float = 300.0, store: Optional[dist.Store] = None) -> None:
     """init_process_group from torchrun's environment (or the given store); NCCL when CUDA is there, else gloo.
     Under NCCL each rank takes its own GPU (refused, by name, where two would share one) and NCCL's faults
-    raise within ``timeout_s``."""
+    raise within ``timeout_s``. Under torchrun the rank stops if torchrun's agent dies (lifeline.py)."""
+    watch_agent(timeout_s)
     if dist.is_initialized():
         return
     if backend is None:
@@ -114,22 +121,28 @@ def init_from_env(backend: Optional[str] = None, timeout_s: float = 300.0, store
             )
 
 
-def _loopback_store(world: int, timeout_s: float) -> dist.TCPStore:
-    """The rendezvous store, hosted by the launcher and listening on 127.0.0.1 only (torch's own
-    store would listen on every interface). The store takes over the socket."""
-    listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    listener.bind(("127.0.0.1", 0))
-    listener.listen(128)
-    port = listener.getsockname()[1]
-    return dist.TCPStore(
-        "127.0.0.1",
-        port,
-        world + 1,
-        True,
-        timeout=timedelta(seconds=timeout_s),
-        wait_for_workers=False,
-        master_listen_fd=listener.detach(),
-    )
+RENDEZVOUS = "PIPEDP_RENDEZVOUS"  # a launched rank's FileStore: the file its ranks rendezvous through
+
+
+@contextlib.contextmanager
+def _private_rendezvous() -> Iterator[str]:
+    """The path of the ranks' rendezvous file, in a folder only this user can enter (mkdtemp: mode 0700),
+    removed with everything in it at the end. A FileStore listens on no port: no other local user can
+    connect to it or read its keys (a TCPStore, even on loopback, takes any local connection)."""
+    folder = tempfile.mkdtemp(prefix="pipedp-rendezvous-")
+    try:
+        yield os.path.join(folder, "store")
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+def _loopback_interface() -> Optional[str]:
+    """The loopback interface's name ('lo' on Linux, 'lo0' on macOS), for gloo to bind its pairs to."""
+    try:
+        names = [name for _, name in socket.if_nameindex()]
+    except OSError:
+        return None
+    return next((n for n in ("lo", "lo0") if n in names), None)
 
 
 def _encode(value: Any) -> bytes:
@@ -149,7 +162,7 @@ def _die_with_parent(parent: int) -> None:
         os._exit(1)
 
 
-def _worker(rank, world, port, fn, args, results, threads, op_timeout_s, backend, parent):
+def _worker(rank, world, rendezvous, fn, args, results, threads, op_timeout_s, backend, parent):
     _die_with_parent(parent)
     torch.set_num_threads(threads)
     os.environ.update(
@@ -158,10 +171,14 @@ def _worker(rank, world, port, fn, args, results, threads, op_timeout_s, backend
         LOCAL_RANK=str(rank),
         LOCAL_WORLD_SIZE=str(world),
         MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port),
+        **{RENDEZVOUS: rendezvous},
     )
+    loopback = _loopback_interface()
+    if loopback is not None:  # gloo's pairs listen on loopback, whatever the host name resolves to
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", loopback)
     try:
-        store = dist.TCPStore("127.0.0.1", port, world + 1, False, timeout=timedelta(seconds=op_timeout_s))
+        store = dist.FileStore(rendezvous, world)
+        store.set_timeout(timedelta(seconds=op_timeout_s))
         init_from_env(backend, op_timeout_s, store)
         value = fn(rank, *args)
         results.put((rank, "ok", _encode(value)))
@@ -191,25 +208,46 @@ def launch(
     """
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
-    store = _loopback_store(nprocs, min(timeout_s, op_timeout_s))
-    port = store.port
-    procs = [
-        ctx.Process(
-            target=_worker,
-            daemon=True,
-            args=(r, nprocs, port, fn, args, results, threads, min(timeout_s, op_timeout_s), backend, os.getpid()),
-        )
-        for r in range(nprocs)
-    ]
+    with _private_rendezvous() as rendezvous:
+        procs = [
+            ctx.Process(
+                target=_worker,
+                daemon=True,
+                args=(
+                    r,
+                    nprocs,
+                    rendezvous,
+                    fn,
+                    args,
+                    results,
+                    threads,
+                    min(timeout_s, op_timeout_s),
+                    backend,
+                    os.getpid(),
+                ),
+            )
+            for r in range(nprocs)
+        ]
+        failure, values = _run_ranks(procs, results, timeout_s, grace_s)
+    if failure is not None:
+        rank, message = failure
+        who = f"rank {rank}" if rank is not None else "the run"
+        raise RankFailedError(f"{who} failed: {message.strip()}", rank, [p.exitcode for p in procs])
+    return [values[r] for r in range(nprocs)]
+
+
+def _run_ranks(procs, results, timeout_s: float, grace_s: float) -> Tuple[Optional[tuple], dict]:
+    """Start the ranks and wait for every report (or the first failure, then stop the rest within
+    ``grace_s``): (failure as (rank, message), or None; the values reported, by rank)."""
     for p in procs:
         p.start()
     values: dict = {}
     failure: Optional[tuple] = None
     deadline = time.monotonic() + timeout_s
     try:
-        while len(values) < nprocs and failure is None:
+        while len(values) < len(procs) and failure is None:
             if time.monotonic() > deadline:
-                unfinished = {r: _state(procs[r]) for r in range(nprocs) if r not in values}
+                unfinished = {r: _state(procs[r]) for r in range(len(procs)) if r not in values}
                 failure = (None, f"timed out after {timeout_s:.0f}s with ranks unfinished: {unfinished}")
                 break
             try:
@@ -239,12 +277,7 @@ def launch(
                 p.join(timeout=5)
                 if p.is_alive():
                     p.kill()
-        del store  # the ranks are gone: close the rendezvous
-    if failure is not None:
-        rank, message = failure
-        who = f"rank {rank}" if rank is not None else "the run"
-        raise RankFailedError(f"{who} failed: {message.strip()}", rank, [p.exitcode for p in procs])
-    return [values[r] for r in range(nprocs)]
+    return failure, values
 
 
 def _state(p) -> str:
@@ -263,7 +296,8 @@ def _state(p) -> str:
 
 def _at_fault(procs, reporter: int, report: str, finished: dict, settle_s: float = 1.0):
     """(rank, message) for the failure: a rank that died or stopped without reporting, if any
-    (the reporter often only saw the connection it broke), else the reporter."""
+    (the reporter often only saw the connection it broke), else the rank whose failed step the reporter's
+    StepFailedError names (every rank raises it), else the reporter."""
     deadline = time.monotonic() + settle_s
     while True:
         silent = [
@@ -278,6 +312,9 @@ def _at_fault(procs, reporter: int, report: str, finished: dict, settle_s: float
     if silent:
         rank, how = silent[0]
         return rank, f"{how} and stopped answering; rank {reporter} then reported: {report.strip()}"
+    named = re.match(r"StepFailedError: rank (\d+) \(stage \d+\) failed in a step", report)
+    if named is not None and int(named.group(1)) < len(procs):
+        return int(named.group(1)), report
     return reporter, report
 
 

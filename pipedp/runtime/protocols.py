@@ -11,12 +11,18 @@ import torch
 
 from schedules import Kind
 
+from ..errors import TransportError
 from .microbatch import Activation, Inputs, PassBatch
 from .stage import Stage
 
 
 class WouldBlock(Exception):
     """An in-process operation must wait for another stage (the driver retries it later)."""
+
+
+class PeerAborted(TransportError):
+    """A peer's pass failed: it sent an abort header in place of the expected message, and drains the pass
+    (Executor.drain); so does this stage."""
 
 
 class PendingReduction(Protocol):
@@ -34,7 +40,13 @@ class Transport(Protocol):
         """An activation or gradient message: a tensor or a tuple of tensors."""
         ...
 
-    def recv(self, kind: Kind, mb: int) -> Activation: ...
+    def recv(self, kind: Kind, mb: int) -> Activation:
+        """The peer's message; PeerAborted if it sent an abort header instead."""
+        ...
+
+    def send_aborted(self, kind: Kind, mb: int) -> None:
+        """An abort header in place of the whole message of ``kind``: this stage's pass failed."""
+        ...
 
     def norm_reduce_start(self, mb: int, squared_norms: torch.Tensor) -> PendingReduction: ...
 
@@ -101,8 +113,8 @@ class Runtime(Protocol):
 
     def abort_step(self, error: BaseException) -> None:
         """A step raised: drop what it left behind (messages in flight, captures, partial clipped sums),
-        so that the next step is the one it would have been; a runtime that cannot (another rank may
-        still wait on this one) refuses every later step with the first failure named."""
+        so that the next step is the one it would have been; a runtime that cannot (another rank may be
+        past this step or still wait in it) refuses every later call with the first failure named."""
         ...
 
     def close(self) -> None:

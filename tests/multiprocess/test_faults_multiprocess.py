@@ -70,6 +70,20 @@ def test_the_launcher_and_its_ranks_listen_on_loopback_only():
     assert set(addresses) == {"0100007F"}, addresses  # 127.0.0.1, little-endian hex in /proc/net/tcp
 
 
+def test_the_ranks_rendezvous_through_a_private_file_and_nothing_listens_but_gloo_on_loopback():
+    """Another user cannot open a folder of mode 0700 (testing that needs root: the bits are tested); the
+    launcher listens on no port at all (the TCPStore it hosted took any local connection)."""
+    from workers import report_rendezvous
+
+    reports = launch(report_rendezvous, 2, timeout_s=60)
+    path, mode, launcher_ports, rank_ports = reports[0]
+    assert [r[0] for r in reports] == [path, path]  # one store for the job
+    assert mode == 0o700, oct(mode)
+    assert launcher_ports == []
+    assert rank_ports and set(rank_ports) == {"0100007F"}, rank_ports  # gloo's pairs, on 127.0.0.1
+    assert not os.path.exists(os.path.dirname(path)), "the rendezvous folder outlived the job"
+
+
 def test_the_audit_over_processes_equals_the_in_process_one(tmp_path):
     from pipedp.audit.run import AuditConfig, AuditResult, audit_rank, run_audit
 
@@ -80,3 +94,103 @@ def test_the_audit_over_processes_equals_the_in_process_one(tmp_path):
     assert over_processes.scores == in_process.scores  # the same noise, draw for draw
     assert over_processes.epsilon_lower_bound == in_process.epsilon_lower_bound
     assert over_processes.passed
+
+
+def children(pid):
+    """The pids of ``pid``'s child processes (Linux /proc)."""
+    out = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    if int(f.read().rsplit(")", 1)[1].split()[1]) == pid:
+                        out.append(int(entry))
+            except (OSError, IndexError, ValueError):
+                pass
+    return out
+
+
+def wait_until(condition, seconds):
+    deadline = time.monotonic() + seconds
+    while not condition() and time.monotonic() < deadline:
+        time.sleep(0.2)
+    return condition()
+
+
+@pytest.mark.parametrize("phase", ["before the first step", "mid-training"])
+def test_killing_torchrun_s_agent_stops_every_rank_and_frees_the_folder(tmp_path, phase):
+    """torchrun starts its ranks in their own session: nothing but the ranks' own watch ends them when the
+    agent is SIGKILLed. Planted: the agent killed while the ranks start, and once they have trained."""
+    from pipedp.runtime.launch import free_port
+
+    run = tmp_path / "run"
+    train = ["-m", "pipedp", "train", "--stages", "2", "--device", "cpu", "--checkpoint-dir", str(run)]
+    train += ["--timeout", "20", "--no-progress", "--threads", "1"]
+    log = open(tmp_path / "torchrun.log", "w")
+    agent = subprocess.Popen(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port())]
+        + train
+        + ["--steps", "100000", "--checkpoint-every", "1"],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        env=dict(os.environ, PYTHONPATH=ROOT),
+        cwd=tmp_path,
+    )
+    try:
+        assert wait_until(lambda: len(children(agent.pid)) == 2, 60), "torchrun started no ranks"
+        ranks = children(agent.pid)
+        if phase == "mid-training":
+            assert wait_until(lambda: len(list(run.glob("step-*"))) >= 2, 180), (tmp_path / "torchrun.log").read_text()
+        agent.kill()
+        agent.wait()
+        assert wait_until(lambda: not any(alive(p) for p in ranks), 60), "ranks outlived torchrun's agent"
+    finally:
+        agent.kill()
+        log.close()
+    text = (tmp_path / "torchrun.log").read_text()
+    assert "torchrun's agent (pid" in text and "is gone" in text, text[-3000:]
+    again = subprocess.run(
+        [sys.executable] + train + ["--resume", "--steps", "1", "--inprocess"],
+        capture_output=True,
+        text=True,
+        env=dict(os.environ, PYTHONPATH=ROOT),
+        cwd=tmp_path,
+        timeout=300,
+    )
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert "in use by another job" not in again.stderr
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+@pytest.mark.parametrize("bad_stage", [0, 1])
+def test_a_failed_step_ends_with_one_named_error_on_every_rank_fast_and_the_run_recovers(schedule, bad_stage):
+    """The failing stage drains the pass (abort headers in place of its messages), so its peer stops waiting
+    at once; every rank raises the same StepFailedError naming the rank and its error, and the next step
+    equals a run that never failed. Planted: a token id (stage 0) or a label (stage 1) past the vocabulary."""
+    import torch
+    from workers import failed_step
+
+    results = launch(failed_step, 2, (schedule, bad_stage), timeout_s=300)
+    errors = [r[0] for r in results]
+    assert errors[0] is not None and errors == [errors[0]] * 2, errors  # one error, the same on every rank
+    assert errors[0].startswith(f"StepFailedError: rank {bad_stage} (stage {bad_stage}) failed in a step: Index")
+    assert "every rank dropped the step" in errors[0]
+    assert all(r[1] < 15 for r in results), [r[1] for r in results]  # the timeout is 30 s
+    recovered, straight = results[0][2], results[0][3]
+    assert recovered.keys() == straight.keys()
+    assert all(torch.equal(recovered[k], straight[k]) for k in straight)
+
+
+def test_a_rank_whose_update_fails_tells_the_others_and_every_later_call_is_refused(tmp_path, monkeypatch):
+    from workers import failed_update
+
+    monkeypatch.setenv("PIPEDP_TEST_DIR", str(tmp_path))
+    first, second = launch(failed_update, 2, timeout_s=300)
+    assert second["step"] == "RuntimeError: planted: this stage's update failed"
+    report = "rank 1 (stage 1) failed in a step: RuntimeError: planted"
+    assert first["step"].startswith(f"StepFailedError: {report}"), first["step"]
+    for out in (first, second):
+        for what in ("next step", "state_dict", "checkpoint"):
+            assert out[what].startswith(f"StepFailedError: {report}"), (what, out[what])
+            assert "refuses every later step" in out[what]
+        assert out["seconds"] < 15, out["seconds"]  # the timeout is 30 s

@@ -72,10 +72,12 @@ def test_a_failing_rank_stops_every_rank_and_is_named():
     from workers import failing
 
     start = time.monotonic()
-    with pytest.raises(RankFailedError, match=r"rank 1 failed: ValueError: boom") as info:
+    failed = r"rank 1 failed: StepFailedError: rank 1 \(stage 1\) failed in a step: ValueError: boom"
+    with pytest.raises(RankFailedError, match=failed) as info:
         # call 7: step 2's first micro-batch (step 1: 2 micro-batches + the self-check's 4 one-sample losses)
         launch(failing, 2, (1, 7), timeout_s=120, grace_s=2)
     assert time.monotonic() - start < 60
+    assert info.value.rank == 1
     assert all(code not in (None, 0) for code in info.value.exitcodes), info.value.exitcodes
 
 

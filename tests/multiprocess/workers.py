@@ -67,6 +67,59 @@ def failing(rank, fail_rank, at_call):
     return "finished"
 
 
+def failed_step(rank, schedule, bad_stage):
+    """A bad batch at the second step (stage 0: a token id past the vocabulary; stage 1: a label past it),
+    then a good one; and the same good steps never failed. Returns (each call's error or None, seconds the
+    failed step took, the failed run's and the straight run's state on rank 0)."""
+    good = [make_batch(8, seed=1), make_batch(8, seed=2)]
+    x, y = make_batch(8, seed=3)
+    (x if bad_stage == 0 else y)[2, 3] = CFG.vocab_size + 7
+    kw = dict(stages=2, microbatches=2, schedule=schedule, noise_multiplier=1.0, timeout=30)
+    trainer = make_trainer(make_model(), **kw)
+    trainer.step(*good[0])
+    start = time.monotonic()
+    try:
+        trainer.step(x, y)
+        error = None
+    except Exception as exc:
+        error = f"{type(exc).__name__}: {exc}"
+    took = time.monotonic() - start
+    trainer.step(*good[1])
+    straight = make_trainer(make_model(), **kw)
+    for batch in good:
+        straight.step(*batch)
+    return error, took, trainer.state_dict(), straight.state_dict()
+
+
+def failed_update(rank):
+    """Rank 1's update raises (outside any pass: rank 0 is past it, in the loss total): rank 0 must learn it
+    from the store at once; then every call on every rank is refused with that failure."""
+    trainer = make_trainer(make_model(), stages=2, microbatches=2, timeout=30)
+    trainer.step(*make_batch(8, seed=1))
+    if rank == 1:
+        stage = trainer.runtime.local_stages[0]
+
+        def planted():
+            raise RuntimeError("planted: this stage's update failed")
+
+        stage.take_clipped_sum = planted
+    out = {}
+    start = time.monotonic()
+    for what, call in [
+        ("step", lambda: trainer.step(*make_batch(8, seed=2))),
+        ("next step", lambda: trainer.step(*make_batch(8, seed=3))),
+        ("state_dict", trainer.state_dict),
+        ("checkpoint", lambda: trainer.save_checkpoint(os.path.join(os.environ["PIPEDP_TEST_DIR"], "ck"))),
+    ]:
+        try:
+            call()
+            out[what] = None
+        except Exception as exc:
+            out[what] = f"{type(exc).__name__}: {exc}"
+    out["seconds"] = time.monotonic() - start
+    return out
+
+
 def mismatched(rank):
     make_trainer(make_model(), stages=2, microbatches=4 if rank == 0 else 8)
     return "constructed"
@@ -179,6 +232,19 @@ def report_listening_sockets(rank):
 
     dist.barrier()  # every rank is connected: all sockets are up
     return listening_addresses([os.getpid(), os.getppid()]) if rank == 0 else []
+
+
+def report_rendezvous(rank):
+    """The rendezvous file, its folder's permission bits, and the TCP ports the launcher (this rank's parent)
+    and this rank listen on."""
+    import stat
+
+    import torch.distributed as dist
+
+    path = os.environ["PIPEDP_RENDEZVOUS"]
+    dist.barrier()  # every rank is connected: all sockets are up
+    mode = stat.S_IMODE(os.stat(os.path.dirname(path)).st_mode)
+    return path, mode, listening_addresses([os.getppid()]), listening_addresses([os.getpid()])
 
 
 def llama_export(rank, path):
