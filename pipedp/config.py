@@ -233,6 +233,13 @@ class PrivacyConfig:
         "regenerate the noise and strip it (no privacy left): keep it secret",
         resume=True,
     )
+    enabled: bool = option(
+        True,
+        "False: the same pipeline without clipping or noise (a non-private baseline for utility comparisons): no "
+        "step is charged and epsilon is infinite",
+        cli=False,  # pipedp train's --disable-dp
+        resume=True,
+    )
 
     def validate(self) -> "PrivacyConfig":
         if self.expected_batch_size is None:
@@ -264,7 +271,7 @@ class PrivacyConfig:
             _one_of(self, "sampling")
         if self.dataset_size is not None:
             _at_least(self, "dataset_size", 1)
-            if self.delta >= 1 / self.dataset_size:
+            if self.enabled and self.delta >= 1 / self.dataset_size:
                 raise ConfigError(
                     f"delta: {self.delta:g} is not below 1/N = 1/{self.dataset_size} (N records): a mechanism that "
                     "publishes one random record in full meets such a delta; use delta well below 1/N (e.g. "
@@ -281,6 +288,8 @@ class PrivacyConfig:
         for name in ("target_epsilon", "max_epsilon"):
             if getattr(self, name) is not None:
                 _finite(self, name, minimum=0.0, strict=True)
+            if getattr(self, name) is not None and not self.enabled:
+                raise ConfigError(f"{name}: a run with DP disabled (enabled=False) spends no epsilon: drop it", name)
         if self.max_epsilon is not None and self.sample_rate is None and self.sampling == "poisson":
             raise ConfigError(
                 "max_epsilon needs sample_rate (the Poisson rate) to account the privacy spent", "max_epsilon"
@@ -406,6 +415,8 @@ def describe(config: Any, only_resume: bool = False) -> Dict[str, Any]:
     out = {}
     for f in fields(config):
         if only_resume and not f.metadata["resume"]:
+            continue
+        if only_resume and f.name == "enabled" and config.enabled:  # checkpoints made before the field stay valid
             continue
         value = getattr(config, f.name)
         if isinstance(value, tuple):

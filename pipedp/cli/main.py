@@ -114,6 +114,12 @@ def add_train_flags(t: argparse.ArgumentParser) -> None:
         default=None,
         help="after training, write the Hugging Face model (config + safetensors + tokenizer) to this folder",
     )
+    group["privacy"].add_argument(
+        "--disable-dp",
+        action="store_true",
+        help="a non-private baseline: the same pipeline without clipping or noise (epsilon is infinite; no "
+        "accountant charge), for utility comparisons",
+    )
     rate = optimization.add_mutually_exclusive_group()
     rate.add_argument("--sample-rate", type=_positive_float, default=None, help="Poisson sampling rate q")
     rate.add_argument(

@@ -14,12 +14,12 @@ import importlib.util
 import os
 import time
 from contextlib import ExitStack
-from dataclasses import replace
+from dataclasses import fields, replace
 from typing import Callable, List, Optional, Tuple
 
 from ..config import DataConfig, FitConfig, OptimizerConfig, PipelineConfig, PrivacyConfig
 from ..errors import ConfigError, PipeDPError
-from .flags import DEFAULT_STEPS, config_from_args
+from .flags import DEFAULT_STEPS, config_from_args, flag_name
 from .record import RunFolder, default_run_dir, link_latest
 from .spec import TINY_GPT, TINY_GPT_SHAPE, Job, Model
 
@@ -31,7 +31,9 @@ def check_flags(args) -> Tuple[PipelineConfig, PrivacyConfig, FitConfig, DataCon
     pipeline = config_from_args(PipelineConfig, args, transport="inprocess" if args.inprocess else "auto").validate()
     data = config_from_args(DataConfig, args).validate()
     optim = config_from_args(OptimizerConfig, args).validate()
-    privacy = config_from_args(PrivacyConfig, args, expected_batch_size=1)
+    if args.disable_dp:
+        _check_no_privacy_flags(args)
+    privacy = config_from_args(PrivacyConfig, args, expected_batch_size=1, enabled=not args.disable_dp)
     # the privacy fields' own checks; sample rate and steps come from the data, later
     replace(
         privacy,
@@ -78,6 +80,21 @@ def check_flags(args) -> Tuple[PipelineConfig, PrivacyConfig, FitConfig, DataCon
                 "microbatch_size",
             )
     return pipeline, privacy, fit, data, optim
+
+
+NOT_WITHOUT_DP = ("noise_multiplier", "max_grad_norm", "clipping", "target_epsilon", "max_epsilon", "secure_mode")
+
+
+def _check_no_privacy_flags(args) -> None:
+    """--disable-dp with a privacy option set: refused, not ignored (the run would not be what was asked)."""
+    defaults = {f.name: f.default for f in fields(PrivacyConfig)}
+    given = [name for name in NOT_WITHOUT_DP if getattr(args, name) != defaults[name]]
+    if given:
+        flags = ", ".join(flag_name(n) for n in given)
+        raise ConfigError(
+            f"--disable-dp trains without clipping or noise, so {flags} would do nothing: drop "
+            f"{'it' if len(given) == 1 else 'them'}, or drop --disable-dp for a private run"
+        )
 
 
 def _under_torchrun(args) -> bool:
