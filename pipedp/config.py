@@ -476,7 +476,11 @@ class DataConfig:
         choices=FORMATS,
     )
     text_field: str = option("text", "the field holding a text record's text")
-    seq_len: int = option(36, "tokens per row: each record is one row, truncated or right-padded to this length")
+    seq_len: Optional[int] = option(
+        None,
+        "tokens per row: each record is one row, truncated or right-padded to this length (default: 36 for "
+        "tiny-gpt; for a Hugging Face model, from the training records' token lengths: see docs/cli.md)",
+    )
     privacy_unit: str = option(
         "record",
         "what DP protects: record (each record is one sample, sampled and clipped alone) or user (every record of "
@@ -504,7 +508,8 @@ class DataConfig:
     def validate(self) -> "DataConfig":
         _one_of(self, "format")
         _one_of(self, "privacy_unit")
-        _at_least(self, "seq_len", 1)
+        if self.seq_len is not None:
+            _at_least(self, "seq_len", 1)
         if not self.text_field:
             raise ConfigError("text_field: must name a field, got ''", "text_field")
         if self.privacy_unit == "user":

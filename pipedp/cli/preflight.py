@@ -21,7 +21,7 @@ from ..config import DataConfig, FitConfig, OptimizerConfig, PipelineConfig, Pri
 from ..errors import ConfigError, PipeDPError
 from .flags import DEFAULT_STEPS, config_from_args, flag_name
 from .record import RunFolder, default_run_dir, link_latest
-from .spec import TINY_GPT, TINY_GPT_SHAPE, Job, Model
+from .spec import TINY_GPT, TINY_GPT_SEQ_LEN, TINY_GPT_SHAPE, Job, Model
 
 Say = Callable[[str], None]
 
@@ -171,7 +171,7 @@ def check_model(args, pipeline: PipelineConfig) -> Model:
         from ..models import GPTConfig, tiny_gpt
 
         with torch.device("meta"):
-            model = tiny_gpt(GPTConfig(vocab_size=256, seq_len=args.seq_len, **TINY_GPT_SHAPE))
+            model = tiny_gpt(GPTConfig(vocab_size=256, seq_len=args.seq_len or TINY_GPT_SEQ_LEN, **TINY_GPT_SHAPE))
     else:
         from ..split.hf_loading import build_on_meta
 
@@ -197,7 +197,12 @@ def check_model(args, pipeline: PipelineConfig) -> Model:
             raise ConfigError(f"lora_targets: {str(exc).strip()[:400]}", "lora_targets") from exc
         model_blocks(lora, pipeline.untie_weights)
     embedding = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else model[0].tok
-    return Model(args.model, vocab_size=int(embedding.num_embeddings), blocks=len(blocks))
+    config = getattr(model, "config", None)
+    positions = next((getattr(config, k) for k in POSITION_KEYS if isinstance(getattr(config, k, None), int)), None)
+    return Model(args.model, vocab_size=int(embedding.num_embeddings), blocks=len(blocks), positions=positions)
+
+
+POSITION_KEYS = ("max_position_embeddings", "n_positions", "max_sequence_length")
 
 
 # ---- 4. the data ------------------------------------------------------------------------------------
@@ -226,7 +231,15 @@ def prepare_data(args, data: DataConfig, folder: RunFolder, seed: int, model: Mo
             )
         return t, file
 
+    if data.seq_len is None:
+        data = replace(
+            data,
+            seq_len=TINY_GPT_SEQ_LEN
+            if model.name == TINY_GPT
+            else _length_from_data(data, tokenizer, model, seed, say),
+        )
     train, train_file = rows(data.data)
+    _warn_if_truncated(train, data.seq_len, args.seq_len is None, say)
     units = user_units(train, data.max_records_per_user) if data.privacy_unit == "user" else record_units(train)
     if data.privacy_unit == "user":
         c = units.counts
@@ -245,7 +258,38 @@ def prepare_data(args, data: DataConfig, folder: RunFolder, seed: int, model: Mo
         )
     elif eval_file is not None:
         say("eval: --eval-data; its loss and perplexity carry no DP guarantee unless those records are public")
-    return train_file, eval_file, len(train_units), units.per_unit
+    return data, train_file, eval_file, len(train_units), units.per_unit
+
+
+TRUNCATED_WARNING = 0.05  # above this fraction of records truncated, say so
+
+
+def _length_from_data(data: DataConfig, tokenizer, model: Model, seed: int, say: Say) -> int:
+    """A Hugging Face model's --seq-len when none is given: 95% of the training records whole (see length_from_data)."""
+    from ..data import Records, generated_records, length_from_data, read_records, record_lengths
+    from ..data.cache import GENERATED
+
+    source = read_records(data.data, data.text_field) if data.data else Records(GENERATED, generated_records(seed=seed))
+    lengths = record_lengths(source, tokenizer, data.format, data.text_field)
+    chosen = length_from_data(lengths, model.positions)
+    bound = f", at most the model's {model.positions} positions" if model.positions else ""
+    say(
+        f"--seq-len {chosen} from the data: the 95th percentile of the {len(lengths)} records' token lengths (longest "
+        f"{max(lengths)}), rounded up to a multiple of 8{bound}. The choice is a statistic of the training records, "
+        "outside the DP guarantee: give --seq-len to make it yourself"
+    )
+    return chosen
+
+
+def _warn_if_truncated(rows, seq_len: int, chosen: bool, say: Say) -> None:
+    c = rows.counts
+    if c["records"] and c["truncated"] / c["records"] > TRUNCATED_WARNING:
+        why = "chosen from the data, bounded by the model's positions" if chosen else "as given"
+        say(
+            f"warning: {c['truncated']} of {c['records']} records ({c['truncated'] / c['records']:.0%}) are truncated "
+            f"at --seq-len {seq_len} ({why}), {c['tokens cut']} tokens cut: their ends are never trained on; raise "
+            "--seq-len if the model allows"
+        )
 
 
 def _progress_bar(enabled: bool):
@@ -320,7 +364,7 @@ def resolve(args, say: Say = print, lead: bool = True, hold: Optional[ExitStack]
     folder = check_folder(args, say, lead, hold)
     fit = replace(fit, checkpoint_dir=None if args.no_checkpoint else folder.path)
     model = check_model(args, pipeline)
-    train_file, eval_file, units, per_unit = prepare_data(args, data, folder, privacy.public_seed(), model, say)
+    data, train_file, eval_file, units, per_unit = prepare_data(args, data, folder, privacy.public_seed(), model, say)
     privacy, fit = resolve_privacy(args, privacy, fit, units, per_unit, say)
     job = Job(
         pipeline=pipeline,

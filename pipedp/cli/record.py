@@ -167,6 +167,7 @@ class RunFolder:
             "fit": {k: v for k, v in describe(job.fit).items() if k != "checkpoint_key"},
             "units": job.privacy.dataset_size,
             "rows_per_unit": job.rows_per_unit,
+            "seq_len": job.data.seq_len,  # as given, or chosen from the data
             "train_rows": os.path.basename(job.train_rows) if job.train_rows else None,
             "eval_rows": os.path.basename(job.eval_rows) if job.eval_rows else None,
             "model_files": model_files(job.model.name),
@@ -196,7 +197,7 @@ class RunFolder:
         for key in sorted(set(now) | set(was)):
             if key in IGNORED or now.get(key) == was.get(key):
                 continue
-            change = f"{flag_name(key)}: {was.get(key)!r} -> {now.get(key)!r}"
+            change = f"{flag_name(key)}: {_shown(was.get(key))} -> {_shown(now.get(key))}"
             if key == "disable_dp":
                 refused.append(f"{change} (a private run and a non-private one cannot continue each other)")
             elif key == "model" and _moved(resolved, now[key]):
@@ -246,6 +247,10 @@ class RunFolder:
                 shutil.rmtree(path, ignore_errors=True)
             elif os.path.exists(path):
                 os.unlink(path)
+
+
+def _shown(value: Any) -> str:
+    return "(default)" if value is None else repr(value)
 
 
 def model_files(model: str) -> Optional[str]:
