@@ -44,3 +44,44 @@ def test_disable_dp_refuses_a_privacy_option_it_would_ignore(cli, flag):
     out = cli(*BASE, "--disable-dp", *flag)
     assert out.returncode == 2 and f"--disable-dp trains without clipping or noise, so {flag[0]}" in out.stderr
     assert not os.path.exists("runs")
+
+
+def opacus_epsilon(sigma, rate, steps, delta=1e-5):
+    from opacus.accountants import create_accountant
+
+    accountant = create_accountant(mechanism="prv")
+    accountant.history = [(sigma, rate, steps)]
+    return accountant.get_epsilon(delta=delta)
+
+
+def test_weak_privacy_is_warned_before_the_run_and_in_its_summary(cli):
+    weak = ("--noise-multiplier", "0.5", "--max-grad-norm", "0.8", "--sample-rate", "0.2")
+    out = cli(*BASE, "--checkpoint-dir", "runs/weak", *weak)
+    assert out.returncode == 0, out.stderr
+    planned = opacus_epsilon(0.5, 0.2, 2)
+    assert planned > 10  # the independent accountant agrees the run is weak: the warning below must fire
+    start, end = out.stdout.split("done:")
+    assert f"warning: the run will end at epsilon {planned:.3g}" in start
+    summary = json.load(open("runs/weak/summary.json"))
+    assert f"warning: epsilon {summary['epsilon']:.3g} is above 10" in end
+    assert summary["epsilon"] == pytest.approx(planned, rel=1e-3) and len(summary["warnings"]) == 1
+    assert "left at pipedp's default" not in out.stdout  # both were chosen
+
+
+def test_chosen_moderate_privacy_says_nothing_and_defaults_are_named(cli):
+    quiet = cli(*BASE, "--checkpoint-dir", "runs/ok", "--noise-multiplier", "1.1", "--max-grad-norm", "0.9")
+    assert quiet.returncode == 0 and "warning:" not in quiet.stdout, quiet.stdout
+    default = cli(*BASE, "--checkpoint-dir", "runs/default")
+    assert "warning: --noise-multiplier and --max-grad-norm left at pipedp's defaults" in default.stdout
+    calibrated = cli(*BASE, "--checkpoint-dir", "runs/cal", "--target-epsilon", "3")
+    assert "warning: --max-grad-norm left at pipedp's default (1.0)" in calibrated.stdout
+
+
+def test_noise_too_large_to_learn_is_warned_about(cli):
+    # sigma / (batch x sqrt(steps)) = 100 / (32 x sqrt(2)) = 2.2: the noise outweighs any gradient on every coordinate
+    out = cli(*BASE, "--checkpoint-dir", "runs/loud", "--noise-multiplier", "100", "--max-grad-norm", "0.5")
+    assert "warning: noise multiplier 100 is too large to learn" in out.stdout and "2.21 x steps x C" in out.stdout
+    # planted: the same noise over a batch where it no longer outweighs the signal says nothing of it
+    fine = cli(*BASE, "--checkpoint-dir", "runs/fine", "--noise-multiplier", "100", "--max-grad-norm", "0.5",
+               "--batch-size", "100")  # fmt: skip
+    assert "too large to learn" not in fine.stdout

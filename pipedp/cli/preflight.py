@@ -11,6 +11,7 @@ here), the data (read, tokenised once into the cache, grouped into privacy units
 from __future__ import annotations
 
 import importlib.util
+import math
 import os
 import time
 from contextlib import ExitStack
@@ -357,6 +358,53 @@ def resolve_privacy(args, privacy: PrivacyConfig, fit: FitConfig, units: int, pe
     return privacy, replace(fit, steps=steps, epochs=None)
 
 
+WEAK_EPSILON = 10.0  # above it, the guarantee is said to be weak (docs/privacy.md)
+
+
+def privacy_warnings(args, privacy: PrivacyConfig, steps: int) -> List[str]:
+    """What the user should hear about the privacy before the run: a mechanism left at pipedp's defaults, noise too
+    large to learn anything, and an epsilon above WEAK_EPSILON."""
+    if not privacy.enabled:
+        return []
+    out = []
+    defaults = {f.name: f.default for f in fields(PrivacyConfig)}
+    left = [flag_name(n) for n in ("noise_multiplier", "max_grad_norm") if getattr(args, n) == defaults[n]]
+    if args.target_epsilon is not None and "--noise-multiplier" in left:
+        left.remove("--noise-multiplier")  # calibrated, not defaulted
+    if left:
+        out.append(
+            f"{' and '.join(left)} left at pipedp's default{'s' if len(left) > 1 else ''} (1.0), not chosen for this "
+            "model and data: give --target-epsilon (or --noise-multiplier) and --max-grad-norm (C: e.g. near the "
+            "median per-sample gradient norm; a short run's clipped_fraction says how many are clipped)"
+        )
+    ratio = privacy.noise_multiplier / (privacy.expected_batch_size * math.sqrt(steps))
+    if ratio > 1:
+        out.append(
+            f"noise multiplier {privacy.noise_multiplier:.4g} is too large to learn: over the run's {steps} steps the "
+            f"noise summed on each coordinate (std sigma x C x sqrt(steps) / batch = {ratio:.3g} x steps x C) exceeds "
+            "the most the clipped gradients can move it (steps x C); raise the batch or the steps, or the target epsilon"
+        )
+    eps = _planned_epsilon(privacy, steps)
+    if eps is not None and eps > WEAK_EPSILON:
+        out.append(
+            f"the run will end at epsilon {eps:.3g} (delta {privacy.delta:g}), above {WEAK_EPSILON:g}: a weak "
+            "guarantee (e^epsilon bounds how much more likely any outcome becomes with a unit in the data); add noise, "
+            "lower the sample rate or train fewer steps"
+        )
+    return out
+
+
+def _planned_epsilon(privacy: PrivacyConfig, steps: int) -> Optional[float]:
+    """The epsilon of a run that takes all its steps (Poisson runs; None where it is not known in advance)."""
+    from ..privacy.accounting import epsilon_after
+
+    if privacy.sampling == "shuffle" or privacy.noise_multiplier == 0 or privacy.sample_rate is None:
+        return None if privacy.noise_multiplier else math.inf
+    if privacy.max_epsilon is not None:
+        return None  # the budget stops it first
+    return epsilon_after(steps, privacy.noise_multiplier, privacy.sample_rate, privacy.delta, privacy.accountant)
+
+
 # ---- all of it --------------------------------------------------------------------------------------------
 def resolve(args, say: Say = print, lead: bool = True, hold: Optional[ExitStack] = None) -> Job:
     """The checked job; ``hold``: takes the run folder's lock, held until it closes (see check_folder)."""
@@ -389,6 +437,10 @@ def resolve(args, say: Say = print, lead: bool = True, hold: Optional[ExitStack]
         progress=not args.no_progress,
         inprocess=args.inprocess,
     )
+    warned = privacy_warnings(args, privacy, fit.steps)
+    for line in warned:
+        say(f"warning: {line}")
+    job = replace(job, privacy_warnings=tuple(warned))
     if args.resume and folder.holds_checkpoint():
         notes = folder.compare(args, job)  # refuses what the update does not allow
         job = replace(job, resume_notes=tuple(notes))

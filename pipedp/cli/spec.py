@@ -49,6 +49,7 @@ class Job:
     progress: bool
     inprocess: bool
     resume_notes: Tuple[str, ...] = ()
+    privacy_warnings: Tuple[str, ...] = ()  # said before the run and again in its summary (preflight.privacy_warnings)
 
     @property
     def steps(self) -> int:

@@ -88,6 +88,16 @@ def plot(job: Job, monitor: Monitor) -> Optional[str]:
     return path
 
 
+def final_warnings(job: Job, epsilon: Optional[float]) -> list:
+    """The privacy warnings said before the run, the epsilon one replaced by the epsilon actually spent."""
+    from .preflight import WEAK_EPSILON
+
+    out = [w for w in job.privacy_warnings if not w.startswith("the run will end at epsilon")]
+    if job.privacy.enabled and epsilon is not None and epsilon > WEAK_EPSILON:
+        out.append(f"epsilon {epsilon:.3g} is above {WEAK_EPSILON:g}: a weak guarantee (see docs/privacy.md)")
+    return out
+
+
 def _epsilon_said(job: Job, epsilon: float) -> str:
     privacy = job.privacy
     if not privacy.enabled:
@@ -117,6 +127,7 @@ def summarise(job: Job, trainer, result, monitor: Monitor, lead: bool) -> dict:
         "first_nonfinite_step": monitor.first_nonfinite,
         "eval_loss": monitor.last_eval["eval_loss"] if monitor.last_eval else None,
         "eval_perplexity": monitor.last_eval["eval_perplexity"] if monitor.last_eval else None,
+        "warnings": final_warnings(job, result.epsilon),
     }
     if not lead:
         return summary
@@ -139,6 +150,8 @@ def summarise(job: Job, trainer, result, monitor: Monitor, lead: bool) -> dict:
         f"record: {os.path.join(job.run_dir, METRICS)}, {os.path.join(job.run_dir, SUMMARY)}, "
         + (drawn if drawn else "no plot (pip install matplotlib)")
     )
+    for line in final_warnings(job, result.epsilon):
+        lines.append(f"warning: {line}")
     if result.stopped_by_budget:
         lines.append(f"stopped: {result.stopped_by_budget}")
     if monitor.first_nonfinite is not None:
