@@ -9,7 +9,7 @@ from __future__ import annotations
 import argparse
 import math
 import sys
-from typing import List, Optional
+from typing import Any, Dict, List, Optional
 
 from ..config import DataConfig, FitConfig, OptimizerConfig, PipelineConfig, PrivacyConfig
 from ..errors import ConfigError, PipeDPError
@@ -89,7 +89,7 @@ def add_train_flags(t: argparse.ArgumentParser) -> None:
         help="a TOML file with any of these flags as keys (e.g. seq-len = 128, in any [table]); flags given here "
         "override it. Each run writes its own to RUN/config.toml",
     )
-    homes = {
+    homes: Dict[Any, Any] = {
         **{cls: group[name] for cls, name in CLASS_GROUPS.items()},
         **{f: group[n] for f, n in FIELD_GROUPS.items()},
     }

@@ -239,6 +239,7 @@ def prepare_data(args, data: DataConfig, folder: RunFolder, seed: int, model: Mo
             if model.name == TINY_GPT
             else _length_from_data(data, tokenizer, model, seed, say),
         )
+    assert data.seq_len is not None
     train, train_file = rows(data.data)
     _warn_if_truncated(train, data.seq_len, args.seq_len is None, say)
     units = user_units(train, data.max_records_per_user) if data.privacy_unit == "user" else record_units(train)
@@ -377,7 +378,7 @@ def privacy_warnings(args, privacy: PrivacyConfig, steps: int) -> List[str]:
             "model and data: give --target-epsilon (or --noise-multiplier) and --max-grad-norm (C: e.g. near the "
             "median per-sample gradient norm; a short run's clipped_fraction says how many are clipped)"
         )
-    ratio = privacy.noise_multiplier / (privacy.expected_batch_size * math.sqrt(steps))
+    ratio = privacy.noise_multiplier / ((privacy.expected_batch_size or 1) * math.sqrt(steps))
     if ratio > 1:
         out.append(
             f"noise multiplier {privacy.noise_multiplier:.4g} is too large to learn: over the run's {steps} steps the "
