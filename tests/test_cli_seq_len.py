@@ -37,7 +37,7 @@ def test_a_hugging_face_models_seq_len_comes_from_its_records(tmp_path, cli):
     want = math.ceil((20 - 1) / 8) * 8  # every short record whole: 19 inputs, rounded up to 24
     assert seq_len == want and f"--seq-len {want} from the data" in out.stdout
     assert f"41 text records -> 41 rows of {want} tokens; 1 truncated" in out.stdout
-    assert "warning:" not in out.stdout  # 1 of 41 is under 5%
+    assert "are truncated at" not in out.stdout  # 1 of 41 is under 5%: no truncation warning
 
 
 def test_the_models_positions_bound_it_and_a_truncating_length_is_warned_about(tmp_path, cli):
