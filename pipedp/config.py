@@ -239,6 +239,13 @@ class PrivacyConfig:
         "regenerate the noise and strip it (no privacy left): keep it secret",
         resume=True,
     )
+    enabled: bool = option(
+        True,
+        "False: the same pipeline without clipping or noise (a non-private baseline for utility comparisons): no "
+        "step is charged and epsilon is infinite",
+        cli=False,  # pipedp train's --disable-dp
+        resume=True,
+    )
 
     def validate(self) -> "PrivacyConfig":
         if self.expected_batch_size is None:
@@ -270,7 +277,7 @@ class PrivacyConfig:
             _one_of(self, "sampling")
         if self.dataset_size is not None:
             _at_least(self, "dataset_size", 1)
-            if self.delta >= 1 / self.dataset_size:
+            if self.enabled and self.delta >= 1 / self.dataset_size:
                 raise ConfigError(
                     f"delta: {self.delta:g} is not below 1/N = 1/{self.dataset_size} (N records): a mechanism that "
                     "publishes one random record in full meets such a delta; use delta well below 1/N (e.g. "
@@ -287,6 +294,8 @@ class PrivacyConfig:
         for name in ("target_epsilon", "max_epsilon"):
             if getattr(self, name) is not None:
                 _finite(self, name, minimum=0.0, strict=True)
+            if getattr(self, name) is not None and not self.enabled:
+                raise ConfigError(f"{name}: a run with DP disabled (enabled=False) spends no epsilon: drop it", name)
         if self.max_epsilon is not None and self.sample_rate is None and self.sampling == "poisson":
             raise ConfigError(
                 "max_epsilon needs sample_rate (the Poisson rate) to account the privacy spent", "max_epsilon"
@@ -413,6 +422,8 @@ def describe(config: Any, only_resume: bool = False) -> Dict[str, Any]:
     for f in fields(config):
         if only_resume and not f.metadata["resume"]:
             continue
+        if only_resume and f.name == "enabled" and config.enabled:  # checkpoints made before the field stay valid
+            continue
         value = getattr(config, f.name)
         if isinstance(value, tuple):
             value = list(value)
@@ -471,7 +482,11 @@ class DataConfig:
         choices=FORMATS,
     )
     text_field: str = option("text", "the field holding a text record's text")
-    seq_len: int = option(36, "tokens per row: each record is one row, truncated or right-padded to this length")
+    seq_len: Optional[int] = option(
+        None,
+        "tokens per row: each record is one row, truncated or right-padded to this length (default: 36 for "
+        "tiny-gpt; for a Hugging Face model, from the training records' token lengths: see docs/cli.md)",
+    )
     privacy_unit: str = option(
         "record",
         "what DP protects: record (each record is one sample, sampled and clipped alone) or user (every record of "
@@ -499,7 +514,8 @@ class DataConfig:
     def validate(self) -> "DataConfig":
         _one_of(self, "format")
         _one_of(self, "privacy_unit")
-        _at_least(self, "seq_len", 1)
+        if self.seq_len is not None:
+            _at_least(self, "seq_len", 1)
         if not self.text_field:
             raise ConfigError("text_field: must name a field, got ''", "text_field")
         if self.privacy_unit == "user":

@@ -314,7 +314,7 @@ def test_resume_says_what_changed_refuses_what_the_update_cannot_take_and_overwr
     other = cli(*base, "--steps", "3", "--resume", "--seq-len", "20", "--max-grad-norm", "2")
     assert other.returncode == 2 and "launching" not in other.stdout
     assert f"cannot resume the run in {ck}: it was started with other options:\n  " in other.stderr
-    assert "--seq-len: 36 -> 20 (the resumed run must train the same model on the same records)" in other.stderr
+    assert "--seq-len: (default) -> 20 (the resumed run must train the same model on the same records)" in other.stderr
     assert "max grad norm: checkpoint 1.0, now 2.0 (it shapes the update)" in other.stderr
     over = cli(*base, "--steps", "1", "--overwrite")
     assert over.returncode == 0 and "--overwrite: the previous run in" in over.stdout, over.stderr[-2000:]

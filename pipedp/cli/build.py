@@ -18,7 +18,7 @@ import torch
 import torch.nn as nn
 
 from ..config import OptimizerConfig
-from .spec import TINY_GPT, TINY_GPT_SHAPE, Job
+from .spec import TINY_GPT, TINY_GPT_SEQ_LEN, TINY_GPT_SHAPE, Job
 
 LOADING_HEARTBEAT_S = 15.0
 
@@ -59,7 +59,7 @@ def build_model(job: Job, rank: int) -> nn.Module:
         from ..models import GPTConfig, tiny_gpt
 
         torch.manual_seed(job.privacy.public_seed())
-        return tiny_gpt(GPTConfig(vocab_size=256, seq_len=job.data.seq_len, **TINY_GPT_SHAPE))
+        return tiny_gpt(GPTConfig(vocab_size=256, seq_len=job.data.seq_len or TINY_GPT_SEQ_LEN, **TINY_GPT_SHAPE))
     from ..split.hf_loading import load_local_model, load_pipeline_stage, resident_parameter_bytes
 
     if job.inprocess:

@@ -90,11 +90,14 @@ def tokens(parser: argparse.ArgumentParser, path: str, argv: Sequence[str]) -> L
     for dest, value in values.items():
         if dest == "config":
             raise ConfigFileError(f"--config {path!r}: a config file cannot name another one ('config' key)")
-        action = actions.get(dest)
+        action = actions.get(dest) or parser._option_string_actions.get(flag_of_key(dest))  # or an alias's name
         if action is None:
+            raise ConfigFileError(f"--config {path!r}: unknown key {dest.replace('_', '-')!r}" + _hint(parser, dest))
+        if action.dest != dest and action.dest in values:
             raise ConfigFileError(
-                f"--config {path!r}: unknown key {dest.replace('_', '-')!r} (not a flag of this command)"
+                f"--config {path!r}: {dest.replace('_', '-')!r} and {action.option_strings[0][2:]!r} name one flag"
             )
+        dest = action.dest
         if dest in given or partners.get(dest, set()) & given:
             continue  # the command line wins
         flag = action.option_strings[0]
@@ -110,6 +113,18 @@ def tokens(parser: argparse.ArgumentParser, path: str, argv: Sequence[str]) -> L
             value = ",".join(str(v) for v in value)
         out += [flag, _text(value)]
     return out
+
+
+def flag_of_key(key: str) -> str:
+    return "--" + key.replace("_", "-")
+
+
+def _hint(parser: argparse.ArgumentParser, dest: str) -> str:
+    from .names import close_keys
+
+    names = [s[2:] for s in parser._option_string_actions if s.startswith("--")]
+    close = close_keys(dest.replace("_", "-"), names)
+    return f": did you mean {close}?" if close else " (not a flag of this command)"
 
 
 def _text(value: Any) -> str:

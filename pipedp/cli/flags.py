@@ -16,7 +16,7 @@ import argparse
 import os
 import typing
 from dataclasses import MISSING, Field, fields
-from typing import Any, Dict, Optional, Sequence, Type, TypeVar
+from typing import Any, Dict, Optional, Sequence, Tuple, Type, TypeVar
 
 from ..config import DataConfig, FitConfig, OptimizerConfig, PipelineConfig, PrivacyConfig
 
@@ -33,6 +33,27 @@ HELP_NOTES: Dict[str, str] = {
     "checkpoint_dir": "; the run folder: config, metrics, plots and the data cache are written there too "
     f"(default: a new {DEFAULT_RUNS}-TIME per run, linked as {DEFAULT_RUNS}-latest, which --resume continues)",
     "checkpoint_key": " (visible to other users in the process list: prefer the PIPEDP_CHECKPOINT_KEY variable)",
+    "max_grad_norm": "; the per-sample clipping norm (dp-transformers' per_sample_max_grad_norm), not Hugging Face's "
+    "max_grad_norm (a clip of the batch's summed gradient, which DP-SGD does not use)",
+    "seed": "; unlike Hugging Face's seed (42 unless given), a seed given here also fixes the DP noise",
+}
+# Hugging Face TrainingArguments / dp-transformers names that mean what the pipedp flag means (docs/cli.md's table
+# lists the differences in default); names whose meaning differs are refused with the difference (main.py)
+ALIASES: Dict[str, Tuple[str, ...]] = {
+    "lr": ("--learning-rate",),
+    "steps": ("--max-steps",),
+    "epochs": ("--num-train-epochs",),
+    "checkpoint_dir": ("--output-dir",),
+    "checkpoint_every": ("--save-steps",),
+    "keep_last": ("--save-total-limit",),
+    "eval_every": ("--eval-steps",),
+    "eval_data": ("--validation-file",),
+    "data": ("--train-file",),
+    "delta": ("--target-delta",),
+    "max_grad_norm": ("--per-sample-max-grad-norm",),
+    "lr_schedule": ("--lr-scheduler-type",),
+    "activation_checkpointing": ("--gradient-checkpointing",),
+    "seq_len": ("--max-seq-length",),
 }
 
 C = TypeVar("C")
@@ -68,11 +89,12 @@ def add_config_flags(
     classes: Sequence[Type] = CONFIG_CLASSES,
     defaults: Optional[Dict[str, Any]] = None,
     skip: Sequence[str] = (),
-    groups: Optional[Dict[Type, Any]] = None,
+    groups: Optional[Dict[Any, Any]] = None,
+    aliases: Optional[Dict[str, Tuple[str, ...]]] = None,
 ) -> None:
     """One flag per ``cli`` field of ``classes``; ``defaults`` overrides a field's default on the command
-    line; ``skip`` names fields the caller defines itself; ``groups`` puts each class's flags in an
-    argument group (for --help)."""
+    line; ``skip`` names fields the caller defines itself; ``groups`` puts each field's flag in an argument
+    group (for --help), keyed by field name or else by class; ``aliases``: more names of a field's flag."""
     defaults = defaults or {}
     exclusive: Dict[str, Any] = {}
     flagged = [(cls, f) for cls in classes for f in cli_fields(cls) if f.name not in skip]
@@ -80,7 +102,8 @@ def add_config_flags(
     flagged.sort(key=lambda cf: cf[1].metadata["exclusive"] or "")
     for cls, f in flagged:
         kind = _scalar_type(cls, f)
-        home = (groups or {}).get(cls, parser)
+        home = (groups or {}).get(f.name) or (groups or {}).get(cls, parser)
+        names = (flag_of(f), *(aliases or {}).get(f.name, ()))
         target = home
         group = f.metadata["exclusive"]
         if group:
@@ -93,12 +116,12 @@ def add_config_flags(
             help_text += f" (default {default if default != '' else repr('')})"
         if kind is bool and f.default is True:  # on by default: the flag turns it off
             help_text = f.metadata["help"] + " (on by default: this turns it off)"
-            target.add_argument(flag_of(f), dest=f.name, action="store_false", help=help_text)
+            target.add_argument(*names, dest=f.name, action="store_false", help=help_text)
         elif kind is bool:
-            target.add_argument(flag_name(f.name), dest=f.name, action="store_true", help=help_text)
+            target.add_argument(*names, dest=f.name, action="store_true", help=help_text)
         else:
             target.add_argument(
-                flag_name(f.name),
+                *names,
                 dest=f.name,
                 type=kind,
                 default=default,

@@ -9,20 +9,30 @@ from __future__ import annotations
 import argparse
 import math
 import sys
-from typing import List, Optional
+from typing import Any, Dict, List, Optional
 
 from ..config import DataConfig, FitConfig, OptimizerConfig, PipelineConfig, PrivacyConfig
 from ..errors import ConfigError, PipeDPError
-from .flags import CLI_DEFAULTS, JOB_CLASSES, add_config_flags, flag_name
+from .flags import ALIASES, CLI_DEFAULTS, JOB_CLASSES, add_config_flags, flag_name
+from .names import normalize, unknown_message
 from .plan import add_plan_flags
 
-SECTIONS = {  # --help groups and config.toml tables
+HELP_GROUPS = {  # pipedp train --help's argument groups, in this order
+    "model": "the model, LoRA and the export",
+    "data": "the records, their rows and evaluation",
+    "privacy": "the DP-SGD mechanism and its accounting",
+    "optimization": "the optimizer, its schedule, the batch and the run's length",
+    "pipeline": "how the model is split and run",
+    "run": "the run folder, checkpoints, resuming and logging",
+}
+CLASS_GROUPS = {
     PipelineConfig: "pipeline",
     PrivacyConfig: "privacy",
-    FitConfig: "fit",
+    FitConfig: "run",
     DataConfig: "data",
-    OptimizerConfig: "optimizer",
+    OptimizerConfig: "optimization",
 }
+FIELD_GROUPS = {"steps": "optimization", "epochs": "optimization", "max_logical_batch": "privacy"}
 REPORT_TO = ("none", "tensorboard")
 
 
@@ -45,71 +55,112 @@ class _Parser(argparse.ArgumentParser):
         kwargs.setdefault("allow_abbrev", False)  # a flag is its whole name (config files rely on it)
         super().__init__(*args, **kwargs)
 
-    def error(self, message):  # one clear line, no usage dump
+    def error(self, message):  # one clear line, no usage dump, pointing to the (sub)command's own help
         print(f"pipedp: error: {message} (see '{self.prog} --help')", file=sys.stderr)
         sys.exit(2)
 
+    def parse_known_args(self, args=None, namespace=None):
+        return super().parse_known_args(normalize(sys.argv[1:] if args is None else args), namespace)
+
+    def parse_args(self, args=None, namespace=None):
+        parsed, extras = self.parse_known_args(args, namespace)
+        if extras:  # said by the subcommand that was given them, with its flags' "did you mean"
+            command = _innermost(self, parsed)
+            command.error(unknown_message(command, extras))
+        return parsed
+
+
+def _innermost(parser: argparse.ArgumentParser, parsed: argparse.Namespace) -> argparse.ArgumentParser:
+    """The (sub)subcommand's parser the command line chose (``pipedp schedule show``: show's)."""
+    while True:
+        sub = next((a for a in parser._actions if isinstance(a, argparse._SubParsersAction)), None)
+        chosen = getattr(parsed, sub.dest, None) if sub is not None else None
+        if chosen not in (sub.choices if sub is not None else {}):
+            return parser
+        parser = sub.choices[chosen]  # type: ignore[union-attr]
+
 
 def add_train_flags(t: argparse.ArgumentParser) -> None:
-    t.add_argument(
+    group = {name: t.add_argument_group(f"{name} options", about) for name, about in HELP_GROUPS.items()}
+    model, data, optimization, pipeline, run = (group[n] for n in ("model", "data", "optimization", "pipeline", "run"))
+    run.add_argument(
         "--config",
         default=None,
         help="a TOML file with any of these flags as keys (e.g. seq-len = 128, in any [table]); flags given here "
         "override it. Each run writes its own to RUN/config.toml",
     )
-    groups = {cls: t.add_argument_group(f"{name} options") for cls, name in SECTIONS.items()}
-    add_config_flags(t, JOB_CLASSES, CLI_DEFAULTS, groups=groups)
-    job = t.add_argument_group("job options")
-    job.add_argument("--model", default="tiny-gpt", help="'tiny-gpt' (built in) or a local Hugging Face model folder")
-    rate = job.add_mutually_exclusive_group()
-    rate.add_argument("--sample-rate", type=_positive_float, default=None, help="Poisson sampling rate q")
-    rate.add_argument(
-        "--batch-size", type=_positive_int, default=32, help="expected logical batch size in privacy units (q = B / N)"
+    homes: Dict[Any, Any] = {
+        **{cls: group[name] for cls, name in CLASS_GROUPS.items()},
+        **{f: group[n] for f, n in FIELD_GROUPS.items()},
+    }
+    add_config_flags(t, JOB_CLASSES, CLI_DEFAULTS, groups=homes, aliases=ALIASES)
+    model.add_argument(
+        "--model",
+        "--model-name-or-path",
+        default="tiny-gpt",
+        help="'tiny-gpt' (built in) or a local Hugging Face model folder (nothing is downloaded)",
     )
-    job.add_argument(
-        "--export",
-        default=None,
-        help="after training, write the Hugging Face model (config + safetensors + tokenizer) to this folder",
-    )
-    job.add_argument(
+    model.add_argument(
         "--lora-r",
         type=_positive_int,
         default=None,
         help="train PEFT LoRA adapters of this rank (base weights frozen); needs a Hugging Face --model",
     )
-    job.add_argument(
+    model.add_argument(
         "--lora-targets", default="q_proj,v_proj", help="comma-separated module names LoRA adapts (GPT-2: c_attn)"
     )
-    job.add_argument(
+    model.add_argument(
+        "--export",
+        default=None,
+        help="after training, write the Hugging Face model (config + safetensors + tokenizer) to this folder",
+    )
+    group["privacy"].add_argument(
+        "--disable-dp",
+        action="store_true",
+        help="a non-private baseline: the same pipeline without clipping or noise (epsilon is infinite; no "
+        "accountant charge), for utility comparisons",
+    )
+    rate = optimization.add_mutually_exclusive_group()
+    rate.add_argument("--sample-rate", type=_positive_float, default=None, help="Poisson sampling rate q")
+    rate.add_argument(
+        "--batch-size", type=_positive_int, default=32, help="expected logical batch size in privacy units (q = B / N)"
+    )
+    data.add_argument(
+        "--eval-batch-size",
+        "--per-device-eval-batch-size",
+        type=_positive_int,
+        default=None,
+        help="rows per evaluation batch, over the whole pipeline (default --batch-size)",
+    )
+    pipeline.add_argument("--inprocess", action="store_true", help="run every stage in this one process (debugging)")
+    pipeline.add_argument("--threads", type=_positive_int, default=1, help="torch threads per process")
+    run.add_argument(
         "--overwrite",
+        "--overwrite-output-dir",
         action="store_true",
         help="start afresh in a --checkpoint-dir that holds another run: that run is moved aside to DIR.previous-TIME",
     )
-    job.add_argument(
+    run.add_argument(
         "--no-checkpoint",
         action="store_true",
         help="save no checkpoints (the run cannot be resumed); the run's config, metrics and plot still go to "
         "--checkpoint-dir",
     )
-    job.add_argument(
+    run.add_argument(
         "--report-to",
         default="none",
         choices=REPORT_TO,
         help="also log the metrics to TensorBoard (RUN/tensorboard; needs the tensorboard package)",
     )
-    job.add_argument(
+    run.add_argument(
         "--epsilon-every",
+        "--logging-steps",
         type=_positive_int,
         default=None,
-        help="steps between epsilon evaluations in the log and the progress bar (default: about 20 per run, and "
-        "always the last step; the prv accountant takes ~0.1 s each)",
+        help="steps between epsilon evaluations and progress lines (metrics.jsonl gets every step; default: about "
+        "20 per run, and always the last step; the prv accountant takes ~0.1 s each)",
     )
-    job.add_argument(
-        "--eval-batch-size", type=_positive_int, default=None, help="rows per evaluation batch (default --batch-size)"
-    )
-    job.add_argument("--inprocess", action="store_true", help="run every stage in this one process (debugging)")
-    job.add_argument("--threads", type=_positive_int, default=1, help="torch threads per process")
-    job.add_argument("--no-progress", action="store_true", help="no progress bars")
+    run.add_argument("--no-progress", "--disable-tqdm", action="store_true", help="no progress bars")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -170,7 +221,7 @@ def train_defaults() -> dict:
 
 def parse(argv: Optional[List[str]] = None) -> argparse.Namespace:
     """The parsed command line; for ``train --config FILE``, the file's keys under the command line's flags."""
-    argv = list(sys.argv[1:] if argv is None else argv)
+    argv = normalize(sys.argv[1:] if argv is None else argv)  # (the config file's keys are matched to these)
     parser = build_parser()
     args = parser.parse_args(argv)
     if args.command != "train" or args.config is None:
@@ -181,7 +232,7 @@ def parse(argv: Optional[List[str]] = None) -> argparse.Namespace:
     try:
         from_file = tokens(train_parser(parser), args.config, argv[at + 1 :])
     except ConfigFileError as exc:
-        parser.error(str(exc))
+        train_parser(parser).error(str(exc))
     return parser.parse_args(argv[: at + 1] + from_file + argv[at + 1 :])
 
 

@@ -35,6 +35,13 @@ def _finite(value: Optional[float]) -> Optional[float]:
     return value if value is not None and math.isfinite(value) else None
 
 
+def epsilon_text(value: Optional[float]) -> str:
+    """The progress's epsilon: '–' until first computed, '∞' without a finite guarantee (DP disabled, or no noise)."""
+    if value is None:
+        return "–"
+    return "∞" if math.isinf(value) else f"{value:.2f}"
+
+
 def rate_text(value: float) -> str:
     """Samples per second to 3 significant digits (a big model's 0.04/s must not print as 0)."""
     return f"{value:.3g}"
@@ -62,6 +69,8 @@ class Monitor:
 
             # (on a terminal) the bar shows eps: say what it is for
             desc = f"DP training (eps: {adjacency(job.privacy.sampling, job.data.privacy_unit)})"
+            if not job.privacy.enabled:
+                desc = "non-private training (--disable-dp: no clipping, no noise, eps ∞)"
             self.bar = tqdm(total=job.steps, initial=self.start_step, desc=desc, unit="step", dynamic_ncols=True)
 
     # ---- outputs ----------------------------------------------------------------------------------
@@ -126,7 +135,7 @@ class Monitor:
             self.history["step"].append(step)
             self.history["loss"].append(_finite(loss))
             self._write(line)
-            eps = "–" if self.epsilon is None else f"{self.epsilon:.2f}"
+            eps = epsilon_text(self.epsilon) + ("" if job.privacy.enabled else " (DP disabled)")
             if self.bar is not None:
                 self.bar.set_postfix(loss=f"{loss:.3f}", eps=eps, samples_s=rate_text(line["samples_per_s"]))
                 self.bar.update(1)

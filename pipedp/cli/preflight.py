@@ -11,17 +11,18 @@ here), the data (read, tokenised once into the cache, grouped into privacy units
 from __future__ import annotations
 
 import importlib.util
+import math
 import os
 import time
 from contextlib import ExitStack
-from dataclasses import replace
+from dataclasses import fields, replace
 from typing import Callable, List, Optional, Tuple
 
 from ..config import DataConfig, FitConfig, OptimizerConfig, PipelineConfig, PrivacyConfig
 from ..errors import ConfigError, PipeDPError
-from .flags import DEFAULT_STEPS, config_from_args
+from .flags import DEFAULT_STEPS, config_from_args, flag_name
 from .record import RunFolder, default_run_dir, link_latest
-from .spec import TINY_GPT, TINY_GPT_SHAPE, Job, Model
+from .spec import TINY_GPT, TINY_GPT_SEQ_LEN, TINY_GPT_SHAPE, Job, Model
 
 Say = Callable[[str], None]
 
@@ -31,7 +32,9 @@ def check_flags(args) -> Tuple[PipelineConfig, PrivacyConfig, FitConfig, DataCon
     pipeline = config_from_args(PipelineConfig, args, transport="inprocess" if args.inprocess else "auto").validate()
     data = config_from_args(DataConfig, args).validate()
     optim = config_from_args(OptimizerConfig, args).validate()
-    privacy = config_from_args(PrivacyConfig, args, expected_batch_size=1)
+    if args.disable_dp:
+        _check_no_privacy_flags(args)
+    privacy = config_from_args(PrivacyConfig, args, expected_batch_size=1, enabled=not args.disable_dp)
     # the privacy fields' own checks; sample rate and steps come from the data, later
     replace(
         privacy,
@@ -78,6 +81,21 @@ def check_flags(args) -> Tuple[PipelineConfig, PrivacyConfig, FitConfig, DataCon
                 "microbatch_size",
             )
     return pipeline, privacy, fit, data, optim
+
+
+NOT_WITHOUT_DP = ("noise_multiplier", "max_grad_norm", "clipping", "target_epsilon", "max_epsilon", "secure_mode")
+
+
+def _check_no_privacy_flags(args) -> None:
+    """--disable-dp with a privacy option set: refused, not ignored (the run would not be what was asked)."""
+    defaults = {f.name: f.default for f in fields(PrivacyConfig)}
+    given = [name for name in NOT_WITHOUT_DP if getattr(args, name) != defaults[name]]
+    if given:
+        flags = ", ".join(flag_name(n) for n in given)
+        raise ConfigError(
+            f"--disable-dp trains without clipping or noise, so {flags} would do nothing: drop "
+            f"{'it' if len(given) == 1 else 'them'}, or drop --disable-dp for a private run"
+        )
 
 
 def _under_torchrun(args) -> bool:
@@ -154,7 +172,7 @@ def check_model(args, pipeline: PipelineConfig) -> Model:
         from ..models import GPTConfig, tiny_gpt
 
         with torch.device("meta"):
-            model = tiny_gpt(GPTConfig(vocab_size=256, seq_len=args.seq_len, **TINY_GPT_SHAPE))
+            model = tiny_gpt(GPTConfig(vocab_size=256, seq_len=args.seq_len or TINY_GPT_SEQ_LEN, **TINY_GPT_SHAPE))
     else:
         from ..split.hf_loading import build_on_meta
 
@@ -180,7 +198,12 @@ def check_model(args, pipeline: PipelineConfig) -> Model:
             raise ConfigError(f"lora_targets: {str(exc).strip()[:400]}", "lora_targets") from exc
         model_blocks(lora, pipeline.untie_weights)
     embedding = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else model[0].tok
-    return Model(args.model, vocab_size=int(embedding.num_embeddings), blocks=len(blocks))
+    config = getattr(model, "config", None)
+    positions = next((getattr(config, k) for k in POSITION_KEYS if isinstance(getattr(config, k, None), int)), None)
+    return Model(args.model, vocab_size=int(embedding.num_embeddings), blocks=len(blocks), positions=positions)
+
+
+POSITION_KEYS = ("max_position_embeddings", "n_positions", "max_sequence_length")
 
 
 # ---- 4. the data ------------------------------------------------------------------------------------
@@ -209,7 +232,16 @@ def prepare_data(args, data: DataConfig, folder: RunFolder, seed: int, model: Mo
             )
         return t, file
 
+    if data.seq_len is None:
+        data = replace(
+            data,
+            seq_len=TINY_GPT_SEQ_LEN
+            if model.name == TINY_GPT
+            else _length_from_data(data, tokenizer, model, seed, say),
+        )
+    assert data.seq_len is not None
     train, train_file = rows(data.data)
+    _warn_if_truncated(train, data.seq_len, args.seq_len is None, say)
     units = user_units(train, data.max_records_per_user) if data.privacy_unit == "user" else record_units(train)
     if data.privacy_unit == "user":
         c = units.counts
@@ -228,7 +260,38 @@ def prepare_data(args, data: DataConfig, folder: RunFolder, seed: int, model: Mo
         )
     elif eval_file is not None:
         say("eval: --eval-data; its loss and perplexity carry no DP guarantee unless those records are public")
-    return train_file, eval_file, len(train_units), units.per_unit
+    return data, train_file, eval_file, len(train_units), units.per_unit
+
+
+TRUNCATED_WARNING = 0.05  # above this fraction of records truncated, say so
+
+
+def _length_from_data(data: DataConfig, tokenizer, model: Model, seed: int, say: Say) -> int:
+    """A Hugging Face model's --seq-len when none is given: 95% of the training records whole (see length_from_data)."""
+    from ..data import Records, generated_records, length_from_data, read_records, record_lengths
+    from ..data.cache import GENERATED
+
+    source = read_records(data.data, data.text_field) if data.data else Records(GENERATED, generated_records(seed=seed))
+    lengths = record_lengths(source, tokenizer, data.format, data.text_field)
+    chosen = length_from_data(lengths, model.positions)
+    bound = f", at most the model's {model.positions} positions" if model.positions else ""
+    say(
+        f"--seq-len {chosen} from the data: the 95th percentile of the {len(lengths)} records' token lengths (longest "
+        f"{max(lengths)}), rounded up to a multiple of 8{bound}. The choice is a statistic of the training records, "
+        "outside the DP guarantee: give --seq-len to make it yourself"
+    )
+    return chosen
+
+
+def _warn_if_truncated(rows, seq_len: int, chosen: bool, say: Say) -> None:
+    c = rows.counts
+    if c["records"] and c["truncated"] / c["records"] > TRUNCATED_WARNING:
+        why = "chosen from the data, bounded by the model's positions" if chosen else "as given"
+        say(
+            f"warning: {c['truncated']} of {c['records']} records ({c['truncated'] / c['records']:.0%}) are truncated "
+            f"at --seq-len {seq_len} ({why}), {c['tokens cut']} tokens cut: their ends are never trained on; raise "
+            "--seq-len if the model allows"
+        )
 
 
 def _progress_bar(enabled: bool):
@@ -296,6 +359,53 @@ def resolve_privacy(args, privacy: PrivacyConfig, fit: FitConfig, units: int, pe
     return privacy, replace(fit, steps=steps, epochs=None)
 
 
+WEAK_EPSILON = 10.0  # above it, the guarantee is said to be weak (docs/privacy.md)
+
+
+def privacy_warnings(args, privacy: PrivacyConfig, steps: int) -> List[str]:
+    """What the user should hear about the privacy before the run: a mechanism left at pipedp's defaults, noise too
+    large to learn anything, and an epsilon above WEAK_EPSILON."""
+    if not privacy.enabled:
+        return []
+    out = []
+    defaults = {f.name: f.default for f in fields(PrivacyConfig)}
+    left = [flag_name(n) for n in ("noise_multiplier", "max_grad_norm") if getattr(args, n) == defaults[n]]
+    if args.target_epsilon is not None and "--noise-multiplier" in left:
+        left.remove("--noise-multiplier")  # calibrated, not defaulted
+    if left:
+        out.append(
+            f"{' and '.join(left)} left at pipedp's default{'s' if len(left) > 1 else ''} (1.0), not chosen for this "
+            "model and data: give --target-epsilon (or --noise-multiplier) and --max-grad-norm (C: e.g. near the "
+            "median per-sample gradient norm; a short run's clipped_fraction says how many are clipped)"
+        )
+    ratio = privacy.noise_multiplier / ((privacy.expected_batch_size or 1) * math.sqrt(steps))
+    if ratio > 1:
+        out.append(
+            f"noise multiplier {privacy.noise_multiplier:.4g} is too large to learn: over the run's {steps} steps the "
+            f"noise summed on each coordinate (std sigma x C x sqrt(steps) / batch = {ratio:.3g} x steps x C) exceeds "
+            "the most the clipped gradients can move it (steps x C); raise the batch or the steps, or the target epsilon"
+        )
+    eps = _planned_epsilon(privacy, steps)
+    if eps is not None and eps > WEAK_EPSILON:
+        out.append(
+            f"the run will end at epsilon {eps:.3g} (delta {privacy.delta:g}), above {WEAK_EPSILON:g}: a weak "
+            "guarantee (e^epsilon bounds how much more likely any outcome becomes with a unit in the data); add noise, "
+            "lower the sample rate or train fewer steps"
+        )
+    return out
+
+
+def _planned_epsilon(privacy: PrivacyConfig, steps: int) -> Optional[float]:
+    """The epsilon of a run that takes all its steps (Poisson runs; None where it is not known in advance)."""
+    from ..privacy.accounting import epsilon_after
+
+    if privacy.sampling == "shuffle" or privacy.noise_multiplier == 0 or privacy.sample_rate is None:
+        return None if privacy.noise_multiplier else math.inf
+    if privacy.max_epsilon is not None:
+        return None  # the budget stops it first
+    return epsilon_after(steps, privacy.noise_multiplier, privacy.sample_rate, privacy.delta, privacy.accountant)
+
+
 # ---- all of it --------------------------------------------------------------------------------------------
 def resolve(args, say: Say = print, lead: bool = True, hold: Optional[ExitStack] = None) -> Job:
     """The checked job; ``hold``: takes the run folder's lock, held until it closes (see check_folder)."""
@@ -303,7 +413,7 @@ def resolve(args, say: Say = print, lead: bool = True, hold: Optional[ExitStack]
     folder = check_folder(args, say, lead, hold)
     fit = replace(fit, checkpoint_dir=None if args.no_checkpoint else folder.path)
     model = check_model(args, pipeline)
-    train_file, eval_file, units, per_unit = prepare_data(args, data, folder, privacy.public_seed(), model, say)
+    data, train_file, eval_file, units, per_unit = prepare_data(args, data, folder, privacy.public_seed(), model, say)
     privacy, fit = resolve_privacy(args, privacy, fit, units, per_unit, say)
     job = Job(
         pipeline=pipeline,
@@ -328,6 +438,10 @@ def resolve(args, say: Say = print, lead: bool = True, hold: Optional[ExitStack]
         progress=not args.no_progress,
         inprocess=args.inprocess,
     )
+    warned = privacy_warnings(args, privacy, fit.steps)
+    for line in warned:
+        say(f"warning: {line}")
+    job = replace(job, privacy_warnings=tuple(warned))
     if args.resume and folder.holds_checkpoint():
         notes = folder.compare(args, job)  # refuses what the update does not allow
         job = replace(job, resume_notes=tuple(notes))

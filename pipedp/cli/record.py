@@ -53,7 +53,8 @@ SAME_DATA = {f.name for f in fields(DataConfig)} - {"eval_data", "eval_every", "
 # flags whose change alters the updates from the resumed step on, but not the privacy accounting
 FROM_HERE_ON = {f.name for f in fields(OptimizerConfig)} - {"optimizer"}
 IGNORED = set(NOT_SAVED) | {"no_progress", "command"}
-JOB_FLAGS = ("model", "sample_rate", "batch_size", "export", "lora_r", "lora_targets", "no_checkpoint")
+JOB_FLAGS = ("model", "sample_rate", "batch_size", "export", "lora_r", "lora_targets", "no_checkpoint", "disable_dp")
+SWITCHES_ADDED = ("disable_dp",)  # switches newer than some run records: absent there means off
 RUN_FLAGS = ("report_to", "epsilon_every", "eval_batch_size", "inprocess", "threads", "no_progress")
 
 
@@ -166,6 +167,7 @@ class RunFolder:
             "fit": {k: v for k, v in describe(job.fit).items() if k != "checkpoint_key"},
             "units": job.privacy.dataset_size,
             "rows_per_unit": job.rows_per_unit,
+            "seq_len": job.data.seq_len,  # as given, or chosen from the data
             "train_rows": os.path.basename(job.train_rows) if job.train_rows else None,
             "eval_rows": os.path.basename(job.eval_rows) if job.eval_rows else None,
             "model_files": model_files(job.model.name),
@@ -190,11 +192,15 @@ class RunFolder:
         was = before.get("flags", {})
         resolved = before.get("resolved", {})
         notes, refused = [], []
+        for key in SWITCHES_ADDED:
+            was.setdefault(key, False)
         for key in sorted(set(now) | set(was)):
             if key in IGNORED or now.get(key) == was.get(key):
                 continue
-            change = f"{flag_name(key)}: {was.get(key)!r} -> {now.get(key)!r}"
-            if key == "model" and _moved(resolved, now[key]):
+            change = f"{flag_name(key)}: {_shown(was.get(key))} -> {_shown(now.get(key))}"
+            if key == "disable_dp":
+                refused.append(f"{change} (a private run and a non-private one cannot continue each other)")
+            elif key == "model" and _moved(resolved, now[key]):
                 notes.append(
                     f"{change} (the model folder moved: its config and tokenizer files are the same; the checkpoint "
                     "checks the sha256 of every frozen tensor)"
@@ -241,6 +247,10 @@ class RunFolder:
                 shutil.rmtree(path, ignore_errors=True)
             elif os.path.exists(path):
                 os.unlink(path)
+
+
+def _shown(value: Any) -> str:
+    return "(default)" if value is None else repr(value)
 
 
 def model_files(model: str) -> Optional[str]:

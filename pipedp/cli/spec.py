@@ -9,6 +9,7 @@ from ..config import DataConfig, FitConfig, OptimizerConfig, PipelineConfig, Pri
 
 TINY_GPT = "tiny-gpt"  # the built-in model: a GPT of this shape over UTF-8 bytes (vocabulary 256)
 TINY_GPT_SHAPE = dict(d_model=64, n_heads=4, n_layers=4)
+TINY_GPT_SEQ_LEN = 36  # its --seq-len default (a Hugging Face model's comes from the data)
 
 
 @dataclass(frozen=True)
@@ -18,6 +19,7 @@ class Model:
     name: str  # "tiny-gpt" or a local Hugging Face folder
     vocab_size: int
     blocks: int
+    positions: Optional[int] = None  # a Hugging Face model's max_position_embeddings (n_positions), if it says
 
 
 @dataclass(frozen=True)
@@ -47,6 +49,7 @@ class Job:
     progress: bool
     inprocess: bool
     resume_notes: Tuple[str, ...] = ()
+    privacy_warnings: Tuple[str, ...] = ()  # said before the run and again in its summary (preflight.privacy_warnings)
 
     @property
     def steps(self) -> int:

@@ -34,14 +34,27 @@ def describe_job(job: Job) -> str:
             + (f", LoRA r={job.lora_r} on {','.join(job.lora_targets)}" if job.lora_r else "")
             + f") | {p.stages} stages x {p.replicas} replica(s), {p.schedule}, {p.microbatches} micro-batches, "
             f"grad mode {p.grad_mode}, precision {p.precision}",
-            f"privacy: unit {unit}, N = {q.dataset_size}, {sampling} sampling at rate {q.sample_rate:.4g} (expected "
-            f"batch {q.expected_batch_size}), noise multiplier {q.noise_multiplier:.4g}, max grad norm "
-            f"{q.max_grad_norm} ({q.clipping}), {q.accountant} accountant, delta {q.delta:g}, {job.steps} steps"
-            + (f", budget {q.max_epsilon:g}" if q.max_epsilon is not None else "")
-            + f" ({adjacency(q.sampling, d.privacy_unit)})",
+            _privacy_line(job, unit, sampling),
             f"optimizer: {o.optimizer}, lr {o.lr:g} ({schedule}), {decay}",
             f"run folder: {job.run_dir} ({CONFIG_TOML}, {METRICS}, ...); {checkpoints}",
         ]
+    )
+
+
+def _privacy_line(job: Job, unit: str, sampling: str) -> str:
+    q, d = job.privacy, job.data
+    if not q.enabled:
+        return (
+            f"privacy: NONE (--disable-dp: no clipping, no noise, epsilon ∞, not differentially private) | unit "
+            f"{unit}, N = {q.dataset_size}, {sampling} sampling at rate {q.sample_rate:.4g} (expected batch "
+            f"{q.expected_batch_size}), {job.steps} steps"
+        )
+    return (
+        f"privacy: unit {unit}, N = {q.dataset_size}, {sampling} sampling at rate {q.sample_rate:.4g} (expected "
+        f"batch {q.expected_batch_size}), noise multiplier {q.noise_multiplier:.4g}, max grad norm "
+        f"{q.max_grad_norm} ({q.clipping}), {q.accountant} accountant, delta {q.delta:g}, {job.steps} steps"
+        + (f", budget {q.max_epsilon:g}" if q.max_epsilon is not None else "")
+        + f" ({adjacency(q.sampling, d.privacy_unit)})"
     )
 
 
@@ -75,10 +88,31 @@ def plot(job: Job, monitor: Monitor) -> Optional[str]:
     return path
 
 
+def final_warnings(job: Job, epsilon: Optional[float]) -> list:
+    """The privacy warnings said before the run, the epsilon one replaced by the epsilon actually spent."""
+    from .preflight import WEAK_EPSILON
+
+    out = [w for w in job.privacy_warnings if not w.startswith("the run will end at epsilon")]
+    if job.privacy.enabled and epsilon is not None and epsilon > WEAK_EPSILON:
+        out.append(f"epsilon {epsilon:.3g} is above {WEAK_EPSILON:g}: a weak guarantee (see docs/privacy.md)")
+    return out
+
+
+def _epsilon_said(job: Job, epsilon: float) -> str:
+    privacy = job.privacy
+    if not privacy.enabled:
+        return "epsilon ∞: not differentially private (--disable-dp: no clipping, no noise; a baseline only)"
+    return (
+        f"epsilon {epsilon:.3f} at delta {privacy.delta:g} ({adjacency(privacy.sampling, job.data.privacy_unit)}; "
+        f"noise multiplier {privacy.noise_multiplier:.3f}, sample rate {privacy.sample_rate:.4f}, {privacy.accountant})"
+    )
+
+
 def summarise(job: Job, trainer, result, monitor: Monitor, lead: bool) -> dict:
     privacy = job.privacy
     summary = {
         "steps": result.steps,
+        "private": privacy.enabled,
         "epsilon": result.epsilon,
         "delta": privacy.delta,
         "loss": result.loss,
@@ -93,6 +127,7 @@ def summarise(job: Job, trainer, result, monitor: Monitor, lead: bool) -> dict:
         "first_nonfinite_step": monitor.first_nonfinite,
         "eval_loss": monitor.last_eval["eval_loss"] if monitor.last_eval else None,
         "eval_perplexity": monitor.last_eval["eval_perplexity"] if monitor.last_eval else None,
+        "warnings": final_warnings(job, result.epsilon),
     }
     if not lead:
         return summary
@@ -102,8 +137,7 @@ def summarise(job: Job, trainer, result, monitor: Monitor, lead: bool) -> dict:
     first = summary["first_loss"] if summary["first_loss"] is not None else float("nan")
     lines = [
         f"done: {result.steps} steps in {monitor.train_s:.1f}s, {rate_text(summary['samples_per_s'])} samples/s | "
-        f"loss {first:.3f} -> {result.loss:.3f} | epsilon {result.epsilon:.3f} at delta {privacy.delta:g} "
-        f"({adjacency(privacy.sampling, job.data.privacy_unit)}; noise multiplier {privacy.noise_multiplier:.3f}, sample rate {privacy.sample_rate:.4f}, {privacy.accountant})"
+        f"loss {first:.3f} -> {result.loss:.3f} | {_epsilon_said(job, result.epsilon)}"
     ]
     if monitor.last_eval:
         lines.append(
@@ -116,6 +150,8 @@ def summarise(job: Job, trainer, result, monitor: Monitor, lead: bool) -> dict:
         f"record: {os.path.join(job.run_dir, METRICS)}, {os.path.join(job.run_dir, SUMMARY)}, "
         + (drawn if drawn else "no plot (pip install matplotlib)")
     )
+    for line in final_warnings(job, result.epsilon):
+        lines.append(f"warning: {line}")
     if result.stopped_by_budget:
         lines.append(f"stopped: {result.stopped_by_budget}")
     if monitor.first_nonfinite is not None:

@@ -20,6 +20,7 @@ records.
 
 from __future__ import annotations
 
+import math
 import warnings
 from dataclasses import dataclass, field
 from typing import Callable, Dict, Iterable, List, Optional, Tuple
@@ -190,6 +191,30 @@ def to_rows(
     lengths_t = torch.tensor(lengths, dtype=torch.int32)
     named = [str(u) for u in users] if user_field else None
     return Tokenized(ids, labels, lengths_t, named, counts, fmt, int(tokenizer.pad_id))
+
+
+def record_lengths(source: Records, tokenizer, fmt: str = "auto", text_field: str = "text") -> List[int]:
+    """Each record's token count before any truncation (a row of seq_len holds seq_len + 1 of them)."""
+    if not len(source):
+        raise DataError(f"{source.name}: no records")
+    if fmt == "auto":
+        fmt = detect_format(source.records[0], text_field)
+    out = []
+    for i, record in enumerate(source.records):
+        try:
+            out.append(sum(len(tokens) for tokens, _ in segments(record, fmt, tokenizer, text_field)))
+        except ValueError as exc:
+            raise DataError(f"{source.where(i)}: {exc}") from exc
+    return out
+
+
+def length_from_data(lengths: List[int], limit: Optional[int], quantile: float = 0.95, multiple: int = 8) -> int:
+    """The seq_len that holds ``quantile`` of the records whole: that quantile of (length - 1), rounded up to a
+    multiple of ``multiple``, at most ``limit`` (the model's positions)."""
+    needed = sorted(max(1, n - 1) for n in lengths)
+    value = needed[max(0, math.ceil(quantile * len(needed)) - 1)]
+    rounded = math.ceil(value / multiple) * multiple
+    return rounded if limit is None else max(1, min(rounded, limit))
 
 
 def unknown_roles(name: str, unknown: Dict[str, int]) -> str:

@@ -8,6 +8,7 @@ prepared changes it here.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Sequence
 
@@ -58,7 +59,9 @@ def prepare(
     stage_blocks = partition(blocks, pipeline.stages, rule, costs)
     refuse_duplicate_names(stage_blocks)
     layers = [name for stage in stage_blocks for name in block_layers(stage)]
-    clip = ClipRule.make(privacy.clipping, privacy.max_grad_norm, pipeline.stages, layers)
+    # DP disabled: an infinite bound makes every clip factor 1 (a non-finite sample is still left out)
+    norm = privacy.max_grad_norm if privacy.enabled else math.inf
+    clip = ClipRule.make(privacy.clipping, norm, pipeline.stages, layers)
     units = Units(privacy.unit_rows)
     if pipeline.microbatch_size is not None and pipeline.microbatch_size % units.rows:
         raise ConfigError(

@@ -292,10 +292,12 @@ class PipelineDPTrainer:
                 stacklevel=3,
             )
         rate = self.state.charges.rate(sampling, self.privacy, n)
+        if not self.privacy.enabled:  # no noise: nothing the accountant could bound (epsilon() says inf)
+            return None
         return None if rate is None else (self.privacy.noise_multiplier, rate)
 
     def _apply_update(self) -> None:
-        std = self.privacy.noise_multiplier * self.clip.sensitivity
+        std = self.privacy.noise_multiplier * self.clip.sensitivity if self.privacy.enabled else 0.0
         stages = self.runtime.local_stages
         for stage, opt in zip(stages, self.state.optimizers):  # every update set and checked before any step
             grads = stage.take_clipped_sum()
@@ -434,6 +436,8 @@ class PipelineDPTrainer:
     def epsilon(self, delta: Optional[float] = None) -> float:
         """The epsilon spent so far at ``delta`` (default PrivacyConfig.delta), for the steps as they were
         accounted: never negative; inf once a step had no noise."""
+        if not self.privacy.enabled:  # no clipping, no noise: no finite guarantee
+            return math.inf
         delta = self.privacy.delta if delta is None else delta
         if self.privacy.dataset_size is not None and delta >= 1 / self.privacy.dataset_size:
             raise ConfigError(

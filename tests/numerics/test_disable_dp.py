@@ -1,0 +1,79 @@
+"""PrivacyConfig(enabled=False): the same pipeline without clipping or noise. Its update is plain SGD on the
+summed per-sample losses, computed here by one ordinary torch backward through a copy of the user's model;
+no step is charged and epsilon is infinite."""
+
+import copy
+import math
+
+import pytest
+import torch
+
+from pipedp import PipelineDPTrainer
+from pipedp.config import PrivacyConfig
+from pipedp.errors import ConfigError
+from tests.loop_models import LoopNet
+from tests.steps import class_loss
+
+N, LR = 6, 0.5
+
+
+def batch():
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(N, 5, generator=g) * 20  # large inputs: every per-sample norm far above C
+    return x, torch.randint(0, 3, (N,), generator=g)
+
+
+def pipedp_step(enabled, **options):
+    torch.manual_seed(0)
+    model = LoopNet()
+    privacy = PrivacyConfig(
+        enabled=enabled, expected_batch_size=N, sample_rate=0.5, sampling="poisson", dataset_size=100, seed=1
+    )
+    trainer = PipelineDPTrainer(
+        model, class_loss, lambda p: torch.optim.SGD(p, lr=LR), privacy=privacy, stages=2, microbatches=3, **options
+    )
+    trainer.step(*batch())
+    return trainer, {k: v.detach().clone() for k, v in model.named_parameters()}
+
+
+def plain_sgd_step():
+    """One ordinary backward of sum_i loss_i / B (pipedp divides by the expected batch B, here N), one SGD step."""
+    torch.manual_seed(0)
+    model = copy.deepcopy(LoopNet())
+    x, y = batch()
+    (class_loss(model(x), y).sum() / N).backward()
+    with torch.no_grad():
+        for p in model.parameters():
+            p -= LR * p.grad
+    return {k: v.detach() for k, v in model.named_parameters()}
+
+
+@pytest.mark.parametrize("grad_mode", ["auto", "materialize", "ghost"])
+def test_disabled_dp_is_plain_sgd_with_no_charge_and_infinite_epsilon(grad_mode):
+    trainer, got = pipedp_step(False, grad_mode=grad_mode)
+    want = plain_sgd_step()
+    for name, value in want.items():
+        torch.testing.assert_close(got[name], value, rtol=1e-5, atol=1e-6, msg=name)
+    assert trainer.epsilon() == math.inf and list(trainer.state.accountant.history) == []
+    assert trainer.last_clipped_fraction == 0.0
+
+
+def test_the_comparison_catches_clipping_or_noise():
+    """Planted: the private run (C = 1, sigma = 1) on the same batch is far from plain SGD."""
+    trainer, got = pipedp_step(True)
+    want = plain_sgd_step()
+    assert max((got[k] - want[k]).abs().max().item() for k in want) > 1e-2
+    assert trainer.last_clipped_fraction == 1.0 and math.isfinite(trainer.epsilon())
+
+
+def test_a_budget_or_a_target_with_dp_disabled_is_refused():
+    for name in ("target_epsilon", "max_epsilon"):
+        with pytest.raises(ConfigError, match=f"{name}: a run with DP disabled"):
+            PrivacyConfig(enabled=False, expected_batch_size=4, sample_rate=0.1, **{name: 3.0}).validate()
+
+
+def test_the_switch_is_part_of_a_checkpoints_identity_only_when_off():
+    from pipedp.config import describe
+
+    assert "enabled" not in describe(PrivacyConfig(), only_resume=True)  # checkpoints made before it stay valid
+    assert describe(PrivacyConfig(enabled=False), only_resume=True)["enabled"] is False
