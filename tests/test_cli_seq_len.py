@@ -1,5 +1,7 @@
-"""--seq-len from the data for a Hugging Face model: the 95th percentile of the records' token lengths, rounded up
-to a multiple of 8, bounded by the model's positions; printed with the truncation count, warned above 5%."""
+"""--seq-len's default for a Hugging Face model: a private run takes the model's positions (public, at most 512) and
+only suggests the data's 95th percentile of the records' token lengths (rounded up to a multiple of 8, bounded by
+the positions: a statistic of the private records); a non-private run takes it. Printed with the truncation count,
+warned above 5%."""
 
 import json
 import math
@@ -31,10 +33,13 @@ def run(cli, tmp_path, texts, *flags):
     return out, json.load(open(tmp_path / "run" / "config.json"))["resolved"]["seq_len"]
 
 
-def test_a_hugging_face_models_seq_len_comes_from_its_records(tmp_path, cli):
+def test_a_private_run_only_suggests_the_datas_length_and_a_non_private_one_takes_it(tmp_path, cli):
     texts = ["the cat sat on a mat"] * 40 + ["the dog sat on the log and the frog sat on the bog"]  # 20 and 51 chars
-    out, seq_len = run(cli, tmp_path, texts)
     want = math.ceil((20 - 1) / 8) * 8  # every short record whole: 19 inputs, rounded up to 24
+    private, seq_len = run(cli, tmp_path / "private", texts)
+    assert seq_len == 32 and "--seq-len 32: the model's positions" in private.stdout  # public: the data's is not
+    assert f"The data suggest --seq-len {want}" in private.stdout
+    out, seq_len = run(cli, tmp_path, texts, "--disable-dp")
     assert seq_len == want and f"--seq-len {want} from the data" in out.stdout
     assert f"41 text records -> 41 rows of {want} tokens; 1 truncated" in out.stdout
     assert "are truncated at" not in out.stdout  # 1 of 41 is under 5%: no truncation warning
@@ -42,7 +47,7 @@ def test_a_hugging_face_models_seq_len_comes_from_its_records(tmp_path, cli):
 
 def test_the_models_positions_bound_it_and_a_truncating_length_is_warned_about(tmp_path, cli):
     texts = ["the dog sat on the log and the frog sat on the bog"] * 20  # 51 tokens each; the model has 32 positions
-    out, seq_len = run(cli, tmp_path, texts)
+    out, seq_len = run(cli, tmp_path, texts, "--disable-dp")
     assert seq_len == 32 and "at most the model's 32 positions" in out.stdout
     assert "warning: 20 of 20 records (100%) are truncated at --seq-len 32" in out.stdout
     given, _ = run(cli, tmp_path / "given", ["the cat sat on a mat"] * 20, "--seq-len", "8")

@@ -237,7 +237,7 @@ def prepare_data(args, data: DataConfig, folder: RunFolder, seed: int, model: Mo
             data,
             seq_len=TINY_GPT_SEQ_LEN
             if model.name == TINY_GPT
-            else _length_from_data(data, tokenizer, model, seed, say),
+            else _default_length(data, tokenizer, model, seed, say, private=not args.disable_dp),
         )
     assert data.seq_len is not None
     train, train_file = rows(data.data)
@@ -266,21 +266,35 @@ def prepare_data(args, data: DataConfig, folder: RunFolder, seed: int, model: Mo
 TRUNCATED_WARNING = 0.05  # above this fraction of records truncated, say so
 
 
-def _length_from_data(data: DataConfig, tokenizer, model: Model, seed: int, say: Say) -> int:
-    """A Hugging Face model's --seq-len when none is given: 95% of the training records whole (see length_from_data)."""
+PUBLIC_SEQ_LEN = 512  # a private run's default --seq-len for a Hugging Face model, at most its positions
+
+
+def _default_length(data: DataConfig, tokenizer, model: Model, seed: int, say: Say, private: bool) -> int:
+    """A Hugging Face model's --seq-len when none is given. The length that holds 95% of the training records
+    whole (see length_from_data) is a statistic of those records: one record can move it, and with it every row,
+    so a private run only suggests it (to the operator, who holds the data) and takes a public default, the
+    model's positions up to PUBLIC_SEQ_LEN; a non-private run (--disable-dp) takes it."""
     from ..data import Records, generated_records, length_from_data, read_records, record_lengths
     from ..data.cache import GENERATED
 
     source = read_records(data.data, data.text_field) if data.data else Records(GENERATED, generated_records(seed=seed))
     lengths = record_lengths(source, tokenizer, data.format, data.text_field)
-    chosen = length_from_data(lengths, model.positions)
+    fitted = length_from_data(lengths, model.positions)
     bound = f", at most the model's {model.positions} positions" if model.positions else ""
-    say(
-        f"--seq-len {chosen} from the data: the 95th percentile of the {len(lengths)} records' token lengths (longest "
-        f"{max(lengths)}), rounded up to a multiple of 8{bound}. The choice is a statistic of the training records, "
-        "outside the DP guarantee: give --seq-len to make it yourself"
+    found = (
+        f"the 95th percentile of the {len(lengths)} records' token lengths (longest {max(lengths)}), rounded up to a "
+        f"multiple of 8{bound}"
     )
-    return chosen
+    if not private:
+        say(f"--seq-len {fitted} from the data: {found} (the run is not private)")
+        return fitted
+    public = min(model.positions or PUBLIC_SEQ_LEN, PUBLIC_SEQ_LEN)
+    say(
+        f"--seq-len {public}: the model's positions, at most {PUBLIC_SEQ_LEN} (public). The data suggest "
+        f"--seq-len {fitted} ({found}); that is a statistic of the training records, outside the DP guarantee if "
+        "training uses it: pass it (or a length known in public) to choose it yourself"
+    )
+    return public
 
 
 def _warn_if_truncated(rows, seq_len: int, chosen: bool, say: Say) -> None:
