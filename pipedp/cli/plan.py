@@ -193,6 +193,14 @@ class _Setup:
         self.hf = type(self.model).__module__.startswith(("transformers.", "peft."))
         prepared = prepare(self.model, pipeline, privacy, base_costs)  # as the trainer prepares it
         self.stage_blocks, self.tie, self.options = prepared.stage_blocks, prepared.tie, prepared.options
+        if pipeline.tensor_parallel > 1:  # each stage as its tensor-parallel rank 0 holds it (every rank alike)
+            from ..parallel.layers import Group
+            from ..parallel.plan import split_stage
+
+            group = Group(0, pipeline.tensor_parallel, None)  # simulated: no peers
+            self.parts = [split_stage(b, prepared.tensor_parallel_plan, group) for b in self.stage_blocks]
+        else:
+            self.parts = [None] * len(self.stage_blocks)
         self.static = [static_bytes(b, optimizer, momentum, weight_decay=weight_decay) for b in self.stage_blocks]
         self.optimizer = optimizer
         self._fake = None
@@ -208,7 +216,9 @@ class _Setup:
         return (
             f"pipedp plan: {self.name} ({_count(total)} parameters in {'/'.join(dtypes)}, {_count(trainable)} "
             f"trainable: {tuned}); "
-            f"{p.stages} stages, {p.schedule} x {p.microbatches} micro-batches of {b} x {self.seq_len} tokens; "
+            f"{p.stages} stages"
+            + (f" x {p.tensor_parallel} tensor-parallel ranks (per rank)" if p.tensor_parallel > 1 else "")
+            + f", {p.schedule} x {p.microbatches} micro-batches of {b} x {self.seq_len} tokens; "
             f"precision {p.precision}, grad mode {p.grad_mode}, {self.optimizer}"
             + (", activation checkpointing" if p.activation_checkpointing else "")
             + ("" if p.self_check else ", no self-check")
@@ -309,7 +319,8 @@ class _Setup:
             try:
                 hub = InProcessHub(p)
                 for s, blocks in enumerate(self.stage_blocks):
-                    built.append(Stage(s, p, blocks, token_loss, options, TieRole.for_stage(s, p, self.tie, False)))
+                    role = TieRole.for_stage(s, p, self.tie, False)
+                    built.append(Stage(s, p, blocks, token_loss, options, role, self.parts[s]))
                 executors = []
                 for s, stage in enumerate(built):
                     e = Executor(stage, _HeldTransport(hub.transport(s)), schedule.for_stage(s))

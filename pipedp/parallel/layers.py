@@ -28,7 +28,18 @@ class Group:
 
     rank: int
     size: int
-    handle: Any  # the torch.distributed group
+    handle: Any  # the torch.distributed group; None: the planner's simulation of rank ``rank`` (no peers)
+
+    def all_reduce(self, t: torch.Tensor) -> None:
+        if self.handle is not None:  # (simulated: the sum's shape and memory, no communication)
+            dist.all_reduce(t, group=self.handle)
+
+    def all_gather(self, parts: list, t: torch.Tensor) -> None:
+        if self.handle is not None:
+            dist.all_gather(parts, t, group=self.handle)
+        else:
+            for part in parts:
+                part.copy_(t)
 
 
 class _Copy(torch.autograd.Function):
@@ -40,7 +51,7 @@ class _Copy(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         grad = grad.contiguous().clone()
-        dist.all_reduce(grad, group=ctx.group.handle)
+        ctx.group.all_reduce(grad)
         return grad, None
 
 
@@ -48,7 +59,7 @@ class _Reduce(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: torch.Tensor, group: Group) -> torch.Tensor:
         out = x.contiguous().clone()
-        dist.all_reduce(out, group=group.handle)
+        group.all_reduce(out)
         return out
 
     @staticmethod
@@ -61,7 +72,7 @@ class _Gather(torch.autograd.Function):
     def forward(ctx, x: torch.Tensor, group: Group) -> torch.Tensor:
         ctx.group, ctx.width = group, x.shape[-1]
         parts = [torch.empty_like(x.contiguous()) for _ in range(group.size)]
-        dist.all_gather(parts, x.contiguous(), group=group.handle)
+        group.all_gather(parts, x.contiguous())
         return torch.cat(parts, dim=-1)
 
     @staticmethod

@@ -398,7 +398,7 @@ def format_plan(plan: Plan) -> str:
     )
     on_gpu = " / ".join(format_bytes(s.on_gpu) for s in plan.stages)
     lines.append(
-        f"on a GPU (one process per stage), estimated: {on_gpu} (the peak + {ALLOCATOR_SLACK:.0%} allocator slack + "
+        f"on a GPU (one process per rank), estimated: {on_gpu} (the peak + {ALLOCATOR_SLACK:.0%} allocator slack + "
         f"{format_bytes(CUDA_CONTEXT_BYTES)} CUDA context + {format_bytes(NCCL_BUFFER_BYTES)} NCCL buffers; "
         "estimates until a GPU run measures them)"
     )

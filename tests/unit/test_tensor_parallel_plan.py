@@ -81,3 +81,22 @@ def test_tensor_parallel_in_one_process_is_refused_with_the_launch_line():
         PipelineDPTrainer(
             llama(), token_loss, stages=2, tensor_parallel=2, expected_batch_size=4, transport="inprocess", seed=0
         )
+
+
+def test_the_planner_counts_each_ranks_slices_and_the_whole_tensors_once():
+    """pipedp plan --tensor-parallel 2: every stage as its rank 0 holds it, simulated with its slices."""
+    from pipedp.cli.plan import estimate
+    from pipedp.config import PipelineConfig
+
+    config = tiny_llama_config(num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False)
+    whole, split = (
+        estimate(config, 2, 2, 8, pipeline=PipelineConfig(tensor_parallel=t), optimizer="adamw") for t in (1, 2)
+    )
+    model = llama()
+    norms = sum(p.numel() for n, p in model.named_parameters() if "norm" in n)  # held whole by every rank
+    assert sum(s.static.params for s in whole.stages) == sum(p.numel() for p in model.parameters())
+    assert (
+        sum(s.static.params for s in split.stages) == (sum(p.numel() for p in model.parameters()) - norms) // 2 + norms
+    )
+    assert all(b.pass_peak < a.pass_peak for a, b in zip(whole.stages, split.stages))  # activations split too
+    assert "2 tensor-parallel ranks (per rank)" in split.description
