@@ -127,6 +127,7 @@ def _predicate(accepts) -> str:
 
 
 def rule_rows() -> List[List[str]]:
+    import pipedp.parallel.rules  # noqa: F401  (the tensor-parallel layers' rules register when it is imported)
     from pipedp.privacy.rules import generic
     from pipedp.privacy.rules.registry import PREDICATES, RULES
 

@@ -121,8 +121,7 @@ def place_job(job: Job):
     from ..runtime.placement import place
 
     p = job.pipeline
-    # tensor-parallel ranks need a process (and under NCCL a GPU) each, as replicas do
-    placement = place(p.stages, p.replicas * p.tensor_parallel, p.device, torch.cuda.device_count(), job.inprocess)
+    placement = place(p.stages, p.replicas, p.device, torch.cuda.device_count(), job.inprocess, p.tensor_parallel)
     print(placement.describe(), flush=True)
     return placement
 

@@ -193,14 +193,13 @@ class _Setup:
         self.hf = type(self.model).__module__.startswith(("transformers.", "peft."))
         prepared = prepare(self.model, pipeline, privacy, base_costs)  # as the trainer prepares it
         self.stage_blocks, self.tie, self.options = prepared.stage_blocks, prepared.tie, prepared.options
+        self.parts: List[Any] = [None] * len(self.stage_blocks)  # each stage's tensor-parallel slices
         if pipeline.tensor_parallel > 1:  # each stage as its tensor-parallel rank 0 holds it (every rank alike)
             from ..parallel.layers import Group
             from ..parallel.plan import split_stage
 
             group = Group(0, pipeline.tensor_parallel, None)  # simulated: no peers
             self.parts = [split_stage(b, prepared.tensor_parallel_plan, group) for b in self.stage_blocks]
-        else:
-            self.parts = [None] * len(self.stage_blocks)
         self.static = [static_bytes(b, optimizer, momentum, weight_decay=weight_decay) for b in self.stage_blocks]
         self.optimizer = optimizer
         self._fake = None

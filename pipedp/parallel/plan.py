@@ -22,7 +22,8 @@ from ..split.blocks import Block
 from . import rules  # noqa: F401  (registers the parallel layers' rules)
 from .layers import ColumnParallelLinear, GatheredColumnLinear, Group, RowParallelLinear, VocabParallelEmbedding
 
-COLUMN, ROW, HEAD, VOCAB = "colwise", "rowwise", "colwise_gather_output", "vocab"
+COLUMN, ROW = "colwise", "rowwise"  # transformers' names of the two styles pipedp implements
+HEAD, VOCAB = "pipedp:head", "pipedp:vocab"  # pipedp's own: the head and the input embedding
 _WAY_OUT = "use tensor_parallel=1 (pipeline stages and replicas only)"
 
 
@@ -56,7 +57,28 @@ def tensor_parallel_plan(model: nn.Module, blocks: Sequence[Block], size: int) -
             if style is None or qualified in plan:
                 continue
             plan[qualified] = _checked(qualified, module, style, size)
+    _refuse_whole_beside_split(blocks, plan, size)
     return plan
+
+
+def _refuse_whole_beside_split(blocks: Sequence[Block], plan: Dict[str, str], size: int) -> None:
+    """A parameter held whole next to split layers (under the module that holds them: the attention, the MLP)
+    may read a rank's own heads or features (Phi's q_layernorm, Cohere's q_norm): each rank would then hold only
+    its part of its gradient, and counting it once would drop the rest. Refused; the norms and biases outside those
+    modules read the whole activations."""
+    parents = {name.rsplit(".", 1)[0] for name, style in plan.items() if style in (COLUMN, ROW) and "." in name}
+    for b in blocks:
+        for name, p in b.module.named_parameters():
+            qualified = b.qualified(name)
+            owner = qualified.rsplit(".", 1)[0]
+            inside = next((m for m in parents if qualified.startswith(m + ".")), None)
+            if inside is not None and p.requires_grad and owner not in plan:
+                raise UnsupportedModelError(
+                    f"tensor_parallel={size}: parameter {qualified!r} is held whole by every rank but lives in "
+                    f"{inside!r}, whose projections are split, so it may read only a rank's own heads or features "
+                    f"(its gradient would be each rank's part); freeze it ({qualified}.requires_grad_(False)) or "
+                    f"{_WAY_OUT}"
+                )
 
 
 def _regex(pattern: str) -> "re.Pattern[str]":
@@ -84,14 +106,18 @@ def _refuse_model(model: nn.Module, size: int) -> None:
             "slice yet: give the head its own copy (untie_weights=True)"
         )
     dropping = [n for n, m in model.named_modules() if isinstance(m, nn.Dropout) and m.p > 0 and m.training]
-    rates = [f for f in ("attention_dropout", "hidden_dropout", "resid_pdrop", "attn_pdrop", "embd_pdrop")]
-    dropping += [f"config.{f}" for f in rates if float(getattr(config, f, 0.0) or 0.0) > 0 and model.training]
+    rates = [k for k in vars(config) if "dropout" in k or k.endswith("pdrop")]  # functional dropout reads these
+    dropping += [f"config.{f}" for f in rates if _positive(getattr(config, f, 0.0)) and model.training]
     if dropping:
         raise UnsupportedModelError(
             f"tensor_parallel={size} with dropout ({dropping[0]}): each rank would draw its own masks, so the "
             "activations every rank holds whole would differ between them; set the dropout to 0, or the model to "
             f"eval mode, or {_WAY_OUT}"
         )
+
+
+def _positive(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0
 
 
 def _checked(name: str, module: nn.Module, style: str, size: int) -> str:

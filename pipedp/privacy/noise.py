@@ -99,7 +99,9 @@ def _add_to_slice(g: torch.Tensor, shard: Shard, std: float, generator: torch.Ge
     inner = full[shard.dim + 1 :].numel()
     length = full[shard.dim] * inner  # L
     a, b = shard.start * inner, shard.stop * inner
-    mine = g.reshape(-1, b - a)  # [R, b - a]
+    if not g.is_contiguous():  # a reshaped copy would take the noise, the sum none of it
+        raise ValueError("a tensor-parallel slice's clipped sum must be contiguous to be noised in place")
+    mine = g.view(-1, b - a)  # [R, b - a]
     for s, e in _bounds(full.numel()):
         values = torch.normal(0.0, std, (e - s,), generator=generator, dtype=g.dtype, device=g.device)
         r0, r1 = s // length, (e - 1) // length  # the rows the piece touches, first and last

@@ -188,7 +188,7 @@ class Executor:
         elif kind is Kind.W:
             if mb in state.reductions:
                 state.reductions.pop(mb).wait()
-            if self.reduce_norms and not self.stage.is_first:
+            if self.across_stages and not self.stage.is_first:  # as _weight: the previous stage joined it
                 transport.release(Kind.SEND_B, mb)
 
     def _receive_or_abort(self, kind: Kind, mb: int, messages: int) -> None:

@@ -35,11 +35,13 @@ class Placement:
         return f"pipedp: {how}: {where}"
 
 
-def place(stages: int, replicas: int, device: str, gpus: int, inprocess: bool = False) -> Placement:
+def place(
+    stages: int, replicas: int, device: str, gpus: int, inprocess: bool = False, tensor_parallel: int = 1
+) -> Placement:
     """The placement of ``stages`` x ``replicas`` ranks on this machine with ``gpus`` CUDA devices."""
     if device not in DEVICES:
         raise ConfigError(f"device: one of {DEVICES}, got {device!r}", "device")
-    world = stages * replicas
+    world = stages * replicas * tensor_parallel
     one_process = inprocess or world == 1
     if device == "cuda" and gpus == 0:
         raise ConfigError(
@@ -53,12 +55,19 @@ def place(stages: int, replicas: int, device: str, gpus: int, inprocess: bool = 
         return Placement(True, "gloo", ("cpu",) * world)
     if not one_process and gpus >= world:
         return Placement(True, "nccl", tuple(f"cuda:{r}" for r in range(world)))
-    if replicas > 1:
+    if replicas > 1 or tensor_parallel > 1:
+        mesh = f"{stages} stages x {replicas} replicas" + (
+            f" x {tensor_parallel} tensor-parallel" if tensor_parallel > 1 else ""
+        )
+        fewer = (
+            "fewer replicas (--replicas 1) or tensor-parallel ranks"
+            if tensor_parallel > 1
+            else (f"fewer replicas (--replicas {max(1, gpus // stages)})")
+        )
         raise ConfigError(
-            f"{stages} stages x {replicas} replicas need {world} processes, each on its own GPU under NCCL, but "
-            f"{gpus} GPU(s) are here: use fewer replicas (--replicas {max(1, gpus // stages)}) or stages, or "
-            "--device cpu (gloo)",
-            "replicas",
+            f"{mesh} need {world} processes, each on its own GPU under NCCL, but {gpus} GPU(s) are here: use "
+            f"{fewer} or stages, or --device cpu (gloo)",
+            "tensor_parallel" if tensor_parallel > 1 else "replicas",
         )
     used = min(gpus, stages)
     return Placement(False, None, tuple(f"cuda:{s * used // stages}" for s in range(stages)))

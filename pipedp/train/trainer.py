@@ -86,6 +86,24 @@ def _check_optimizer_options(optimizers: List[Optional[torch.optim.Optimizer]]) 
                     raise ConfigError(f"optimizer option {key}={value!r} is not finite: give a finite value", key)
 
 
+# optimizers whose step treats every coordinate alone: a tensor-parallel slice steps as its part of the whole would
+ELEMENTWISE = (torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW, torch.optim.RMSprop, torch.optim.Adagrad)
+
+
+def _check_elementwise(optimizers: List[Optional[torch.optim.Optimizer]], tensor_parallel: int) -> None:
+    """Under tensor parallelism each rank steps its slices: an optimizer that factors or normalises a whole tensor
+    (Adafactor's row and column moments, LAMB's trust ratio, Muon) would step each slice as if it were the whole."""
+    for opt in optimizers:
+        if tensor_parallel > 1 and opt is not None and type(opt) not in ELEMENTWISE:
+            names = ", ".join(t.__name__ for t in ELEMENTWISE)
+            raise ConfigError(
+                f"tensor_parallel={tensor_parallel} with {type(opt).__name__}: each rank steps its slices of the split "
+                f"layers, which is the whole tensor's step only for optimizers that treat every coordinate alone "
+                f"({names}); use one of them, or tensor_parallel=1",
+                "tensor_parallel",
+            )
+
+
 def _warn_if_nothing_can_change(runtime: Runtime, optimizers: List[Optional[torch.optim.Optimizer]]) -> None:
     """Every step is charged epsilon: say so when no step can change the model."""
     if not any(stage.parameters for stage in runtime.local_stages):
@@ -219,6 +237,7 @@ class PipelineDPTrainer:
             seed=self.runtime.broadcast(run_seed(privacy.seed)),  # rank 0's draw: the ranks' streams must agree
         )
         _check_optimizer_options(self.state.optimizers)
+        _check_elementwise(self.state.optimizers, pipeline.tensor_parallel)
         _warn_if_nothing_can_change(self.runtime, self.state.optimizers)
         _warn_if_slow_bf16(pipeline.precision, [stage.device for stage in self.runtime.local_stages])
 

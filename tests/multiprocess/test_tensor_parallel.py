@@ -7,6 +7,7 @@ import torch
 transformers = pytest.importorskip("transformers")
 from oracles import loop_clipped_sum, max_relative_error  # noqa: E402
 
+from pipedp.errors import RankFailedError  # noqa: E402
 from pipedp.models import token_loss  # noqa: E402
 from pipedp.runtime.launch import launch  # noqa: E402
 
@@ -93,3 +94,24 @@ def test_a_checkpoint_of_two_ranks_resumes_on_one_and_on_two_stages_as_if_it_nev
     split = {"stages": 2, "tensor_parallel": 2}
     on_four = run(1, split, checkpoint=(str(tmp_path / "tp"), "load"), first_step=1)[0][0]
     assert max_relative_error(on_four, never) < 1e-12
+
+
+def test_two_replicas_of_two_tensor_parallel_ranks_equal_the_loop_oracle():
+    """4 processes: the batch's rows split over the replicas, each replica's 2 ranks splitting the layers; the
+    clipped sums added over each slice's replicas."""
+    results = run(1, {"stages": 1, "replicas": 2, "tensor_parallel": 2}, world=4)
+    assert max_relative_error(results[0][0], oracle(1)) < 1e-12
+
+
+def test_a_whole_tensor_whose_sum_differs_between_ranks_is_refused_by_name():
+    """The check behind the broadcast of the whole tensors' sums (which would hide a difference): planted on rank 1."""
+    with pytest.raises(RankFailedError, match=r"noisy clipped sum of model\.\S+, held whole by every tensor-parallel"):
+        run(1, {"stages": 1, "tensor_parallel": 2}, "a whole sum differs on rank 1")
+
+
+def test_an_optimizer_that_is_not_elementwise_is_refused():
+    import functools
+
+    adafactor = functools.partial(torch.optim.Adafactor, lr=0.01)
+    with pytest.raises(RankFailedError, match="tensor_parallel=2 with Adafactor"):
+        run(1, {"stages": 1, "tensor_parallel": 2, "optimizer": adafactor})

@@ -590,7 +590,8 @@ def tensor_parallel_steps(rank, steps, options, plant=None, checkpoint=None, fir
     args = dict(noise_multiplier=0.0, max_grad_norm=0.05, expected_batch_size=6, seed=0, microbatches=2)
     args.update(options)
     momentum = 0.9 if checkpoint is not None else 0.0
-    trainer = PipelineDPTrainer(model, token_loss, lambda p: torch.optim.SGD(p, lr=0.5, momentum=momentum), **args)
+    optimizer = args.pop("optimizer", lambda p: torch.optim.SGD(p, lr=0.5, momentum=momentum))
+    trainer = PipelineDPTrainer(model, token_loss, optimizer, **args)
     if checkpoint is not None and checkpoint[1] == "load":
         trainer.load_checkpoint(checkpoint[0])
     for step in range(first_step, first_step + steps):
@@ -614,6 +615,18 @@ def _plant(bug):
         TensorParallelPart.counts = lambda self, p: True
     elif bug == "slice norm left out":
         TensorParallelPart.counts = lambda self, p: self.rank == 0 and id(p) not in self.shards
+    elif bug == "a whole sum differs on rank 1":  # as a norm over a rank's own heads would make it
+        take = stage_module.Stage.take_clipped_sum
+
+        def skewed(self):
+            grads = take(self)
+            if self.tensor_parallel.rank == 1:
+                for p, g in zip(self.parameters, grads):
+                    if id(p) not in self.tensor_parallel.shards:
+                        g.add_(1e-3)
+            return grads
+
+        stage_module.Stage.take_clipped_sum = skewed
     elif bug == "noise divided by T":
         add = noise.add_noise
 
@@ -624,4 +637,3 @@ def _plant(bug):
         import pipedp.train.trainer as trainer_module
 
         trainer_module.add_noise = divided
-    assert stage_module is not None

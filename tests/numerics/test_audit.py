@@ -42,15 +42,15 @@ def test_without_noise_the_audit_sees_the_leak():
 
 
 def broken_noise(which):
-    def add_noise(grads, names, std, seed, step, secure_mode=False):
+    def add_noise(grads, names, std, seed, step, secure_mode=False, shards=None):
         if which == "off on stage 1":  # the audit model's stage 1 holds block 1 and the head (block 2)
             kept = [(g, n) for g, n in zip(grads, names) if n.startswith("0.")]
-            grads, names = [g for g, _ in kept], [n for _, n in kept]
+            grads, names, shards = [g for g, _ in kept], [n for _, n in kept], None
         if which == "same every step":
             step = 0
         if which == "sigma halved":
             std = std / 2
-        return ORIGINAL_NOISE(grads, names, std, seed, step, secure_mode)
+        return ORIGINAL_NOISE(grads, names, std, seed, step, secure_mode, shards)
 
     return add_noise
 

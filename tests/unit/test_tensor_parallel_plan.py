@@ -21,6 +21,13 @@ def llama(**overrides):
     return transformers.LlamaForCausalLM(tiny_llama_config(**fields)).eval()
 
 
+def phi(**overrides):
+    torch.manual_seed(0)
+    fields = dict(vocab_size=40, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=4)
+    fields.update(overrides)
+    return transformers.PhiForCausalLM(transformers.PhiConfig(**fields)).eval()
+
+
 def plan_of(model, size=2):
     return tensor_parallel_plan(model, model_blocks(model), size)
 
@@ -40,6 +47,7 @@ def test_a_llama_is_split_by_transformers_own_plan_with_a_vocabulary_parallel_em
     assert plan["model.embed_tokens"] == VOCAB and plan["lm_head"] == HEAD
     assert not any("norm" in k for k in plan)  # held whole by every rank, counted once
     assert plan_of(llama(), size=1) == {}
+    assert plan_of(phi())["model.layers.0.self_attn.dense"] == ROW  # Phi without its per-head norms: accepted
 
 
 @pytest.mark.parametrize(
@@ -50,6 +58,7 @@ def test_a_llama_is_split_by_transformers_own_plan_with_a_vocabulary_parallel_em
         (lambda: llama(vocab_size=41), 2, "num_embeddings=41"),
         (lambda: llama(tie_word_embeddings=True), 2, "untie_weights=True"),
         (lambda: llama(attention_dropout=0.1).train(), 2, "attention_dropout"),
+        (lambda: phi(qk_layernorm=True), 2, r"q_layernorm\.weight' is held whole by every rank but lives in"),
         (
             lambda: tiny_gpt(GPTConfig(vocab_size=32, seq_len=8, d_model=16, n_heads=2, n_layers=2)),
             2,

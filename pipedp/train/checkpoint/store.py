@@ -168,8 +168,14 @@ def _write_stages(temporary: str, state: TrainingState, runtime: Runtime) -> Dic
         saved = [(params[n], p, split.get(n)) for n, p in zip(names, stage.parameters)]
         of_param = {params[n]: p for n, p in zip(names, stage.parameters)}
         for key, v in optimizer_tensors:  # a moment has its parameter's slice; a step count is whole
-            p = of_param[f"p/{key[2:].rsplit('/', 1)[0]}"]
-            saved.append((key, v, split.get(key[2:].rsplit("/", 1)[0]) if v.shape == p.shape else None))
+            name = key[2:].rsplit("/", 1)[0]
+            p, shard = of_param[f"p/{name}"], split.get(name)
+            if shard is not None and v.shape != p.shape and v.dim() > 0:
+                raise CheckpointError(
+                    f"optimizer state {key} of the split parameter {name} has shape {tuple(v.shape)}, neither the "
+                    f"slice's {tuple(p.shape)} nor a scalar: it cannot be joined into the whole tensor's"
+                )
+            saved.append((key, v, shard if v.shape == p.shape else None))
         frozen_whole, tensors = _whole(runtime, stage, untrained), _whole(runtime, stage, saved)
         if frozen_whole is None or tensors is None:  # another tensor-parallel rank writes this stage
             continue
