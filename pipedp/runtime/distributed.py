@@ -438,6 +438,14 @@ class DistributedRuntime:
             broken = self.executor.transport.broken  # type: ignore[attr-defined]
             if isinstance(exc, AgentLostError) or broken or self.executor.failed_communicating:
                 raise  # the channels are not in step: nothing to drain through
+            if self.tp_group is not None and not isinstance(exc, StepFailedError):
+                # this rank's tensor-parallel peers may wait inside a layer's collective that it will not join,
+                # so no drain can end the pass in step: the first failure goes to the store, and every rank
+                # (its peers at their timeout) raises it; the run is refused from then on
+                self._refuse_if_announced()  # a peer failed first: that is why this collective broke
+                self.failure = self._report(exc)
+                _store_set(FAILURE_KEY, self.failure)
+                raise
             self.executor.drain()
             failed = exc
         self._agree_on_pass(failed)

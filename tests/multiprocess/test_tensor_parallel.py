@@ -115,3 +115,10 @@ def test_an_optimizer_that_is_not_elementwise_is_refused():
     adafactor = functools.partial(torch.optim.Adafactor, lr=0.01)
     with pytest.raises(RankFailedError, match="tensor_parallel=2 with Adafactor"):
         run(1, {"stages": 1, "tensor_parallel": 2, "optimizer": adafactor})
+
+
+def test_a_failure_on_one_tensor_parallel_rank_ends_every_rank_with_its_report():
+    """Its peers wait in a layer's collective it never joins: they end at the timeout (10 s here) and read the
+    failing rank's report in the store (not a bare transport error); the failing rank's own error is the run's."""
+    with pytest.raises(RankFailedError, match="rank 1 failed: RuntimeError: boom: a forward that fails on one"):
+        run(1, {"stages": 1, "tensor_parallel": 2, "timeout": 10.0}, "rank 1 fails in a forward")

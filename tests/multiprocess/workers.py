@@ -627,6 +627,15 @@ def _plant(bug):
             return grads
 
         stage_module.Stage.take_clipped_sum = skewed
+    elif bug == "rank 1 fails in a forward":
+        forward = stage_module.Stage.forward
+
+        def failing(self, *args, **kwargs):
+            if self.tensor_parallel.rank == 1:
+                raise RuntimeError("boom: a forward that fails on one tensor-parallel rank")
+            return forward(self, *args, **kwargs)
+
+        stage_module.Stage.forward = failing
     elif bug == "noise divided by T":
         add = noise.add_noise
 
