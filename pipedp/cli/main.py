@@ -112,7 +112,9 @@ def add_train_flags(t: argparse.ArgumentParser) -> None:
     model.add_argument(
         "--export",
         default=None,
-        help="after training, write the Hugging Face model (config + safetensors + tokenizer) to this folder",
+        help="after training, write the Hugging Face model (config + safetensors + tokenizer; with --lora-r the "
+        "adapter folder, naming its base model by absolute path) to this folder; a folder holding files is refused "
+        "without --overwrite",
     )
     group["privacy"].add_argument(
         "--disable-dp",

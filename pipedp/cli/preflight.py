@@ -61,6 +61,7 @@ def check_flags(args) -> Tuple[PipelineConfig, PrivacyConfig, FitConfig, DataCon
         )
     if args.resume and args.no_checkpoint:
         raise ConfigError("--resume continues a checkpoint: drop --no-checkpoint")
+    _refuse_existing_export(args)
     if privacy.sampling == "shuffle" and fit.max_logical_batch is not None:
         raise ConfigError(
             "max_logical_batch: caps Poisson batches; shuffled batches have a fixed size", "max_logical_batch"
@@ -261,6 +262,18 @@ def prepare_data(args, data: DataConfig, folder: RunFolder, seed: int, model: Mo
     elif eval_file is not None:
         say("eval: --eval-data; its loss and perplexity carry no DP guarantee unless those records are public")
     return data, train_file, eval_file, len(train_units), units.per_unit
+
+
+def _refuse_existing_export(args) -> None:
+    """An export folder that already holds files is never written over silently: --overwrite replaces what it
+    holds, and a --resume re-exports the run it continues (its own export)."""
+    folder = args.export
+    if folder and os.path.isdir(folder) and os.listdir(folder) and not (args.overwrite or args.resume):
+        raise ConfigError(
+            f"--export {folder} already holds files (an earlier export?): give another folder, remove it, or pass "
+            "--overwrite to write over it",
+            "export",
+        )
 
 
 TRUNCATED_WARNING = 0.05  # above this fraction of records truncated, say so
