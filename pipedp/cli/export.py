@@ -11,6 +11,7 @@ from .spec import Job
 
 
 def export(trainer, job: Job, lead: bool) -> None:
+    assert job.export is not None  # (called only with --export)
     trainer.save_pretrained(job.export)  # every rank takes part; rank 0 writes
     if lead:
         from transformers import AutoTokenizer

@@ -58,6 +58,9 @@ class InProcessRuntime:
     def broadcast_whole(self, stage: Stage, grads: List[torch.Tensor]) -> List[torch.Tensor]:
         return grads  # (no tensor parallelism in one process)
 
+    def refuse_unequal_whole(self, stage: Stage, grads: List[torch.Tensor]) -> None:
+        return None
+
     def gather_slices(self, stage: Stage, items: List[Tuple[torch.Tensor, Any]]) -> Optional[List[torch.Tensor]]:
         return [t for t, _ in items]  # every tensor is whole here
 

@@ -88,6 +88,11 @@ class Runtime(Protocol):
         every rank (they are computed alike; this makes the steps identical by construction)."""
         ...
 
+    def refuse_unequal_whole(self, stage: Stage, grads: List[torch.Tensor]) -> None:
+        """Tensor parallelism: refuse, naming the parameter, a whole tensor whose clipped sum differs between the
+        stage's ranks (it reads a rank's own slice); nothing otherwise."""
+        ...
+
     def gather_slices(self, stage: Stage, items: List[Tuple[torch.Tensor, Any]]) -> Optional[List[torch.Tensor]]:
         """Tensor parallelism: each (tensor, its Shard or None) whole on the stage's tensor-parallel rank 0, which
         writes the stage's checkpoint file; None on the others. Without it, the tensors as they are."""

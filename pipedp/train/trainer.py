@@ -320,6 +320,7 @@ class PipelineDPTrainer:
         stages = self.runtime.local_stages
         for stage, opt in zip(stages, self.state.optimizers):  # every update set and checked before any step
             grads = stage.take_clipped_sum()
+            self.runtime.refuse_unequal_whole(stage, grads)  # tensor parallel: a whole tensor is every rank's alike
             if self.runtime.replica == 0:  # noise once, before the sum over replicas
                 self._noised(stage, grads, std)
             grads = self.runtime.combine_tied(stage, grads)  # a tied embedding / head: both parts, noised once

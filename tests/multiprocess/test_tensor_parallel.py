@@ -105,7 +105,7 @@ def test_two_replicas_of_two_tensor_parallel_ranks_equal_the_loop_oracle():
 
 def test_a_whole_tensor_whose_sum_differs_between_ranks_is_refused_by_name():
     """The check behind the broadcast of the whole tensors' sums (which would hide a difference): planted on rank 1."""
-    with pytest.raises(RankFailedError, match=r"noisy clipped sum of model\.\S+, held whole by every tensor-parallel"):
+    with pytest.raises(RankFailedError, match=r"clipped sum of model\.\S+, held whole by every tensor-parallel"):
         run(1, {"stages": 1, "tensor_parallel": 2}, "a whole sum differs on rank 1")
 
 
@@ -122,3 +122,10 @@ def test_a_failure_on_one_tensor_parallel_rank_ends_every_rank_with_its_report()
     failing rank's report in the store (not a bare transport error); the failing rank's own error is the run's."""
     with pytest.raises(RankFailedError, match="rank 1 failed: RuntimeError: boom: a forward that fails on one"):
         run(1, {"stages": 1, "tensor_parallel": 2, "timeout": 10.0}, "rank 1 fails in a forward")
+
+
+def test_secure_mode_noise_keeps_the_whole_tensors_alike_across_ranks():
+    """Each rank draws its own OS-entropy noise; the whole tensors step with rank 0's (checked before the noise)."""
+    results = run(2, {"stages": 1, "tensor_parallel": 2, "noise_multiplier": 1.0, "secure_mode": True})
+    first, second = results[0][1], results[1][1]
+    assert first and all(torch.equal(first[k], second[k]) for k in first)
