@@ -183,15 +183,18 @@ class _Setup:
     """The model on meta, split and prepared as the trainer prepares it, and its fake twin for the passes."""
 
     def __init__(self, name, pipeline, privacy, seq_len, lora_r, targets, seed, optimizer, momentum, weight_decay=0.0):
+        from ..models import token_loss
         from ..split.plan import static_bytes
-        from ..train.prepare import prepare
+        from ..train.prepare import prepare, vocab_parallel
 
         self.pipeline, self.seq_len, self.lora_r, self.targets = pipeline, seq_len, lora_r, targets
         self.model, self.name, base_costs = _planned_model(
             name, seq_len, pipeline.untie_weights, pipeline.balance, lora_r, targets, seed
         )
         self.hf = type(self.model).__module__.startswith(("transformers.", "peft."))
-        prepared = prepare(self.model, pipeline, privacy, base_costs)  # as the trainer prepares it
+        # as the trainer prepares it for pipedp train's loss (token_loss: on vocabulary slices under tensor parallelism)
+        self.loss = vocab_parallel(token_loss, self.model, pipeline.tensor_parallel) or token_loss
+        prepared = prepare(self.model, pipeline, privacy, base_costs, vocab_parallel_loss=self.loss is not token_loss)
         self.stage_blocks, self.tie, self.options = prepared.stage_blocks, prepared.tie, prepared.options
         self.parts: List[Any] = [None] * len(self.stage_blocks)  # each stage's tensor-parallel slices
         if pipeline.tensor_parallel > 1:  # each stage as its tensor-parallel rank 0 holds it (every rank alike)
@@ -292,7 +295,6 @@ class _Setup:
         import schedules
 
         from ..errors import PipeDPError
-        from ..models import token_loss
         from ..runtime.executor import Executor
         from ..runtime.inprocess_transport import InProcessHub
         from ..runtime.microbatch import PassBatch
@@ -319,7 +321,7 @@ class _Setup:
                 hub = InProcessHub(p)
                 for s, blocks in enumerate(self.stage_blocks):
                     role = TieRole.for_stage(s, p, self.tie, False)
-                    built.append(Stage(s, p, blocks, token_loss, options, role, self.parts[s]))
+                    built.append(Stage(s, p, blocks, self.loss, options, role, self.parts[s]))
                 executors = []
                 for s, stage in enumerate(built):
                     e = Executor(stage, _HeldTransport(hub.transport(s)), schedule.for_stage(s))

@@ -30,9 +30,9 @@ class Group:
     size: int
     handle: Any  # the torch.distributed group; None: the planner's simulation of rank ``rank`` (no peers)
 
-    def all_reduce(self, t: torch.Tensor) -> None:
+    def all_reduce(self, t: torch.Tensor, op: Any = dist.ReduceOp.SUM) -> None:
         if self.handle is not None:  # (simulated: the sum's shape and memory, no communication)
-            dist.all_reduce(t, group=self.handle)
+            dist.all_reduce(t, op=op, group=self.handle)
 
     def all_gather(self, parts: list, t: torch.Tensor) -> None:
         if self.handle is not None:

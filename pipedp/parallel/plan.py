@@ -27,11 +27,14 @@ HEAD, VOCAB = "pipedp:head", "pipedp:vocab"  # pipedp's own: the head and the in
 _WAY_OUT = "use tensor_parallel=1 (pipeline stages and replicas only)"
 
 
-def tensor_parallel_plan(model: nn.Module, blocks: Sequence[Block], size: int) -> Dict[str, str]:
+def tensor_parallel_plan(
+    model: nn.Module, blocks: Sequence[Block], size: int, gather_logits: bool = True
+) -> Dict[str, str]:
     """{qualified module name: COLUMN / ROW / HEAD / VOCAB} over every block, refused where not exact.
 
     Transformers' plan names modules relative to the base model ("layers.*.self_attn.q_proj"): a pattern matches
-    the end of a qualified name, ``*`` one layer index."""
+    the end of a qualified name, ``*`` one layer index. ``gather_logits=False``: the head stays column-parallel, for
+    a loss on vocabulary-split logits (loss.py)."""
     if size == 1:
         return {}
     config = getattr(model, "config", None)
@@ -53,7 +56,7 @@ def tensor_parallel_plan(model: nn.Module, blocks: Sequence[Block], size: int) -
             if module is embedding and type(module) is nn.Embedding:
                 style = VOCAB
             elif module is head and type(module) is nn.Linear:
-                style = HEAD
+                style = HEAD if gather_logits else COLUMN
             if style is None or qualified in plan:
                 continue
             plan[qualified] = _checked(qualified, module, style, size)

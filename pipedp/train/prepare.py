@@ -10,13 +10,15 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any, Callable, Dict, List, Optional, Sequence
 
 import torch
 import torch.nn as nn
 
 from ..config import Balance, PipelineConfig, PrivacyConfig
 from ..errors import ConfigError, UnsupportedModelError
+from ..models import token_loss
+from ..parallel.loss import VocabParallelTokenLoss
 from ..parallel.plan import tensor_parallel_plan
 from ..privacy.clipping import ClipRule
 from ..privacy.units import Units
@@ -47,10 +49,16 @@ class Prepared:
 
 
 def prepare(
-    model: nn.Module, pipeline: PipelineConfig, privacy: PrivacyConfig, balance: Optional[Balance] = None
+    model: nn.Module,
+    pipeline: PipelineConfig,
+    privacy: PrivacyConfig,
+    balance: Optional[Balance] = None,
+    vocab_parallel_loss: bool = False,
 ) -> Prepared:
     """``model`` checked, converted to its training precision (in place) and split as ``pipeline`` says;
-    ``balance``: per-block costs or a rule instead of ``pipeline.balance`` (the planner's, for a model on meta)."""
+    ``balance``: per-block costs or a rule instead of ``pipeline.balance`` (the planner's, for a model on meta);
+    ``vocab_parallel_loss``: under tensor parallelism the loss takes vocabulary-split logits (the head's are not
+    gathered: parallel/loss.py)."""
     validate_model(model)
     apply_precision(model, pipeline.precision)
     blocks = model_blocks(model, pipeline.untie_weights)
@@ -71,10 +79,20 @@ def prepare(
         )
     tie = the_tie(find_ties(stage_blocks), clip.across_stages)
     options = stage_options(pipeline, clip, units)
-    plan = tensor_parallel_plan(model, blocks, pipeline.tensor_parallel)
+    plan = tensor_parallel_plan(model, blocks, pipeline.tensor_parallel, gather_logits=not vocab_parallel_loss)
     return Prepared(
         model, stage_blocks, list(costs), clip, units, tie, options, report(stage_blocks, costs, cost_unit(rule)), plan
     )
+
+
+def vocab_parallel(loss_fn: Callable, model: nn.Module, tensor_parallel: int) -> Optional[Callable]:
+    """pipedp's own token loss on the head's vocabulary slices (parallel/loss.py), under tensor parallelism, for
+    ``models.token_loss`` on a model whose head is a plain Linear; None otherwise (the logits are gathered for the
+    user's loss)."""
+    head = model.get_output_embeddings() if callable(getattr(model, "get_output_embeddings", None)) else None
+    if tensor_parallel > 1 and loss_fn is token_loss and type(head) is nn.Linear:
+        return VocabParallelTokenLoss(head)
+    return None
 
 
 def apply_precision(model: nn.Module, precision: str) -> None:
@@ -105,4 +123,4 @@ def refuse_duplicate_names(stage_blocks: Sequence[Sequence[Block]]) -> None:
                     )
 
 
-__all__: List[Any] = ["Prepared", "apply_precision", "prepare", "refuse_duplicate_names"]
+__all__: List[Any] = ["Prepared", "apply_precision", "prepare", "refuse_duplicate_names", "vocab_parallel"]

@@ -49,7 +49,7 @@ from . import checkpoint
 from .export import save_pretrained
 from .loop import FitResult, fit
 from .narrowing import narrow_in_storage, steps_without_temporaries
-from .prepare import prepare
+from .prepare import prepare, vocab_parallel
 from .state import TrainingState
 
 OptimizerFactory = Callable[[List[nn.Parameter]], torch.optim.Optimizer]
@@ -204,7 +204,10 @@ class PipelineDPTrainer:
         )
         self.schedule = schedules.build(pipeline.schedule, pipeline.stages, pipeline.microbatches, action_costs)
         schedules.validate(self.schedule)
-        prepared = prepare(model, pipeline, privacy)  # precision, blocks, partition, clip rule, units, tie
+        # tensor parallel with pipedp's token loss: the loss on the head's vocabulary slices (no gathered logits)
+        split_loss = vocab_parallel(loss_fn, model, pipeline.tensor_parallel)
+        loss_fn = split_loss or loss_fn
+        prepared = prepare(model, pipeline, privacy, vocab_parallel_loss=split_loss is not None)
         self.model = model
         # the whole model's names, shapes and dtypes: taken before tensor parallelism cuts this rank's slices
         self.signature = model_signature(model)

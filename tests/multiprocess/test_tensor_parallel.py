@@ -58,7 +58,14 @@ def test_two_tensor_parallel_ranks_equal_the_loop_oracle_and_keep_whole_tensors_
     assert shapes["model.embed_tokens.weight"] == shapes["lm_head.weight"] == (20, 16)
 
 
-@pytest.mark.parametrize("plant", ["norm counted on every rank", "slice norm left out"])
+def test_the_users_own_loss_sees_the_gathered_logits_and_equals_the_loop_oracle():
+    results = run(1, {"stages": 1, "tensor_parallel": 2, "user_loss": True})
+    assert max_relative_error(results[0][0], oracle(1)) < 1e-12
+
+
+@pytest.mark.parametrize(
+    "plant", ["norm counted on every rank", "slice norm left out", "the loss without the -100 mask"]
+)
 def test_a_planted_norm_bug_is_caught_by_the_oracle(plant):
     results = run(1, {"stages": 1, "tensor_parallel": 2}, plant)
     assert max_relative_error(results[0][0], oracle(1)) > 1e-6

@@ -591,7 +591,9 @@ def tensor_parallel_steps(rank, steps, options, plant=None, checkpoint=None, fir
     args.update(options)
     momentum = 0.9 if checkpoint is not None else 0.0
     optimizer = args.pop("optimizer", lambda p: torch.optim.SGD(p, lr=0.5, momentum=momentum))
-    trainer = PipelineDPTrainer(model, token_loss, optimizer, **args)
+    # pipedp's token_loss: on the head's vocabulary slices; the user's own loss: on the gathered logits
+    loss = (lambda logits, y: token_loss(logits, y)) if args.pop("user_loss", False) else token_loss
+    trainer = PipelineDPTrainer(model, loss, optimizer, **args)
     if checkpoint is not None and checkpoint[1] == "load":
         trainer.load_checkpoint(checkpoint[0])
     for step in range(first_step, first_step + steps):
@@ -627,6 +629,22 @@ def _plant(bug):
             return grads
 
         stage_module.Stage.take_clipped_sum = skewed
+    elif bug == "the loss without the -100 mask":
+        from pipedp.parallel import loss as loss_module
+
+        def unmasked(self, logits, targets):  # loss.py's arithmetic with every token counted
+            z, t = logits.reshape(-1, logits.shape[-1]), targets.reshape(-1)
+            with torch.no_grad():
+                top = z.max(-1).values
+                self.head.group.all_reduce(top, torch.distributed.ReduceOp.MAX)
+            shifted = z - top.unsqueeze(-1)
+            total = loss_module.reduce(shifted.exp().sum(-1), self.head.group)
+            local = t - self.head.start
+            mine = (local >= 0) & (local < z.shape[-1])
+            picked = shifted.gather(1, local.clamp(0, z.shape[-1] - 1).unsqueeze(-1)).squeeze(-1) * mine
+            return (total.log() - loss_module.reduce(picked, self.head.group)).view(targets.shape).mean(1)
+
+        loss_module.VocabParallelTokenLoss.__call__ = unmasked
     elif bug == "rank 1 fails in a forward":
         forward = stage_module.Stage.forward
 
