@@ -2,7 +2,8 @@
 
 For a Hugging Face decoder the plan is transformers' own (``config.base_model_tp_plan``: q/k/v and gate/up
 column-parallel, o and down row-parallel), the input embedding vocabulary-parallel and the head
-column-parallel with its logits gathered (the loss sees every logit: any loss function stays exact). Every other
+column-parallel: its logits gathered for the user's own loss (which then sees every logit), or left split for
+pipedp's token loss on vocabulary slices (loss.py). Every other
 parameter is held whole by each rank of the stage (norms, a row-parallel layer's bias) and counted once.
 What pipedp cannot split exactly is refused here, by name: head counts or widths T does not divide, a plan style
 it does not implement (sequence parallelism, packed projections), dropout, a tie between embedding and head,
