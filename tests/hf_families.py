@@ -11,7 +11,6 @@ from dataclasses import dataclass, field
 from typing import Dict, Optional, Tuple
 
 VOCAB = 40
-ROUTING = "refused: mixture of experts (routing mixes samples)"
 
 
 @dataclass(frozen=True)
@@ -26,7 +25,8 @@ class Family:
     # eager attention gives NaN where a query sees no key (a left-padded position): the model's own
     # output and gradients are NaN there, so an eager-only family is trained on right padding only
     eager_only: bool = False
-    float32_inside: bool = False  # the family computes its norms in float32 even in a float64 model
+    float32_inside: bool = False  # the family computes its norms (or its router's logits) in float32 in a float64 model
+    experts: bool = False  # a mixture of experts (built with the eager experts: grouped_mm takes no float64)
 
     @property
     def tolerance(self) -> float:
@@ -83,14 +83,49 @@ FAMILIES = [
     Family("olmo"),
     Family("gptj", config={"rotary_dim": 4}),
     Family("bloom", "alibi", attention=("eager",), eager_only=True),
-    Family("mixtral", status=ROUTING, refusal="mixture of experts"),
-    Family("qwen2_moe", status=ROUTING, refusal="mixture of experts"),
+    # mixtures of experts (privacy/rules/experts.py): top-2 of 4 experts, with shared experts where the family has them
+    Family("mixtral", experts=True),
+    Family("qwen2_moe", "a shared expert and its gate", experts=True),
     # other decoder families of transformers
-    Family("qwen3_moe", config=HEAD_DIM_8, classification=False, status=ROUTING, refusal="mixture of experts"),
-    Family("olmoe", classification=False, status=ROUTING, refusal="mixture of experts"),
-    Family("granitemoe", classification=False, status=ROUTING, refusal="mixture of experts"),
-    Family("phimoe", status=ROUTING, refusal="mixture of experts"),
-    Family("gpt_oss", attention=("eager",), classification=False, status=ROUTING, refusal="mixture of experts"),
+    Family("qwen3_moe", config=HEAD_DIM_8, classification=False, experts=True),
+    Family("olmoe", classification=False, experts=True),
+    Family("granitemoe", classification=False, experts=True, float32_inside=True),
+    Family("granitemoeshared", "a shared MLP", classification=False, experts=True, float32_inside=True),
+    Family("minimax", config=HEAD_DIM_8, experts=True),
+    Family("flex_olmo", classification=False, experts=True),
+    Family("aria_text", "shared experts; transposed bank", classification=False, experts=True),
+    Family(
+        "deepseek_v2",
+        "shared experts; low-rank attention",
+        {
+            "kv_lora_rank": 8,
+            "q_lora_rank": 8,
+            "qk_nope_head_dim": 4,
+            "qk_rope_head_dim": 4,
+            "v_head_dim": 8,
+            "num_key_value_heads": 2,
+        },
+        experts=True,
+        float32_inside=True,
+    ),
+    Family("glm4_moe", "a dense first layer", HEAD_DIM_8, classification=False, experts=True, float32_inside=True),
+    Family("ernie4_5_moe", "a dense first layer", HEAD_DIM_8, classification=False, experts=True, float32_inside=True),
+    Family("solar_open", config=HEAD_DIM_8, classification=False, experts=True, float32_inside=True),
+    Family("exaone_moe", "a dense first layer", HEAD_DIM_8, classification=False, experts=True, float32_inside=True),
+    Family(
+        "phimoe",
+        experts=True,
+        status="refused: its router samples the experts in training (sparsemixer)",
+        refusal="draws the experts at random in training",
+    ),
+    Family(
+        "gpt_oss",
+        attention=("eager",),
+        classification=False,
+        experts=True,
+        status="refused: its attention owns trainable sinks, called with keyword arguments",
+        refusal="self_attn is called with keyword arguments",
+    ),
     Family("cohere", "logit scale", {"logit_scale": 0.5}, classification=False, float32_inside=True),
     Family(
         "cohere2",
@@ -210,7 +245,8 @@ def build(family: Family, kind: str = "causal", tie: bool = False, attention: Op
         else transformers.AutoModelForCausalLM
     )
     config = tiny_config(family, tie if kind == "causal" else None, labels=3 if kind == "classification" else 0)
-    return auto.from_config(config, attn_implementation=attention or family.attention[0]).double()
+    options = {"experts_implementation": "eager"} if family.experts else {}
+    return auto.from_config(config, attn_implementation=attention or family.attention[0], **options).double()
 
 
 def padded_batch(side: str, seed: int = 5):

@@ -134,8 +134,12 @@ def rule_rows() -> List[List[str]]:
     def layer_name(layer: type) -> str:
         return f"`nn.{layer.__name__}`" if layer.__module__.startswith("torch.nn") else f"`{layer.__qualname__}`"
 
+    from pipedp.privacy.rules import EXPERTS, ROUTER
+
     layers: Dict[str, List[str]] = {}  # rule name -> the layer types and predicates it is registered for
     for layer, rule in RULES.items():
+        if rule in (EXPERTS, ROUTER):  # registered per class as models are checked: listed once, below
+            continue
         layers.setdefault(rule.name, []).append(layer_name(layer))
     for accepts, rule in PREDICATES:
         layers.setdefault(rule.name, []).append(_predicate(accepts))
@@ -153,6 +157,15 @@ def rule_rows() -> List[List[str]]:
     rows = [
         ["Layer rules", f"`{name}`: " + ", ".join(of), "registered (exact type or predicate)", source(rules[name])]
         for name, of in layers.items()
+    ]
+    rows += [
+        [
+            "Layer rules",
+            f"`{rule.name}`: {what}, registered for each class split/hf_experts.py checks",
+            "registered per checked class",
+            source(rule),
+        ]
+        for rule, what in ((ROUTER, "a mixture of experts' router"), (EXPERTS, "a fused expert bank"))
     ]
     opacus = sorted(t.__name__ for t in generic.GRAD_SAMPLERS if t not in RULES)
     rows.append(

@@ -192,6 +192,7 @@ class _Setup:
             name, seq_len, pipeline.untie_weights, pipeline.balance, lora_r, targets, seed
         )
         self.hf = type(self.model).__module__.startswith(("transformers.", "peft."))
+        _refuse_experts(self.model, self.name)
         # as the trainer prepares it for pipedp train's loss (token_loss: on vocabulary slices under tensor parallelism)
         self.loss = vocab_parallel(token_loss, self.model, pipeline.tensor_parallel) or token_loss
         prepared = prepare(self.model, pipeline, privacy, base_costs, vocab_parallel_loss=self.loss is not token_loss)
@@ -573,3 +574,18 @@ def _count(n: int) -> str:
         if n >= scale:
             return f"{n / scale:.3g} {unit}"
     return str(n)
+
+
+def _refuse_experts(model, name: str) -> None:
+    """A mixture of experts routes by value, so the shapes of its experts' products are not known on fake
+    tensors (transformers' eager loop asks which experts a token went to, its grouped kernel wants bf16)."""
+    from ..errors import PipeDPError
+    from ..split.hf_experts import moe_parts
+
+    found = moe_parts(model)
+    if found:
+        raise PipeDPError(
+            f"pipedp plan does not simulate mixtures of experts yet: {name}'s {found[0][0]} "
+            f"({type(found[0][1]).__name__}) routes each token by its values, which fake tensors do not have; "
+            "train a few steps with pipedp train and read the peak memory it reports"
+        )

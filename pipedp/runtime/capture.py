@@ -18,7 +18,7 @@ import torch
 import torch.nn as nn
 
 from ..errors import UnsupportedModelError
-from ..privacy.rules import layer_parameters
+from ..privacy.rules import layer_parameters, rule_for
 from ..split.blocks import Block
 
 
@@ -27,6 +27,11 @@ class LayerCall:
     inputs: Tuple[torch.Tensor, ...]
     output: Optional[torch.Tensor]  # dropped once the backward pass has used it
     version: int  # output._version at capture: an in-place change later would corrupt its gradient
+    rows: int = 0  # > 0: a layer called on the tokens flattened [rows T, ...]; its inputs are held [rows, T, ...]
+
+    def backprop(self, grad: torch.Tensor) -> torch.Tensor:
+        """The output-gradient as the layer's rule reads it: batch first, [rows, T, ...] for flattened tokens."""
+        return grad.reshape(self.rows, -1, *grad.shape[1:]) if self.rows else grad
 
 
 def find_layers(named_modules: Iterator[Tuple[str, nn.Module]]) -> Dict[str, nn.Module]:
@@ -64,6 +69,20 @@ def block_layers(blocks: Sequence[Block]) -> Dict[str, nn.Module]:
     )
 
 
+def _folded_tokens(name: str, module: nn.Module, args, batch: int) -> Tuple[torch.Tensor, ...]:
+    """A flattened-token layer's inputs [batch T, ...] held as [batch, T, ...] (token t of sample i is row
+    i * T + t: how Hugging Face's MoE blocks flatten [batch, T, d])."""
+    tensors = [a for a in args if isinstance(a, torch.Tensor) and a.dim() > 0]
+    rows = {int(a.shape[0]) for a in tensors}
+    if len(tensors) != len(args) or len(rows) != 1 or next(iter(rows)) % batch:
+        shapes = [tuple(a.shape) if isinstance(a, torch.Tensor) else type(a).__name__ for a in args]
+        raise UnsupportedModelError(
+            f"layer {name!r} ({type(module).__name__}) takes the micro-batch's tokens flattened, but got inputs of "
+            f"shapes {shapes}, not all [{batch} x positions, ...]: its per-sample gradients cannot be captured"
+        )
+    return tuple(a.detach().reshape(batch, -1, *a.shape[1:]) for a in tensors)
+
+
 class ActivationCapture:
     """Records, for the micro-batch being forwarded, every layer call as a LayerCall."""
 
@@ -75,9 +94,13 @@ class ActivationCapture:
         self._handles = [m.register_forward_hook(self._hook_for(name), with_kwargs=True) for name, m in layers.items()]
 
     def _hook_for(self, name: str):
+        rule = rule_for(self.layers[name])
+
         def hook(module: nn.Module, args, kwargs, output):
             if self._active is None or not torch.is_grad_enabled():
                 return
+            if rule.output_part is not None and isinstance(output, tuple):
+                output = output[rule.output_part]
             if kwargs:
                 raise UnsupportedModelError(
                     f"layer {name!r} ({type(module).__name__}) was called with keyword arguments "
@@ -89,6 +112,11 @@ class ActivationCapture:
                     f"layer {name!r} ({type(module).__name__}) returns {type(output).__name__}, not a tensor: "
                     "per-sample gradients need layers with trainable parameters to return one tensor"
                 )
+            if rule.flat_tokens:
+                folded = _folded_tokens(name, module, args, self._batch_size)
+                calls = self.records[self._active].setdefault(name, [])
+                calls.append(LayerCall(folded, output, output._version, self._batch_size))
+                return
             inputs = []
             for a in args:
                 if not isinstance(a, torch.Tensor) or a.dim() == 0 or a.shape[0] != self._batch_size:

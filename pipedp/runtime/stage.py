@@ -347,7 +347,7 @@ class Stage:
             message = self._message(state, input_grads)
         for (name, call), g in zip(pairs, grads[: len(targets) - len(state.inputs)]):
             state.backprops.setdefault(name, []).append(
-                _widened(g.detach()) if g is not None else _widened(torch.zeros_like(call.output))
+                call.backprop(_widened(g.detach()) if g is not None else _widened(torch.zeros_like(call.output)))
             )
             call.output = None  # frees the graph once state.output goes too
         # which floating tensors sent on carry gradients (a probe message holds one per floating tensor)

@@ -18,7 +18,7 @@ from ..errors import UnsupportedModelError
 from .blocks import Block
 from .graph import captured_blocks
 from .hf import hf_blocks
-from .hf_structure import refuse_experts
+from .hf_experts import refuse_experts
 from .traced import traced_blocks
 
 
@@ -85,7 +85,7 @@ def _adapted(model: nn.Module, untie_weights: bool) -> List[Block]:
     hugging_face = type(model).__module__.startswith("transformers.")
     blocks = hf_blocks(model, untie_weights) if hugging_face else None
     if blocks is None and hugging_face:  # a base model without a head (e.g. Llama4TextModel): before tracing it
-        refuse_experts(model)
+        refuse_experts(model, "a *ForCausalLM or *ForSequenceClassification")
     if blocks is None:
         blocks = captured_blocks(model)
     if blocks is None:

@@ -24,6 +24,7 @@ import torch
 import torch.nn as nn
 
 from ..errors import UnsupportedModelError
+from ..privacy.rules import rule_for
 from .hf_runs import read_outside_calls, standing_in, trainable_of
 
 
@@ -59,7 +60,9 @@ def find_fixes(
             f"{where}.{path} is called with keyword arguments {keys}, which per-sample capture cannot replay: freeze "
             "it, or give the model a pipeline_blocks() method"
         )
-    flattened = tuple(p for p, first in seen.first_dims.items() if first == rows * length)
+    # a router or expert bank takes the tokens flattened by design: its capture folds them (rules/experts.py)
+    tokens = {p for p in seen.first_dims if rule_for(layer.get_submodule(p)).flat_tokens}
+    flattened = tuple(p for p, first in seen.first_dims.items() if first == rows * length and p not in tokens)
     for path, first in seen.first_dims.items():
         if first not in (rows, rows * length):
             raise UnsupportedModelError(
@@ -78,7 +81,7 @@ def find_fixes(
     fixes = LayerFixes(flattened, tuple(dict.fromkeys(copied)))
     if fixes:
         again = _run(layer, args, kwargs, rows, length, width, fixes)
-        left = [p for p in again.first_dims if again.first_dims[p] != rows] + again.changed
+        left = [p for p in again.first_dims if again.first_dims[p] != rows and p not in tokens] + again.changed
         if left:
             raise UnsupportedModelError(f"{where}: {left} cannot be made capturable per sample: freeze them")
     return fixes

@@ -88,7 +88,26 @@ def load_pipeline_stage(
     whole model.
     """
     model = build_on_meta(folder, attn_implementation, device)
+    if converted_on_loading(model, folder):  # (a mixture of experts' per-expert tensors, merged into banks)
+        print(
+            f"stage {stage}: transformers converts {folder}'s tensors on loading (merged or split): this rank loads "
+            "the whole model once, keeps its stage's tensors and frees the rest",
+            flush=True,
+        )
+        whole = load_local_model(folder, attn_implementation)
+        tensors = {k: v.detach() for k, v in whole.state_dict().items()}
+        del whole
+        return load_stage(model, tensors, stages, stage, balance, device, untie_weights)
     return load_stage(model, checkpoint_tensors(model, folder), stages, stage, balance, device, untie_weights)
+
+
+def converted_on_loading(model: nn.Module, folder: str) -> bool:
+    """Does transformers convert (merge, split) some of the checkpoint's tensors when it loads them?"""
+    from transformers.conversion_mapping import get_model_conversion_mapping
+    from transformers.core_model_loading import WeightRenaming, rename_source_key
+
+    converters = [t for t in get_model_conversion_mapping(model) if not isinstance(t, WeightRenaming)]
+    return any(rename_source_key(key, [], converters)[1] is not None for key in weight_map(folder))
 
 
 class _Renamed(Mapping):
@@ -118,15 +137,13 @@ def checkpoint_tensors(model: nn.Module, folder: str):
     from transformers.conversion_mapping import get_model_conversion_mapping
     from transformers.core_model_loading import WeightRenaming, rename_source_key
 
-    transforms = get_model_conversion_mapping(model)
-    renamings = [t for t in transforms if isinstance(t, WeightRenaming)]
-    converters = [t for t in transforms if not isinstance(t, WeightRenaming)]
+    renamings = [t for t in get_model_conversion_mapping(model) if isinstance(t, WeightRenaming)]
     files = weight_map(folder)
-    if any(rename_source_key(key, [], converters)[1] is not None for key in files):
+    if converted_on_loading(model, folder):
         raise CheckpointError(
             f"{type(model).__name__}: the checkpoint at {folder!r} holds tensors that transformers converts when "
             "loading (merged or split), which pipedp cannot read stage by stage: load the whole model with "
-            "load_local_model"
+            "load_local_model (load_pipeline_stage does, and keeps the stage's tensors)"
         )
     own = model.state_dict()
     stored = {rename_source_key(key, renamings, [], model.base_model_prefix, own)[0]: key for key in files}

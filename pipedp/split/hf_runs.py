@@ -23,7 +23,7 @@ from __future__ import annotations
 import contextlib
 import inspect
 from contextlib import contextmanager
-from typing import Callable, Dict, Iterator, List, Sequence, Tuple
+from typing import Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 import torch.nn as nn
@@ -89,11 +89,29 @@ def standing_in(parts: Sequence[nn.Module], device, real_too: bool = False) -> I
                         swapped.append((table, key, tensor))
                         table[key] = zero.expand(tensor.shape)
         stand_ins = {id(table[key]) for table, key, _ in swapped}
-        with _ZeroProducts(stand_ins) if stand_ins else contextlib.nullcontext():
+        with _ZeroProducts(stand_ins) if stand_ins else contextlib.nullcontext(), _eager_experts(parts):
             yield
     finally:
         for table, key, tensor in reversed(swapped):
             table[key] = tensor
+
+
+@contextmanager
+def _eager_experts(parts: Sequence[nn.Module]) -> Iterator[None]:
+    """Expert banks run transformers' eager loop: its grouped and batched products take no stride-0 weight."""
+    configs = {id(c): c for p in parts for m in p.modules() if (c := getattr(m, "config", None)) is not None}
+    changed = [(c, c._experts_implementation) for c in configs.values() if _implementation(c) not in (None, "eager")]
+    try:
+        for config, _ in changed:
+            config._experts_implementation = "eager"
+        yield
+    finally:
+        for config, before in changed:
+            config._experts_implementation = before
+
+
+def _implementation(config) -> Optional[str]:
+    return getattr(config, "_experts_implementation", None) if hasattr(config, "to_dict") else None
 
 
 class _ZeroProducts(TorchFunctionMode):

@@ -1,7 +1,7 @@
 """What a Hugging Face decoder is made of, found from its structure and one dry run of its own forward.
 
 A ``*ForCausalLM`` / ``*LMHeadModel`` / ``*ForSequenceClassification`` is taken when its base model
-holds one list of decoder layers that is not a mixture of experts, and its forward, run once with
+holds one list of decoder layers (mixture-of-experts blocks checked by hf_experts.py), and its forward, run once with
 every layer stubbed (hf_dry_run.py), computes the input embedding before the first layer and a final
 norm and the head after the last. One layer of each class is then run alone (hf_capturable.py).
 Anything the adapter cannot drive exactly is refused here, at construction, naming the model, the
@@ -10,7 +10,6 @@ part and the way out.
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Set, Tuple
 
@@ -19,11 +18,10 @@ import torch.nn as nn
 from ..errors import UnsupportedModelError
 from .hf_capturable import LayerFixes, find_fixes
 from .hf_dry_run import WAY_OUT, dry_run, reads_token_ids
+from .hf_experts import accept_experts, refuse_experts
 
 SUPPORTED_ATTENTION = ("eager", "sdpa")
 KINDS = {"ForCausalLM": "causal", "LMHeadModel": "causal", "ForSequenceClassification": "classification"}
-# a mixture-of-experts block's class (Mixtral's SparseMoeBlock, JetMoe's MoE, a Router), not e.g. Qwen2MoeAttention
-_ROUTING = re.compile(r"expert|router|sparse_?moe|moe(block|layer|mlp)?$", re.IGNORECASE)
 
 
 @dataclass
@@ -65,11 +63,11 @@ def find_structure(model: nn.Module, kind: str) -> Structure:
         )
     base = _base_model(model)
     if base is model:
-        refuse_experts(model)
+        refuse_experts(model, "this one has no base model under its head")
         raise UnsupportedModelError(f"{name} has no base model under its head: {WAY_OUT}")
     layers_path, body, layers_name = _layer_list(model, base)
     structure = Structure(model, kind, base, body, layers_name, layers_path)
-    _refuse_routing(structure)
+    _accept_routing(structure)
     _refuse_layer_parameters(structure)
     parts = _parts(model, base, body, layers_name)
     sides, structure.tuple_output, calls = dry_run(structure, parts)
@@ -143,31 +141,9 @@ def _base_model(model: nn.Module) -> nn.Module:
     return base
 
 
-def _experts(module: nn.Module) -> Optional[Tuple[str, nn.Module]]:
-    """The first mixture-of-experts part below ``module`` (by an ``experts`` attribute, else by class name)."""
-    modules = list(module.named_modules())[1:]  # the module's own class name may say MoE
-    found = [(n, m) for n, m in modules if hasattr(m, "experts")] or [
-        (n, m) for n, m in modules if _ROUTING.search(type(m).__name__)
-    ]
-    return found[0] if found else None
-
-
-def refuse_experts(model: nn.Module, path: str = "", module: Optional[nn.Module] = None) -> None:
-    """Refuse a mixture of experts anywhere in ``module`` (default: the model), named by its path."""
-    found = _experts(module if module is not None else model)
-    if found is not None:
-        name, part = found
-        raise UnsupportedModelError(
-            f"{type(model).__name__}: {f'{path}.{name}' if path else name} ({type(part).__name__}) is a mixture of "
-            "experts: its router gathers the tokens of several samples into each expert, so pipedp's per-sample "
-            "gradient capture cannot attribute an expert's gradients to samples: pipedp does not train mixtures of "
-            "experts (yet), whatever is trainable. Use a dense model"
-        )
-
-
-def _refuse_routing(s: Structure) -> None:
+def _accept_routing(s: Structure) -> None:
     for i, layer in enumerate(s.layers):
-        refuse_experts(s.model, f"{s.layers_path}.{i}", layer)
+        accept_experts(s.model, f"{s.layers_path}.{i}", layer)
 
 
 def _refuse_layer_parameters(s: Structure) -> None:
@@ -182,19 +158,21 @@ def _refuse_layer_parameters(s: Structure) -> None:
 
 
 def _layer_fixes(s: Structure, calls: list) -> List[LayerFixes]:
-    """One layer of each class run on its own (hf_capturable.py): the same fixes for its class."""
-    found: Dict[type, LayerFixes] = {}
-    for i, (layer, (shape, args, kwargs)) in enumerate(zip(s.layers, calls)):
-        if type(layer) not in found:
+    """One layer of each kind run on its own (hf_capturable.py): the same fixes for its kind (its class and
+    its modules' classes: a decoder may hold dense and mixture-of-experts layers of one class)."""
+    found: Dict[tuple, LayerFixes] = {}
+    kinds = [(type(layer), tuple(type(m) for m in layer.modules())) for layer in s.layers]
+    for i, (layer, kind, (shape, args, kwargs)) in enumerate(zip(s.layers, kinds, calls)):
+        if kind not in found:
             where = f"{type(s.model).__name__}: {s.layers_path}.{i}"
-            found[type(layer)] = find_fixes(where, layer, args, kwargs, shape[0], shape[1], shape[-1])
-            if found[type(layer)] and getattr(layer, "gradient_checkpointing", False):
+            found[kind] = find_fixes(where, layer, args, kwargs, shape[0], shape[1], shape[-1])
+            if found[kind] and getattr(layer, "gradient_checkpointing", False):
                 raise UnsupportedModelError(
                     f"{where}: its calls are made capturable per sample by hooks around each call "
-                    f"({found[type(layer)]}), which activation checkpointing's recomputation would run without: "
+                    f"({found[kind]}), which activation checkpointing's recomputation would run without: "
                     "disable activation checkpointing for this model"
                 )
-    return [found[type(layer)] for layer in s.layers]
+    return [found[kind] for kind in kinds]
 
 
 def _require_parts(s: Structure, sides: Dict[str, Set[str]]) -> None:

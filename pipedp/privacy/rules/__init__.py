@@ -23,6 +23,7 @@ from __future__ import annotations
 import torch.nn as nn
 
 from . import embedding, generic, layer_norm, linear  # noqa: F401  (each registers its rules)
+from .experts import EXPERTS, ROUTER  # (registered per class by the adapter that checks a model's bank)
 from .registry import (
     PREDICATES,
     RULES,
@@ -34,7 +35,7 @@ from .registry import (
     register,
 )
 
-__all__ = ["Grads", "LayerRule", "RULES", "register", "rule_for", "layer_parameters"]
+__all__ = ["Grads", "LayerRule", "RULES", "register", "rule_for", "layer_parameters", "EXPERTS", "ROUTER"]
 
 
 def rule_for(layer: nn.Module) -> LayerRule:

@@ -34,6 +34,11 @@ class LayerRule:
     # (layer, inputs, backprops) -> {way: cost} of the ways the rule can take for this call (keep, ghost,
     # materialize; runtime/grad_modes.py's auto takes the cheapest allowed); None: the grad mode's order
     costs: Optional[Callable[[nn.Module, Sequence[torch.Tensor], torch.Tensor], Dict[str, float]]] = None
+    # the layer is called on the micro-batch's tokens flattened to [n T, ...] (every input; a mixture of
+    # experts' router and bank): the capture folds its inputs and output-gradient to [n, T, ...]
+    flat_tokens: bool = False
+    # the layer returns a tuple: this element carries every gradient its parameters get (a router's logits)
+    output_part: Optional[int] = None
 
 
 RULES: Dict[type, LayerRule] = {}

@@ -1,0 +1,240 @@
+"""A mixture of experts' two layers: the router (a Linear over the tokens) and the expert bank.
+
+Both are called on the micro-batch's tokens flattened to [n T, ...] (Hugging Face's MoE blocks); the
+capture folds every input and the output-gradient back to [n, T, ...] (``LayerRule.flat_tokens``), so
+token t of sample i is row i of the rules' tensors, as for any other layer.
+
+With dropless top-k routing a token's output depends on its own hidden state only, so per-sample
+gradients are sums over the sample's tokens. Token t goes to k experts: pair (t, j) reads the hidden
+state a_t through expert e = index[t, j], and its gradient is w_tj times the token's output-gradient.
+Over a sample's T k pairs, expert e's per-sample gradient is sum over its pairs of g_p a_p^T, so the
+ghost norm is a Gram product masked to pairs of the same expert:
+    ||grad_i||^2 = sum_{p, p' of sample i, e_p = e_p'} (a_p . a_p') (g_p . g_p')
+(an expert no pair of the sample reaches contributes zero; one no pair of the micro-batch reaches
+still gets its noise, like every parameter). The pairs' activations and gradients are recomputed from
+the captured hidden states with the bank's own weights and its own gate (``_apply_gate``), one matrix
+product per expert; the clipped sum replays the bank's own forward.
+
+The expert bank is the layout transformers' ``use_experts_implementation`` describes (fused
+``gate_up_proj`` / ``up_proj`` and ``down_proj`` of shape [E, out, in], or [E, in, out] when
+``is_transposed``; optional biases [E, out]); split/hf_experts.py checks a bank against its own
+forward before registering this rule for its class.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from types import SimpleNamespace
+from typing import Dict, List, Optional, Sequence, Tuple
+
+import torch
+import torch.nn as nn
+
+from . import linear
+from .grams import gram
+from .registry import MACS_PER_BYTE, Grads, LayerRule, layer_parameters
+
+
+# ---- the router --------------------------------------------------------------------------------------
+def _as_linear(router: nn.Module) -> SimpleNamespace:
+    """The router's weight [E, d] (and bias) as the Linear its logits are: logits = F.linear(x, weight, bias)."""
+    return SimpleNamespace(weight=router.weight, bias=getattr(router, "bias", None))
+
+
+def _router_grads(router, inputs, backprops) -> Grads:
+    return linear.grads(_as_linear(router), inputs, backprops)
+
+
+def _router_weight(router, inputs, scaled) -> Grads:
+    return linear.weight(_as_linear(router), inputs, scaled)
+
+
+def _router_norms(router, inputs, backprops, grams=None) -> Optional[Grads]:
+    return linear.norms(_as_linear(router), inputs, backprops, grams)
+
+
+def _router_add_weight(router, inputs, backprops, factors, sums) -> None:
+    linear.add_weight(_as_linear(router), inputs, backprops, factors, sums)
+
+
+def _router_costs(router, inputs, backprops) -> Dict[str, float]:
+    table = linear.costs(_as_linear(router), inputs, backprops)
+    table.pop("keep", None)  # (the router's capture is freed at W like any other's)
+    return table
+
+
+# the router's logits (output[0] of its (logits, scores, indices)) carry every gradient its weight gets
+ROUTER = LayerRule(
+    "router",
+    _router_grads,
+    _router_weight,
+    _router_norms,
+    pools_positions=True,
+    add_weight=_router_add_weight,
+    costs=_router_costs,
+    flat_tokens=True,
+    output_part=0,
+)
+
+
+# ---- the expert bank ---------------------------------------------------------------------------------
+@dataclass
+class Projection:
+    """One of the bank's two projections over a micro-batch's pairs: [n, P, in] inputs, [n, P, out]
+    output-gradients, and the parameters (weight [E, out, in] or [E, in, out], bias [E, out] or None)."""
+
+    weight: nn.Parameter
+    bias: Optional[nn.Parameter]
+    transposed: bool
+    a: torch.Tensor
+    g: torch.Tensor
+
+
+def _first(bank: nn.Module) -> Tuple[nn.Parameter, Optional[nn.Parameter]]:
+    if bank.has_gate:
+        return bank.gate_up_proj, getattr(bank, "gate_up_proj_bias", None) if bank.has_bias else None
+    return bank.up_proj, getattr(bank, "up_proj_bias", None) if bank.has_bias else None
+
+
+def _second(bank: nn.Module) -> Tuple[nn.Parameter, Optional[nn.Parameter]]:
+    return bank.down_proj, getattr(bank, "down_proj_bias", None) if bank.has_bias else None
+
+
+def _apply(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], transposed: bool) -> torch.Tensor:
+    y = x @ weight if transposed else x @ weight.t()
+    return y + bias if bias is not None else y
+
+
+def _back(g: torch.Tensor, weight: torch.Tensor, transposed: bool) -> torch.Tensor:
+    """The input-gradient of ``_apply`` for output-gradient ``g``."""
+    return g @ weight.t() if transposed else g @ weight
+
+
+def pairs(bank: nn.Module, inputs: Sequence[torch.Tensor], backprops: torch.Tensor) -> Tuple[torch.Tensor, List]:
+    """(expert ids [n, P], [first projection, second projection]) of the micro-batch's P = T k pairs per
+    sample, recomputed from the captured hidden states [n, T, d], routing [n, T, k] and weights [n, T, k]
+    with the bank's own weights and gate (one product per expert the micro-batch reaches)."""
+    hidden, index, weights = inputs[0], inputs[1], inputs[2]
+    n, t, d = hidden.shape
+    k = index.shape[-1]
+    dtype = backprops.dtype
+    a1 = hidden.to(dtype).unsqueeze(2).expand(n, t, k, d).reshape(n * t * k, d)  # pair (t, j) reads a_t
+    g2 = (backprops.unsqueeze(2) * weights.to(dtype).unsqueeze(-1)).reshape(n * t * k, -1)  # w_tj * token's grad
+    experts = index.reshape(-1)
+    (w1, b1), (w2, b2) = _first(bank), _second(bank)
+    transposed = bool(bank.is_transposed)
+    width = _apply(a1[:0], w1[0].to(dtype), None, transposed).shape[-1]
+    hidden_width = _back(g2[:0], w2[0].to(dtype), transposed).shape[-1]
+    g1 = a1.new_zeros(n * t * k, width)
+    a2 = a1.new_zeros(n * t * k, hidden_width)
+    for e in torch.unique(experts).tolist():
+        if not 0 <= e < w1.shape[0]:  # (an expert-parallel sentinel: refused at construction)
+            continue
+        rows = (experts == e).nonzero().squeeze(1)
+        with torch.enable_grad():
+            z = _apply(a1[rows], w1[e].to(dtype), b1[e].to(dtype) if b1 is not None else None, transposed)
+            z = z.detach().requires_grad_(True)
+            h = bank._apply_gate(z) if bank.has_gate else bank.act_fn(z)
+            gh = _back(g2[rows], w2[e].to(dtype), transposed)
+            (g1[rows],) = torch.autograd.grad(h, z, gh)
+        a2[rows] = h.detach()
+    experts = experts.reshape(n, t * k)
+    first = Projection(w1, b1, transposed, a1.reshape(n, t * k, -1), g1.reshape(n, t * k, -1))
+    second = Projection(w2, b2, transposed, a2.reshape(n, t * k, -1), g2.reshape(n, t * k, -1))
+    return experts, [first, second]
+
+
+def recomputed_output(bank: nn.Module, hidden: torch.Tensor, index: torch.Tensor, weights: torch.Tensor):
+    """The bank's output for tokens [N, d] as this rule reads its layout (checked against the bank's own
+    forward at construction: split/hf_experts.py)."""
+    (w1, b1), (w2, b2) = _first(bank), _second(bank)
+    transposed = bool(bank.is_transposed)
+    out = torch.zeros_like(hidden)
+    for t in range(hidden.shape[0]):
+        for j in range(index.shape[1]):
+            e = int(index[t, j])
+            z = _apply(hidden[t : t + 1], w1[e], b1[e] if b1 is not None else None, transposed)
+            h = bank._apply_gate(z) if bank.has_gate else bank.act_fn(z)
+            out[t] += weights[t, j].to(out.dtype) * _apply(h, w2[e], b2[e] if b2 is not None else None, transposed)[0]
+    return out
+
+
+def _same_expert(experts: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """[n, P, P]: 1 where two pairs of a sample go to the same expert."""
+    return (experts.unsqueeze(2) == experts.unsqueeze(1)).to(dtype)
+
+
+def _grams_outweigh(bank: nn.Module, backprops: torch.Tensor, k: int) -> bool:
+    """The [n, P, P] pair Gram matrices would outweigh the per-sample [n, E, out, in] gradients."""
+    positions = backprops.reshape(backprops.shape[0], -1, backprops.shape[-1]).shape[1]
+    return (positions * k) ** 2 > min(_first(bank)[0].numel(), _second(bank)[0].numel())
+
+
+def _bank_norms(bank, inputs, backprops, grams=None) -> Optional[Grads]:
+    if _grams_outweigh(bank, backprops, inputs[1].shape[-1]):
+        return None
+    experts, projections = pairs(bank, inputs, backprops)
+    out: Grads = {}
+    for proj in projections:
+        kg = gram(proj.g)
+        mask = _same_expert(experts, kg.dtype)
+        if proj.weight.requires_grad:
+            out[proj.weight] = (kg * gram(proj.a) * mask).sum((1, 2))
+        if proj.bias is not None and proj.bias.requires_grad:
+            out[proj.bias] = (kg * mask).sum((1, 2))
+    return out
+
+
+def _bank_grads(bank, inputs, backprops) -> Grads:
+    """{param: [n, E, ...]} per-sample gradients, each sample's pairs summed per expert."""
+    experts, projections = pairs(bank, inputs, backprops)
+    count = projections[0].weight.shape[0]
+    onehot = torch.nn.functional.one_hot(experts, count).to(backprops.dtype)  # [n, P, E]
+    n, p = experts.shape
+    out: Grads = {}
+    for proj in projections:
+        if proj.weight.requires_grad:
+            spread = (onehot.unsqueeze(-1) * proj.g.unsqueeze(2)).reshape(n, p, -1)  # [n, P, E out]
+            grads = torch.bmm(spread.transpose(1, 2), proj.a).reshape(n, count, -1, proj.a.shape[-1])
+            out[proj.weight] = grads.transpose(2, 3) if proj.transposed else grads
+        if proj.bias is not None and proj.bias.requires_grad:
+            out[proj.bias] = torch.bmm(onehot.transpose(1, 2), proj.g)
+    return out
+
+
+def _bank_weight(bank, inputs, scaled) -> Grads:
+    """sum_i c_i grad_i: the bank's own forward replayed on the flattened tokens, differentiated for the
+    clip-scaled output-gradients (linear in them)."""
+    params = [p for _, p in layer_parameters(bank)]
+    n, t = scaled.shape[:2]
+    flat = [a.reshape(n * t, *a.shape[2:]) for a in inputs]
+    with torch.enable_grad():
+        output = bank(*flat)
+        grads = torch.autograd.grad(output, params, scaled.reshape(n * t, -1).to(output.dtype), allow_unused=True)
+    wide = torch.promote_types(scaled.dtype, torch.float32)
+    return {p: (g.to(wide) if g is not None else torch.zeros_like(p, dtype=wide)) for p, g in zip(params, grads)}
+
+
+def _bank_costs(bank, inputs, backprops) -> Dict[str, float]:
+    """Multiply-adds (and memory traffic, MACS_PER_BYTE a byte) of the ways, for n samples of P pairs:
+    ghost: n P^2 (in + out) per projection's Gram matrices; materialize: n P E in out per projection (the
+    one-hot spread) and 4 n E in out bytes written and read for the norm."""
+    n = backprops.shape[0]
+    p = backprops.reshape(n, -1, backprops.shape[-1]).shape[1] * inputs[1].shape[-1]
+    sizes = [sum(s) for s in ((w.shape[-1], w.shape[-2]) for w in (_first(bank)[0], _second(bank)[0]))]
+    numels = [_first(bank)[0].numel(), _second(bank)[0].numel()]
+    table = {"materialize": sum(n * p * m + MACS_PER_BYTE * 4 * n * m for m in numels)}
+    if not _grams_outweigh(bank, backprops, inputs[1].shape[-1]):
+        table["ghost"] = sum(n * p * p * s for s in sizes)
+    return table
+
+
+EXPERTS = LayerRule(
+    "experts",
+    _bank_grads,
+    _bank_weight,
+    _bank_norms,
+    pools_positions=True,
+    costs=_bank_costs,
+    flat_tokens=True,
+)

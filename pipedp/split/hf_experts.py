@@ -1,0 +1,170 @@
+"""A Hugging Face decoder's mixture-of-experts blocks: accepted when pipedp's rules can train them
+exactly (privacy/rules/experts.py), refused at construction, by name, otherwise.
+
+A block is accepted when it is dropless top-k routing over a fused expert bank (transformers'
+``use_experts_implementation`` layout) by a router whose first output is a Linear's logits over the
+tokens, both checked on a few random tokens against the block's own modules; shared experts and
+their gates are ordinary layers. What couples samples is refused: a batch-level load-balancing loss
+(``output_router_logits``), noise written into the hidden states in place (``*_jitter_noise``), expert
+parallelism, a trainable parameter of the router other than its weight and bias (bias balancing); a
+router that samples its experts in training is refused too (not a coupling, but nothing here verifies it).
+"""
+
+from __future__ import annotations
+
+import re
+from typing import List, Optional, Tuple
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from ..errors import UnsupportedModelError
+from ..privacy.rules import EXPERTS, ROUTER, register
+from ..privacy.rules.experts import recomputed_output
+
+# a mixture-of-experts block's class (Mixtral's SparseMoeBlock, JetMoe's MoE, a Router), not e.g. Qwen2MoeAttention
+ROUTING = re.compile(r"expert|router|sparse_?moe|moe(block|layer|mlp)?$", re.IGNORECASE)
+CHECK_TOKENS = 5  # the random tokens a bank and its router are checked on
+ROUTER_NAMES = ("gate", "router")
+
+
+def moe_parts(module: nn.Module) -> List[Tuple[str, nn.Module]]:
+    """The mixture-of-experts parts below ``module``: modules with an ``experts`` attribute (else, for a
+    family that names none so, the first module whose class name says it routes)."""
+    modules = list(module.named_modules())[1:]  # the module's own class name may say MoE
+    found = [(n, m) for n, m in modules if hasattr(m, "experts")]
+    if not found:  # by name, and routing for real: a part that routes, or expert weights [E, ...] (not GLM's MoeMLP)
+        found = [(n, m) for n, m in modules if ROUTING.search(type(m).__name__) and _routes(m)][:1]
+    return found
+
+
+def _routes(module: nn.Module) -> bool:
+    parts = list(module.modules())[1:]
+    return any(ROUTING.search(type(c).__name__) for c in parts) or any(p.dim() >= 3 for p in module.parameters())
+
+
+def accept_experts(model: nn.Module, path: str, module: nn.Module) -> None:
+    """Register the rules for each MoE block below ``module`` (at ``path`` in ``model``), or refuse it."""
+    for name, block in moe_parts(module):
+        where = f"{type(model).__name__}: {f'{path}.{name}' if path else name} ({type(block).__name__})"
+        _refuse_config(where, getattr(model, "config", None), block)
+        bank = getattr(block, "experts", None)
+        if not isinstance(bank, nn.Module) or not _is_fused_bank(bank):
+            raise UnsupportedModelError(
+                f"{where} is a mixture of experts whose experts pipedp has no per-sample rule for (it trains fused "
+                "expert banks: transformers' use_experts_implementation layout, gate_up_proj / down_proj of shape "
+                "[experts, out, in]): freeze the block's experts and router, or use a dense model"
+            )
+        router = _router(where, block, bank)
+        _check(where, router, bank)
+        register(type(router), ROUTER)
+        register(type(bank), EXPERTS)
+
+
+def refuse_experts(model: nn.Module, why: str) -> None:
+    """Refuse a mixture of experts anywhere in ``model`` where ``why`` the adapter cannot drive it."""
+    found = moe_parts(model)
+    if found:
+        name, part = found[0]
+        raise UnsupportedModelError(
+            f"{type(model).__name__}: {name} ({type(part).__name__}) is a mixture of experts, which pipedp trains "
+            f"only inside a Hugging Face decoder it drives ({why})"
+        )
+
+
+def _refuse_config(where: str, config, block: nn.Module) -> None:
+    if getattr(config, "output_router_logits", False):
+        raise UnsupportedModelError(
+            f"{where}: output_router_logits=True adds the load-balancing loss, whose expert fractions and mean "
+            "router probabilities are statistics of the whole batch (one sample's loss depends on the others): "
+            "set config.output_router_logits = False"
+        )
+    for key, name in (("jitter_noise", "router_jitter_noise"), ("input_jitter_noise", "input_jitter_noise")):
+        if float(getattr(block, key, 0.0) or 0.0) > 0:
+            raise UnsupportedModelError(
+                f"{where}: {name}={getattr(block, key)} multiplies the hidden states by noise in place in training "
+                f"(a change pipedp's capture refuses): set config.{name} = 0.0"
+            )
+
+
+def _is_fused_bank(bank: nn.Module) -> bool:
+    first = "gate_up_proj" if getattr(bank, "has_gate", None) else "up_proj"
+    return (
+        hasattr(bank, "has_gate")
+        and hasattr(bank, "is_transposed")
+        and isinstance(getattr(bank, first, None), nn.Parameter)
+        and isinstance(getattr(bank, "down_proj", None), nn.Parameter)
+        and getattr(bank, first).dim() == 3
+    )
+
+
+def _router(where: str, block: nn.Module, bank: nn.Module) -> nn.Module:
+    experts = bank.down_proj.shape[0]
+    found = [m for n, m in block.named_children() if n in ROUTER_NAMES and m is not bank]
+    router: Optional[nn.Module] = found[0] if found else None
+    weight = getattr(router, "weight", None)
+    if router is None or not isinstance(weight, nn.Parameter) or weight.dim() != 2 or weight.shape[0] != experts:
+        raise UnsupportedModelError(
+            f"{where}: no router (a child named {' or '.join(ROUTER_NAMES)} with a weight [{experts}, hidden]) was "
+            "found beside its experts: freeze the block, or use a dense model"
+        )
+    if getattr(bank, "has_post_expert_norm", False) or getattr(bank, "_is_expert_parallel", False):
+        raise UnsupportedModelError(
+            f"{where}: expert parallelism and a norm after each expert are not supported: use a plain expert bank"
+        )
+    extra = [n for n, p in router.named_parameters() if p.requires_grad and n not in ("weight", "bias")]
+    if extra:
+        raise UnsupportedModelError(
+            f"{where}: the router's {extra} are trainable, but they set which experts a token goes to (bias "
+            "balancing), not its output's gradient: freeze them (requires_grad_(False))"
+        )
+    return router
+
+
+def _check(where: str, router: nn.Module, bank: nn.Module) -> None:
+    """The router's first output is a Linear's logits and the rule reads the bank as its own forward does,
+    on a few random tokens (skipped for weights not loaded yet: the self-check compares every checked
+    sample's gradient with its own backward anyway)."""
+    weight = router.weight
+    if weight.is_meta or bank.down_proj.is_meta:
+        return
+    g = torch.Generator(device="cpu").manual_seed(0)
+    x = torch.randn(CHECK_TOKENS, weight.shape[1], generator=g, dtype=torch.float64).to(weight.device, weight.dtype)
+    was = (router.training, bank.training)
+    router.eval(), bank.eval()
+    try:
+        with torch.no_grad():
+            out = router(x)
+            if not isinstance(out, tuple) or len(out) < 3:
+                raise UnsupportedModelError(
+                    f"{where}: its router returns {type(out).__name__}, not (logits, weights, experts): freeze it"
+                )
+            logits, weights, index = out[0], out[1], out[2]
+            want = F.linear(x, weight, getattr(router, "bias", None))
+            if logits.shape != want.shape or not torch.allclose(logits.to(want.dtype), want, rtol=1e-3, atol=1e-5):
+                raise UnsupportedModelError(
+                    f"{where}: its router's first output is not F.linear(hidden, weight, bias), which pipedp's "
+                    "per-sample rule for it assumes: freeze the router"
+                )
+            own = bank(x, index, weights)
+            try:
+                recomputed = recomputed_output(bank, x, index, weights)
+            except RuntimeError:  # (the weights' shapes do not fit the layout the flags describe)
+                recomputed = None
+            if recomputed is None or not torch.allclose(recomputed.to(own.dtype), own, rtol=1e-3, atol=1e-5):
+                raise UnsupportedModelError(
+                    f"{where}: its experts ({type(bank).__name__}) do not compute what pipedp's per-sample rule reads "
+                    "from their weights (the fused layout's gate, activation and routing weights): freeze them"
+                )
+        router.train()
+        with torch.no_grad():
+            again = [router(x)[2] for _ in range(2)]
+        if not torch.equal(again[0], again[1]):
+            raise UnsupportedModelError(
+                f"{where}: its router draws the experts at random in training (sampled routing, e.g. phimoe's "
+                "sparsemixer), which pipedp's oracles cannot reproduce and it has not verified: freeze the router "
+                "and the experts, or use a model with top-k routing"
+            )
+    finally:
+        router.train(was[0]), bank.train(was[1])

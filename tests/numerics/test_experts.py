@@ -1,0 +1,212 @@
+"""Mixtures of experts beyond the families matrix (tests/hf_families.py runs every MoE family against the
+loop oracle): user-level units, LoRA on the attention and on the experts, one expert no token reaches,
+top-1 and top-3 routing, bf16-free float32 with transformers' default (grouped) experts; the self-check
+catching a routed pair given to the wrong sample; and the couplings refused by name."""
+
+import copy
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+from hf_families import CLIP, Family, padded_batch, tiny_config  # noqa: E402
+from oracles import loop_clipped_sum, loop_unit_clipped_sum, max_relative_error  # noqa: E402
+from steps import pipedp_clipped_sum  # noqa: E402
+
+from pipedp import PipelineDPTrainer, UnsupportedModelError  # noqa: E402
+from pipedp.models import token_loss  # noqa: E402
+from pipedp.privacy.rules import experts as expert_rules  # noqa: E402
+
+pytestmark = pytest.mark.filterwarnings("ignore:step\\(\\) got a batch whose sampling is not declared")
+
+
+def mixtral(**overrides):
+    torch.manual_seed(0)
+    if "num_local_experts" in overrides:
+        overrides["num_experts"] = overrides["num_local_experts"]  # (tiny_config sets both)
+    config = tiny_config(Family("mixtral", config=overrides))
+    return transformers.AutoModelForCausalLM.from_config(config, experts_implementation="eager").double()
+
+
+def hf_loss(out, y):
+    return token_loss(out.logits, y)
+
+
+def test_units_of_two_rows_match_the_unit_loop():
+    model = mixtral()
+    inputs, labels = padded_batch("right")
+    inputs = {k: torch.cat([v, v.flip(0)])[:6] for k, v in inputs.items()}
+    labels = torch.cat([labels, labels.flip(0)])[:6]
+    want = loop_unit_clipped_sum(copy.deepcopy(model), hf_loss, inputs, labels, CLIP, rows=2)
+    got = pipedp_clipped_sum(model, token_loss, inputs, labels, CLIP, stages=2, microbatches=1, unit_rows=2)
+    assert max_relative_error(got, want) < 1e-12
+
+
+@pytest.mark.parametrize("top_k, experts", [(1, 4), (3, 4), (2, 8)])
+@pytest.mark.parametrize("mode", ["ghost", "materialize"])
+def test_any_number_of_experts_per_token_matches_the_loop(top_k, experts, mode):
+    model = mixtral(num_experts_per_tok=top_k, num_local_experts=experts)
+    inputs, labels = padded_batch("left")
+    want = loop_clipped_sum(copy.deepcopy(model), hf_loss, inputs, labels, CLIP)
+    got = pipedp_clipped_sum(model, token_loss, inputs, labels, CLIP, stages=2, microbatches=2, grad_mode=mode)
+    assert max_relative_error(got, want) < 1e-12
+
+
+def unreached_experts(model, inputs):
+    """The experts of layer 0 that no token of ``inputs`` is routed to."""
+    seen = []
+    hook = model.model.layers[0].mlp.gate.register_forward_hook(lambda m, a, out: seen.append(out[2]))
+    with torch.no_grad():
+        model(**inputs)
+    hook.remove()
+    return sorted(set(range(16)) - set(seen[0].reshape(-1).tolist()))
+
+
+def test_an_expert_no_token_reaches_gets_no_gradient_but_its_noise():
+    inputs, labels = padded_batch("right")
+    model = mixtral(num_local_experts=16, num_experts_per_tok=1)
+    idle = unreached_experts(model, inputs)
+    assert idle  # (16 experts, 40 tokens, top-1)
+    want = loop_clipped_sum(copy.deepcopy(model), hf_loss, inputs, labels, CLIP)
+    got = pipedp_clipped_sum(model, token_loss, inputs, labels, CLIP, stages=2)
+    assert max_relative_error(got, want) < 1e-12
+    assert float(got["model.layers.0.mlp.experts.down_proj"][idle].abs().max()) == 0
+    noised = mixtral(num_local_experts=16, num_experts_per_tok=1)
+    moved = pipedp_clipped_sum(noised, token_loss, inputs, labels, CLIP, stages=2, noise_multiplier=1.0, seed=3)
+    assert float(moved["model.layers.0.mlp.experts.down_proj"][idle].abs().min()) > 0
+
+
+def test_lora_on_the_attention_with_frozen_experts_matches_the_loop():
+    peft = pytest.importorskip("peft")
+    config = peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj"], init_lora_weights=False)
+    model = peft.get_peft_model(mixtral(), config).base_model.model
+    inputs, labels = padded_batch("right")
+    want = loop_clipped_sum(copy.deepcopy(model), hf_loss, inputs, labels, CLIP)
+    got = pipedp_clipped_sum(model, token_loss, inputs, labels, CLIP, stages=2, microbatches=2)
+    assert max_relative_error(got, want) < 1e-12
+    assert all(float(v.abs().max()) == 0 for k, v in got.items() if "lora" not in k)
+
+
+def test_float32_with_the_default_grouped_experts_trains_and_agrees_with_the_loop():
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(tiny_config(Family("mixtral")))
+    assert model.config._experts_implementation != "eager"  # transformers' default kernel, as users get it
+    inputs, labels = padded_batch("right")
+    want = loop_clipped_sum(copy.deepcopy(model), hf_loss, inputs, labels, CLIP)
+    got = pipedp_clipped_sum(model, token_loss, inputs, labels, CLIP, stages=2, microbatches=2)
+    assert max_relative_error(got, want) < 1e-5
+
+
+def test_planted_a_routed_pair_given_to_the_wrong_sample_is_caught_by_the_self_check(monkeypatch):
+    real = expert_rules.pairs
+
+    def misattributed(bank, inputs, backprops):
+        experts, projections = real(bank, inputs, backprops)
+        for proj in projections:  # the first pair of sample 0 counted as sample 1's
+            proj.a[1, 0], proj.g[1, 0] = proj.a[0, 0], proj.g[0, 0]
+            proj.a[0, 0], proj.g[0, 0] = 0, 0
+        return experts, projections
+
+    monkeypatch.setattr(expert_rules, "pairs", misattributed)
+    model = mixtral()
+    inputs, labels = padded_batch("right")
+    with pytest.raises(
+        UnsupportedModelError, match=r"norms of .*experts.gate_up_proj.* disagree with their per-sample"
+    ):
+        pipedp_clipped_sum(model, token_loss, inputs, labels, CLIP, stages=2, grad_mode="ghost")
+
+
+@pytest.mark.parametrize(
+    "overrides, refusal",
+    [
+        ({"output_router_logits": True}, "load-balancing loss.*statistics of the whole batch"),
+        ({"router_jitter_noise": 0.1}, "router_jitter_noise=0.1 multiplies the hidden states by noise in place"),
+    ],
+)
+def test_couplings_are_refused_at_construction_by_name(overrides, refusal):
+    with pytest.raises(UnsupportedModelError, match=rf"MixtralForCausalLM: model.layers.0.mlp .*{refusal}"):
+        PipelineDPTrainer(mixtral(**overrides), token_loss, stages=2, expected_batch_size=4)
+
+
+def test_a_trainable_bias_balancing_parameter_is_refused_by_name():
+    torch.manual_seed(0)
+    config = tiny_config(Family("ernie4_5_moe", config={"head_dim": 8}))
+    model = transformers.AutoModelForCausalLM.from_config(config, experts_implementation="eager")
+    for name, p in model.named_parameters():
+        if "e_score_correction_bias" in name:
+            p.requires_grad_(True)
+    with pytest.raises(UnsupportedModelError, match=r"moe_statics.e_score_correction_bias.*freeze them"):
+        PipelineDPTrainer(model, token_loss, stages=2, expected_batch_size=4)
+
+
+def test_planted_a_bank_read_in_the_wrong_layout_is_refused_at_construction():
+    model = mixtral()
+    for layer in model.model.layers:
+        layer.mlp.experts.is_transposed = True  # the rule would read [E, out, in] weights as [E, in, out]
+    with pytest.raises(UnsupportedModelError, match="do not compute what pipedp.s per-sample rule reads"):
+        PipelineDPTrainer(model, token_loss, stages=2, expected_batch_size=4)
+
+
+def test_tensor_parallel_experts_are_refused_by_name():
+    from pipedp.parallel.plan import tensor_parallel_plan
+    from pipedp.split.adapters import model_blocks
+
+    model = mixtral(num_key_value_heads=2)
+    with pytest.raises(UnsupportedModelError, match=r"layer 'model.layers.0.mlp.experts' is planned 'moe_tp_experts'"):
+        tensor_parallel_plan(model, model_blocks(model), 2)
+
+
+# ---- from a saved folder: transformers merges the per-expert tensors it saved into banks on loading ----------
+def saved_chat_mixtral(folder):
+    from test_cli_finetune import tiny_chat_llama
+
+    tiny_chat_llama(transformers, folder)  # its tokenizer, and the special tokens' ids
+    llama = transformers.AutoConfig.from_pretrained(folder)
+    ids = {k: getattr(llama, k) for k in ("vocab_size", "bos_token_id", "eos_token_id", "pad_token_id")}
+    config = transformers.MixtralConfig(
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=128,
+        num_local_experts=4,
+        num_experts_per_tok=2,
+        **ids,
+    )
+    torch.manual_seed(0)
+    transformers.MixtralForCausalLM(config).save_pretrained(folder)
+    return str(folder)
+
+
+def test_each_stage_loads_its_banks_from_a_saved_folder(tmp_path):
+    from pipedp.split.hf_loading import load_local_model, load_pipeline_stage
+
+    folder = saved_chat_mixtral(tmp_path / "mixtral")
+    whole = dict(load_local_model(folder).named_parameters())
+    loaded = set()
+    for stage in range(2):
+        model = load_pipeline_stage(folder, 2, stage)
+        for name, p in model.named_parameters():
+            if not p.is_meta:
+                assert torch.equal(p, whole[name]), name
+                loaded.add(name)
+    assert loaded == set(whole)  # every tensor on one stage or the other
+
+
+def test_pipedp_train_runs_a_saved_mixture_of_experts_over_two_processes(tmp_path):
+    import json
+    import subprocess
+    import sys
+
+    from test_cli_finetune import chats
+
+    folder = saved_chat_mixtral(tmp_path / "mixtral")
+    data = chats(tmp_path / "chats.jsonl", 24)
+    argv = ["train", "--model", folder, "--data", str(data), "--stages", "2", "--steps", "3", "--batch-size", "8"]
+    argv += ["--checkpoint-dir", str(tmp_path / "run"), "--max-grad-norm", "0.5", "--noise-multiplier", "1.0"]
+    done = subprocess.run([sys.executable, "-m", "pipedp", *argv], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    assert "launching 2 processes" in done.stdout
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert summary["steps"] == 3
