@@ -11,9 +11,6 @@ transformers = pytest.importorskip("transformers")
 
 
 def block(family: str, **config):
-    import sys
-
-    sys.path.insert(0, "tests")
     from hf_families import Family, tiny_config
 
     torch.manual_seed(0)
