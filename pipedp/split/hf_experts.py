@@ -50,6 +50,12 @@ def accept_experts(model: nn.Module, path: str, module: nn.Module) -> None:
         where = f"{type(model).__name__}: {f'{path}.{name}' if path else name} ({type(block).__name__})"
         _refuse_config(where, getattr(model, "config", None), block)
         bank = getattr(block, "experts", None)
+        if type(bank).__module__.startswith("peft."):
+            raise UnsupportedModelError(
+                f"{where}: PEFT's adapter on the experts' parameters ({type(bank).__name__}, LoraConfig's "
+                "target_parameters) has no per-sample rule yet: put the adapters on the attention and other "
+                "Linear layers (target_modules), or train the bank itself"
+            )
         if not isinstance(bank, nn.Module) or not _is_fused_bank(bank):
             raise UnsupportedModelError(
                 f"{where} is a mixture of experts whose experts pipedp has no per-sample rule for (it trains fused "

@@ -87,6 +87,15 @@ def test_lora_on_the_attention_with_frozen_experts_matches_the_loop():
     assert all(float(v.abs().max()) == 0 for k, v in got.items() if "lora" not in k)
 
 
+def test_lora_on_the_experts_parameters_is_refused_by_name():
+    peft = pytest.importorskip("peft")
+    targets = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
+    config = peft.LoraConfig(r=2, target_modules=["q_proj"], target_parameters=targets)
+    model = peft.get_peft_model(mixtral(), config).base_model.model
+    with pytest.raises(UnsupportedModelError, match=r"model.layers.0.mlp .*target_parameters.*target_modules"):
+        PipelineDPTrainer(model, token_loss, stages=2, expected_batch_size=4)
+
+
 def test_float32_with_the_default_grouped_experts_trains_and_agrees_with_the_loop():
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(tiny_config(Family("mixtral")))
