@@ -10,6 +10,7 @@ same values without any rank ever building the whole model.
     small        GPT-style, 4 blocks, d=256, T=64, 8 micro-batches of 8 rows
     realistic    GPT-style, 4 blocks, d=1024, T=128, 4 micro-batches of 4 rows (batch 16)
     llama-slice  HF LlamaForCausalLM with Llama-2-7B's widths (d=4096, 11008, 32 heads, vocab 32000), 2 layers
+    mixtral-slice  HF MixtralForCausalLM: 8 experts top-2 at a quarter of Mixtral-8x7B's widths, 2 layers
     gpt, gpt-long, gpt-wide, mlp, tiny   the earlier presets (tiny: smoke tests)
 """
 
@@ -161,6 +162,28 @@ def llama_config(layers: int, vocab: int = 32000, **overrides):
     return LlamaConfig(num_hidden_layers=layers, **widths)
 
 
+def mixtral_config(layers: int, vocab: int = 32000, **overrides):
+    """Mixtral-8x7B's routing (8 experts, top 2) at a quarter of its widths (d=1024, experts 3584 wide),
+    ``layers`` decoder layers; transformers' default experts kernel (grouped products)."""
+    from transformers import MixtralConfig
+
+    widths = dict(
+        vocab_size=vocab,
+        hidden_size=1024,
+        intermediate_size=3584,
+        num_attention_heads=8,
+        num_key_value_heads=8,
+        num_local_experts=8,
+        num_experts_per_tok=2,
+        max_position_embeddings=4096,
+        tie_word_embeddings=False,
+        bos_token_id=1,
+        eos_token_id=2,
+    )
+    widths.update(overrides)
+    return MixtralConfig(num_hidden_layers=layers, **widths)
+
+
 def _llama(name: str, note: str, cfg_fn: Callable, seq: int, batch: int, microbatches: int) -> Preset:
     def meta():
         from pipedp.split.hf_loading import build_on_meta
@@ -231,6 +254,31 @@ PRESETS = {
         GPTConfig(vocab_size=32, seq_len=8, d_model=16, n_heads=2, n_layers=2),
         "smoke-test size",
         "tiny",
+        batch=8,
+        microbatches=2,
+    ),
+    "mixtral-slice": _llama(
+        "mixtral-slice",
+        "Mixtral-shaped: 8 experts top-2, d=1024, experts 3584 wide, 2 layers, vocab 32000 (254M parameters, "
+        "fp32), T=64; batch 8 as 4 micro-batches of 2",
+        lambda: mixtral_config(2),
+        seq=64,
+        batch=8,
+        microbatches=4,
+    ),
+    "tiny-mixtral": _llama(
+        "tiny-mixtral",
+        "smoke-test Mixtral: d=32, 4 experts top-2, 2 layers, vocab 64, T=8",
+        lambda: mixtral_config(
+            2,
+            vocab=64,
+            hidden_size=32,
+            intermediate_size=64,
+            num_attention_heads=4,
+            num_key_value_heads=4,
+            num_local_experts=4,
+        ),
+        seq=8,
         batch=8,
         microbatches=2,
     ),

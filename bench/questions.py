@@ -101,7 +101,7 @@ def _pipeline_rank(rank: int, question: str, preset_name: str, rounds: int, step
     lora = question == "lora"
     makers = [lambda: S.torch_1f1b(preset, lora=lora)]
     makers += [lambda s=s, m=m: S.pipedp(preset, s, m, lora=lora) for s, m in variants]
-    if question == "dp-cost":
+    if question == "dp-cost" and preset.opacus:  # (the naive split runs Opacus's hooks on each part)
         makers.append(lambda: S.naive(preset))
     contenders, peaks = build_all(makers, warmup)
     times = interleave(contenders, rounds, steps)
@@ -249,6 +249,7 @@ def ask(question: str, preset_name: str, rounds: int, steps: int, warmup: int, v
                     "2 processes x 1 thread",
                 )
             )
+        if question == "dp-cost" and preset.opacus:
             figures.append(
                 speed_ratio(
                     f"naive/{preset_name}",
@@ -262,7 +263,7 @@ def ask(question: str, preset_name: str, rounds: int, steps: int, warmup: int, v
                     "2 processes x 1 thread",
                 )
             )
-        else:
+        if question == "lora":
             figures.append(
                 speed_ratio(
                     f"lora/{preset_name}",

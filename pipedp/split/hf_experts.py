@@ -164,9 +164,7 @@ def _check(where: str, router: nn.Module, bank: nn.Module) -> None:
                     "from their weights (the fused layout's gate, activation and routing weights): freeze them"
                 )
         router.train()
-        with torch.no_grad():
-            again = [router(x)[2] for _ in range(2)]
-        if not torch.equal(again[0], again[1]):
+        if _draws_random_numbers(router, x):
             raise UnsupportedModelError(
                 f"{where}: its router draws the experts at random in training (sampled routing, e.g. phimoe's "
                 "sparsemixer), which pipedp's oracles cannot reproduce and it has not verified: freeze the router "
@@ -174,3 +172,14 @@ def _check(where: str, router: nn.Module, bank: nn.Module) -> None:
             )
     finally:
         router.train(was[0]), bank.train(was[1])
+
+
+def _draws_random_numbers(router: nn.Module, x: torch.Tensor) -> bool:
+    """Does the router's forward draw from torch's generator (its state moves)? The state is restored."""
+    devices = [x.device] if x.device.type == "cuda" else []
+    with torch.random.fork_rng(devices=devices, device_type=x.device.type if devices else "cuda"):
+        before = torch.cuda.get_rng_state(x.device) if devices else torch.get_rng_state()
+        with torch.no_grad():
+            router(x)
+        after = torch.cuda.get_rng_state(x.device) if devices else torch.get_rng_state()
+    return not torch.equal(before, after)

@@ -13,7 +13,8 @@ ghost norm is a Gram product masked to pairs of the same expert:
 (an expert no pair of the sample reaches contributes zero; one no pair of the micro-batch reaches
 still gets its noise, like every parameter). The pairs' activations and gradients are recomputed from
 the captured hidden states with the bank's own weights and its own gate (``_apply_gate``), one matrix
-product per expert; the clipped sum replays the bank's own forward.
+product per expert; the clipped sum is taken from the same pairs (so a sample's share of it has the norm
+its clip factor came from, in low precision too).
 
 The expert bank is the layout transformers' ``use_experts_implementation`` describes (fused
 ``gate_up_proj`` / ``up_proj`` and ``down_proj`` of shape [E, out, in], or [E, in, out] when
@@ -32,7 +33,7 @@ import torch.nn as nn
 
 from . import linear
 from .grams import gram
-from .registry import MACS_PER_BYTE, Grads, LayerRule, layer_parameters
+from .registry import MACS_PER_BYTE, Grads, LayerRule
 
 
 # ---- the router --------------------------------------------------------------------------------------
@@ -203,16 +204,26 @@ def _bank_grads(bank, inputs, backprops) -> Grads:
 
 
 def _bank_weight(bank, inputs, scaled) -> Grads:
-    """sum_i c_i grad_i: the bank's own forward replayed on the flattened tokens, differentiated for the
-    clip-scaled output-gradients (linear in them)."""
-    params = [p for _, p in layer_parameters(bank)]
-    n, t = scaled.shape[:2]
-    flat = [a.reshape(n * t, *a.shape[2:]) for a in inputs]
-    with torch.enable_grad():
-        output = bank(*flat)
-        grads = torch.autograd.grad(output, params, scaled.reshape(n * t, -1).to(output.dtype), allow_unused=True)
+    """sum_i c_i grad_i from the pairs of the clip-scaled output-gradients (linear in them): per expert, the
+    product of its pairs' gradients and inputs. The same pairs as the norms, so in low precision too each
+    sample's share of the sum has exactly the norm its clip factor was computed from."""
+    experts, projections = pairs(bank, inputs, scaled)
+    flat = experts.reshape(-1)
     wide = torch.promote_types(scaled.dtype, torch.float32)
-    return {p: (g.to(wide) if g is not None else torch.zeros_like(p, dtype=wide)) for p, g in zip(params, grads)}
+    out: Grads = {}
+    for proj in projections:
+        a, g = proj.a.reshape(flat.shape[0], -1), proj.g.reshape(flat.shape[0], -1)
+        if proj.weight.requires_grad:
+            out[proj.weight] = torch.zeros_like(proj.weight, dtype=wide)
+        if proj.bias is not None and proj.bias.requires_grad:
+            out[proj.bias] = torch.zeros_like(proj.bias, dtype=wide)
+        for e in torch.unique(flat).tolist():
+            rows = (flat == e).nonzero().squeeze(1)
+            if proj.weight in out:
+                out[proj.weight][e] = a[rows].t() @ g[rows] if proj.transposed else g[rows].t() @ a[rows]
+            if proj.bias in out:
+                out[proj.bias][e] = g[rows].sum(0)
+    return out
 
 
 def _bank_costs(bank, inputs, backprops) -> Dict[str, float]:
