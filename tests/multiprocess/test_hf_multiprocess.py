@@ -176,3 +176,18 @@ def test_a_tied_gemma_loaded_stage_by_stage_in_processes_matches_the_loop_oracle
     # the tied tensor is two copies in two processes, which got the same update
     assert torch.equal(first["model.embed_tokens.weight"], last.pop("lm_head.weight"))
     assert max_relative_error({**first, **last}, want) < gemma.tolerance
+
+
+def test_a_mixture_of_experts_over_two_stages_by_two_replicas_equals_the_loop_oracle():
+    """4 processes: the rows split over the replicas, each expert bank's clipped sums added over them."""
+    from oracles import loop_clipped_sum
+    from workers import moe_model, moe_step, tensor_parallel_batch
+
+    results = launch(moe_step, 4, ({"stages": 2, "replicas": 2},), timeout_s=600)
+    model = moe_model()
+    x, y = tensor_parallel_batch(seed=2)
+    total = loop_clipped_sum(model, lambda out, t: token_loss(out.logits, t), x, y, 0.05)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p -= 0.5 * total[name] / 6
+    assert max_relative_error(results[0], model.state_dict()) < 1e-12

@@ -664,3 +664,23 @@ def _plant(bug):
         import pipedp.train.trainer as trainer_module
 
         trainer_module.add_noise = divided
+
+
+def moe_model():
+    """The tests' tiny Mixtral (4 experts, top 2, eager experts: float64), from tests/hf_families.py."""
+    import transformers
+    from hf_families import Family, tiny_config
+
+    torch.manual_seed(0)
+    config = tiny_config(Family("mixtral"))
+    return transformers.AutoModelForCausalLM.from_config(config, experts_implementation="eager").double()
+
+
+def moe_step(rank, options):
+    """One DP step (noise 0) of the tiny Mixtral under ``options`` (stages, replicas); the state dict."""
+    model = moe_model()
+    args = dict(noise_multiplier=0.0, max_grad_norm=0.05, expected_batch_size=6, seed=0, microbatches=2)
+    args.update(options)
+    trainer = PipelineDPTrainer(model, token_loss, lambda p: torch.optim.SGD(p, lr=0.5), **args)
+    trainer.step(*tensor_parallel_batch(seed=2))
+    return trainer.state_dict()
