@@ -39,6 +39,7 @@ runs). Goals are the issues' (#21, #25, #26); a figure that misses its goal says
 PLAN = [
     ("dp-cost", "small", 5, 3, 2, None),
     ("dp-cost", "realistic", 4, 1, 1, None),
+    ("dp-cost", "mixtral-slice", 3, 1, 1, None),
     ("lora", "realistic", 4, 1, 1, None),
     ("lora", "llama-slice", 3, 1, 1, [("1f1b", "ghost"), ("dp-zb", "ghost"), ("1f1b", "keep")]),
     ("opacus", "small", 5, 3, 2, None),
