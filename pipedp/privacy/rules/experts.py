@@ -42,20 +42,9 @@ def _as_linear(router: nn.Module) -> SimpleNamespace:
     return SimpleNamespace(weight=router.weight, bias=getattr(router, "bias", None))
 
 
-def _router_grads(router, inputs, backprops) -> Grads:
-    return linear.grads(_as_linear(router), inputs, backprops)
-
-
-def _router_weight(router, inputs, scaled) -> Grads:
-    return linear.weight(_as_linear(router), inputs, scaled)
-
-
-def _router_norms(router, inputs, backprops, grams=None) -> Optional[Grads]:
-    return linear.norms(_as_linear(router), inputs, backprops, grams)
-
-
-def _router_add_weight(router, inputs, backprops, factors, sums) -> None:
-    linear.add_weight(_as_linear(router), inputs, backprops, factors, sums)
+def _on_linear(fn):
+    """One of the Linear rule's functions, called on the router's weight and bias."""
+    return lambda router, *args: fn(_as_linear(router), *args)
 
 
 def _router_costs(router, inputs, backprops) -> Dict[str, float]:
@@ -67,11 +56,11 @@ def _router_costs(router, inputs, backprops) -> Dict[str, float]:
 # the router's logits (output[0] of its (logits, scores, indices)) carry every gradient its weight gets
 ROUTER = LayerRule(
     "router",
-    _router_grads,
-    _router_weight,
-    _router_norms,
+    _on_linear(linear.grads),
+    _on_linear(linear.weight),
+    _on_linear(linear.norms),
     pools_positions=True,
-    add_weight=_router_add_weight,
+    add_weight=_on_linear(linear.add_weight),
     costs=_router_costs,
     flat_tokens=True,
     output_part=0,
@@ -124,14 +113,10 @@ def pairs(bank: nn.Module, inputs: Sequence[torch.Tensor], backprops: torch.Tens
     experts = index.reshape(-1)
     (w1, b1), (w2, b2) = _first(bank), _second(bank)
     transposed = bool(bank.is_transposed)
-    width = _apply(a1[:0], w1[0].to(dtype), None, transposed).shape[-1]
-    hidden_width = _back(g2[:0], w2[0].to(dtype), transposed).shape[-1]
+    width = w1.shape[-1] if transposed else w1.shape[-2]  # the first projection's output, the second's input
     g1 = a1.new_zeros(n * t * k, width)
-    a2 = a1.new_zeros(n * t * k, hidden_width)
-    for e in torch.unique(experts).tolist():
-        if not 0 <= e < w1.shape[0]:  # (an expert-parallel sentinel: refused at construction)
-            continue
-        rows = (experts == e).nonzero().squeeze(1)
+    a2 = a1.new_zeros(n * t * k, w2.shape[-2] if transposed else w2.shape[-1])
+    for e, rows in _rows_by_expert(experts, w1.shape[0]):
         with torch.enable_grad():
             z = _apply(a1[rows], w1[e].to(dtype), b1[e].to(dtype) if b1 is not None else None, transposed)
             z = z.detach().requires_grad_(True)
@@ -143,6 +128,14 @@ def pairs(bank: nn.Module, inputs: Sequence[torch.Tensor], backprops: torch.Tens
     first = Projection(w1, b1, transposed, a1.reshape(n, t * k, -1), g1.reshape(n, t * k, -1))
     second = Projection(w2, b2, transposed, a2.reshape(n, t * k, -1), g2.reshape(n, t * k, -1))
     return experts, [first, second]
+
+
+def _rows_by_expert(experts: torch.Tensor, count: int):
+    """(expert, the indices of the pairs routed to it) for each expert some pair reaches (an id outside
+    [0, count), an expert-parallel sentinel refused at construction, is passed over)."""
+    for e in torch.unique(experts).tolist():
+        if 0 <= e < count:
+            yield e, (experts == e).nonzero().squeeze(1)
 
 
 def recomputed_output(bank: nn.Module, hidden: torch.Tensor, index: torch.Tensor, weights: torch.Tensor):
@@ -217,8 +210,7 @@ def _bank_weight(bank, inputs, scaled) -> Grads:
             out[proj.weight] = torch.zeros_like(proj.weight, dtype=wide)
         if proj.bias is not None and proj.bias.requires_grad:
             out[proj.bias] = torch.zeros_like(proj.bias, dtype=wide)
-        for e in torch.unique(flat).tolist():
-            rows = (flat == e).nonzero().squeeze(1)
+        for e, rows in _rows_by_expert(flat, proj.weight.shape[0]):
             if proj.weight in out:
                 out[proj.weight][e] = a[rows].t() @ g[rows] if proj.transposed else g[rows].t() @ a[rows]
             if proj.bias in out:
