@@ -385,6 +385,54 @@ def test_tensorboard_is_optional(tmp_path, cli):
     assert any(n.startswith("events.") for n in os.listdir(tmp_path / "ck" / "tensorboard"))
 
 
+def test_report_to_names_are_checked_before_the_run(monkeypatch):
+    import importlib.util
+
+    from pipedp.cli import trackers
+    from pipedp.errors import ConfigError
+
+    assert trackers.parse("none") == () and trackers.parse("") == ()
+    assert trackers.parse("wandb, MLflow,wandb") == ("wandb", "mlflow")
+    with pytest.raises(ConfigError, match="comet is not a tracker pipedp reports to"):
+        trackers.parse("wandb,comet")
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: None if name == "wandb" else real(name))
+    assert "wandb" not in trackers.parse("all")
+    with pytest.raises(ImportError, match="pip install wandb"):
+        trackers.check_installed(("mlflow", "wandb"))
+    # the metrics.jsonl line as tracker names; no step, no null or infinite epsilon (--disable-dp)
+    line = {"step": 3, "loss": 1.5, "epsilon": float("inf"), "eval_loss": 2.0, "clipped_fraction": None}
+    assert trackers.tags(line) == {"train/loss": 1.5, "eval/loss": 2.0}
+
+
+def test_wandb_and_mlflow_offline_get_every_step_and_resume_continues_their_runs(tmp_path):
+    pytest.importorskip("wandb")
+    pytest.importorskip("mlflow")
+    pytest.importorskip("sqlalchemy")
+    from mlflow.tracking import MlflowClient
+
+    ck = tmp_path / "ck"
+    base = ("train", "--inprocess", "--no-progress", "--report-to", "wandb,mlflow", "--checkpoint-dir", str(ck))
+    env = dict(ENV, WANDB_MODE="offline", WANDB_SILENT="true", WANDB_DIR=str(tmp_path))
+    env.pop("MLFLOW_TRACKING_URI", None)
+    for extra in (("--steps", "2"), ("--steps", "3", "--resume")):
+        out = subprocess.run(
+            [sys.executable, "-m", "pipedp.cli", *base, *extra], capture_output=True, text=True, env=env, timeout=240
+        )
+        assert out.returncode == 0, out.stderr[-3000:]
+    ids = json.loads((ck / "trackers.json").read_text())
+    assert "report to mlflow: run " + ids["mlflow"] in out.stdout
+    runs = [n for n in os.listdir(ck / "wandb") if n.startswith("offline-run-")]
+    assert len(runs) == 2 and all(n.endswith("-" + ids["wandb"]) for n in runs)  # the resumed run: the same id
+    client = MlflowClient("sqlite:///" + str(ck / "mlflow.db"))
+    (run,) = client.search_runs([client.get_experiment_by_name("pipedp").experiment_id])
+    assert run.info.run_id == ids["mlflow"]
+    history = client.get_metric_history(run.info.run_id, "train/loss")
+    losses = {line["step"]: line["loss"] for line in metrics(ck) if "loss" in line}
+    assert sorted((m.step, m.value) for m in history) == sorted(losses.items()) and len(history) == 3
+    assert run.data.params["report_to"] == "wandb,mlflow"
+
+
 def test_user_level_units_are_sampled_and_accounted_per_user(tmp_path, cli):
     data = tmp_path / "users.jsonl"
     users = [f"u{i % 7}" for i in range(40)] + ["solo"]  # 7 users with 5-6 records each, one with a single record

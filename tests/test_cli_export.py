@@ -1,5 +1,6 @@
 """Exports that travel: a LoRA adapter names its base model by absolute path (loaded from another working
-directory with transformers + peft), and an export folder holding files is refused without --overwrite."""
+directory with transformers + peft), --export-merged writes the whole model with the adapter merged in, and an
+export folder holding files is refused without --overwrite."""
 
 import json
 import os
@@ -37,3 +38,32 @@ def test_a_lora_export_loads_from_another_directory_and_is_not_written_over(tmp_
     again = cli(*args, "--checkpoint-dir", "run2", "--export", "adapter")
     assert again.returncode != 0 and "--export adapter already holds files" in again.stderr
     assert cli(*args, "--checkpoint-dir", "run3", "--export", "adapter", "--overwrite").returncode == 0
+
+
+def test_a_merged_export_computes_what_the_adapter_on_its_base_computes(tmp_path, cli, monkeypatch):
+    transformers = pytest.importorskip("transformers")
+    peft = pytest.importorskip("peft")
+    import torch
+
+    folder, _ = tiny_gpt2_folder(transformers, tmp_path)
+    monkeypatch.chdir(tmp_path)
+    args = ["train", "--inprocess", "--model", "tiny-gpt2", "--lora-r", "2", "--lora-targets", "c_attn", "--steps", "2",
+            "--batch-size", "4", "--seq-len", "8", "--no-progress", "--lr", "0.05"]  # fmt: skip
+    assert "--export-merged merges a LoRA adapter" in cli(*args[:4], *args[8:], "--export-merged", "m").stderr
+    out = cli(*args, "--checkpoint-dir", "run", "--export", "adapter", "--export-merged", "merged")
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "adapter_config.json" not in os.listdir(tmp_path / "merged")  # a whole model, no peft needed
+    assert "tokenizer_config.json" in os.listdir(tmp_path / "merged")
+    # the oracle: peft's own adapter on the base model, loaded from the --export folder
+    base = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float64)
+    adapted = peft.PeftModel.from_pretrained(base, str(tmp_path / "adapter")).eval()
+    merged = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "merged", dtype=torch.float64).eval()
+    plain = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float64).eval()
+    ids = torch.tensor([[1, 5, 9, 2, 7]])
+    with torch.no_grad():
+        want, got, untrained = adapted(ids).logits, merged(ids).logits, plain(ids).logits
+    assert (want - untrained).abs().max() > 1e-4  # the adapter was trained: the check can fail
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-5)  # (the merged weights were saved in float32)
+    assert not os.path.exists(str(tmp_path / "merged") + ".adapter-partial")
+    again = cli(*args, "--checkpoint-dir", "run2", "--export-merged", "merged")
+    assert again.returncode != 0 and "--export-merged merged already holds files" in again.stderr

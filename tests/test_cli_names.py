@@ -67,8 +67,6 @@ def test_a_hugging_face_name_sets_what_pipedps_flag_sets(theirs, ours, value):
     [
         (["--gradient_accumulation_steps", "4"], "--batch-size is the whole logical batch"),
         (["--per-device-train-batch-size", "8"], "--microbatch-size caps the rows"),
-        (["--eval-strategy", "epoch"], "pass that as --eval-every"),
-        (["--save_strategy", "epoch"], "pass that as --checkpoint-every"),
         (["--bf16"], "--precision bf16-mixed"),
         (["--fp16"], "no float16 mode"),
         (["--resume-from-checkpoint", "runs/x"], "give --checkpoint-dir DIR --resume"),

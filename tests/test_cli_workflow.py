@@ -51,6 +51,8 @@ def _users(path, users=40):
         ("target epsilon", ["--target-epsilon", "3"]),
         ("user level", ["--privacy-unit", "user", "--user-field", "sender", "--max-records-per-user", "2"]),
         ("eval", ["--eval-fraction", "0.05", "--sample-rate", "0.01"]),
+        ("epoch strategies", ["--eval-fraction", "0.05", "--sample-rate", "0.01", "--eval-strategy", "epoch"]),
+        ("explicit defaults", ["--max-grad-norm", "1.0", "--noise-multiplier", "1.0"]),
     ],
 )
 def test_a_runs_own_config_toml_runs_again(cli, tmp_path, kind, flags):
@@ -62,6 +64,9 @@ def test_a_runs_own_config_toml_runs_again(cli, tmp_path, kind, flags):
     assert not {"noise-multiplier", "target-epsilon"} <= set(saved)  # before: both (the default written anyway)
     assert not {"batch-size", "sample-rate"} <= set(saved)
     assert saved["steps"] == 2 and "checkpoint-dir" in saved
+    if kind == "explicit defaults":  # chosen, not left at the default: kept, and no "left at defaults" warning
+        assert saved["max-grad-norm"] == 1.0 and saved["noise-multiplier"] == 1.0
+        assert "left at pipedp's default" not in first.stdout + first.stderr
     again = cli("train", "--config", "run/config.toml", "--checkpoint-dir", "again", "--no-progress")
     assert again.returncode == 0, again.stderr
     resolved = [json.load(open(f"{run}/config.json"))["resolved"] for run in ("run", "again")]
@@ -83,3 +88,25 @@ def test_progress_says_eps_unknown_on_a_terminal_and_plain_lines_in_a_log(cli, m
     bar = cli(*BASE[:-1], "3", "--epsilon-every", "2", "--checkpoint-dir", "bar")
     assert bar.returncode == 0, bar.stderr
     assert shown[0] == "–" and shown[1].startswith("0.")  # before: eps=0.00 until the first epsilon
+
+
+def test_epoch_strategies_evaluate_and_checkpoint_every_epoch(cli, tmp_path):
+    data = tmp_path / "notes.txt"
+    data.write_text("".join(f"note number {i}\n" for i in range(40)))
+    args = (*BASE[:2], "--data", str(data), "--batch-size", "10", "--eval-fraction", "0.1", "--no-progress")
+    out = cli(*args, "--steps", "8", "--eval-strategy", "epoch", "--save-strategy", "epoch", "--checkpoint-dir", "r")
+    assert out.returncode == 0, out.stderr
+    units = json.load(open("r/config.json"))["resolved"]["units"]
+    epoch = -(-units // 10)  # ceil(1 / q) Poisson steps, q = B / N: each unit sampled once per epoch on average
+    assert 1 < epoch < 8 and f"an epoch is {epoch} steps" in out.stdout
+    with open("r/metrics.jsonl") as f:
+        evaluated = [line["step"] for line in map(json.loads, f) if "eval_loss" in line]
+    assert evaluated == sorted({*range(epoch, 9, epoch), 8})  # every epoch, and the end
+    assert sorted(d for d in os.listdir("r") if d.startswith("step-"))[-1] == "step-00000008"
+    assert f"step-{epoch:08d}" in os.listdir("r") or epoch * 4 < 8  # (keep-last 3)
+    both = cli(*args, "--eval-strategy", "epoch", "--eval-every", "3")
+    assert both.returncode == 2 and "--eval-strategy epoch and --eval-every both say when" in both.stderr
+    lone = cli(*BASE, "--eval-strategy", "epoch")
+    assert lone.returncode == 2 and "give --eval-data FILE or --eval-fraction F" in lone.stderr
+    assert cli(*args, "--steps", "2", "--save-strategy", "no", "--checkpoint-dir", "n").returncode == 0
+    assert not [d for d in os.listdir("n") if d.startswith("step-")]

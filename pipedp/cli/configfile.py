@@ -15,7 +15,7 @@ import json
 import math
 from typing import Any, Dict, List, Sequence
 
-NOT_SAVED = ("config", "checkpoint_key", "resume", "overwrite")  # run control and secrets: never written back
+NOT_SAVED = ("config", "checkpoint_key", "resume", "overwrite", "given")  # run control and secrets: never written back
 
 
 class ConfigFileError(ValueError):

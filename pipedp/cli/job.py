@@ -58,7 +58,7 @@ def train_rank(rank: int, job: Job) -> dict:
             monitor.finish(result)
         finally:
             monitor.close()
-        if job.export:
+        if job.export or job.export_merged:
             export(trainer, job, lead)
         return summarise(job, trainer, result, monitor, lead)
 

@@ -33,7 +33,6 @@ CLASS_GROUPS = {
     OptimizerConfig: "optimization",
 }
 FIELD_GROUPS = {"steps": "optimization", "epochs": "optimization", "max_logical_batch": "privacy"}
-REPORT_TO = ("none", "tensorboard")
 
 
 def _positive_int(text: str) -> int:
@@ -80,6 +79,9 @@ def _innermost(parser: argparse.ArgumentParser, parsed: argparse.Namespace) -> a
         parser = sub.choices[chosen]  # type: ignore[union-attr]
 
 
+STRATEGIES = ("steps", "epoch", "no")  # Hugging Face's eval_strategy / save_strategy values
+
+
 def add_train_flags(t: argparse.ArgumentParser) -> None:
     group = {name: t.add_argument_group(f"{name} options", about) for name, about in HELP_GROUPS.items()}
     model, data, optimization, pipeline, run = (group[n] for n in ("model", "data", "optimization", "pipeline", "run"))
@@ -116,6 +118,13 @@ def add_train_flags(t: argparse.ArgumentParser) -> None:
         "adapter folder, naming its base model by absolute path) to this folder; a folder holding files is refused "
         "without --overwrite",
     )
+    model.add_argument(
+        "--export-merged",
+        default=None,
+        metavar="DIR",
+        help="with --lora-r: after training, write the whole model with the adapter merged into its weights (config "
+        "+ safetensors + tokenizer: loads without peft) to this folder; rank 0 loads the full base model to merge",
+    )
     group["privacy"].add_argument(
         "--disable-dp",
         action="store_true",
@@ -148,11 +157,28 @@ def add_train_flags(t: argparse.ArgumentParser) -> None:
         help="save no checkpoints (the run cannot be resumed); the run's config, metrics and plot still go to "
         "--checkpoint-dir",
     )
+    data.add_argument(
+        "--eval-strategy",
+        "--evaluation-strategy",
+        choices=STRATEGIES,
+        default="steps",
+        help="when to evaluate during training: steps (every --eval-every), epoch (every epoch's steps: ceil(1 / q) "
+        "Poisson steps), no (only at the end, when there is evaluation data)",
+    )
+    run.add_argument(
+        "--save-strategy",
+        choices=STRATEGIES,
+        default="steps",
+        help="when to checkpoint: steps (every --checkpoint-every), epoch (every epoch's steps), no (as "
+        "--no-checkpoint)",
+    )
     run.add_argument(
         "--report-to",
         default="none",
-        choices=REPORT_TO,
-        help="also log the metrics to TensorBoard (RUN/tensorboard; needs the tensorboard package)",
+        metavar="none|all|LIST",
+        help="also log the metrics to trackers: a comma-separated list of tensorboard (RUN/tensorboard), wandb "
+        "(WANDB_MODE=offline works offline), mlflow (MLFLOW_TRACKING_URI, default sqlite:///RUN/mlflow.db); all: "
+        "every one installed. Each needs its package",
     )
     run.add_argument(
         "--epsilon-every",
@@ -226,16 +252,29 @@ def parse(argv: Optional[List[str]] = None) -> argparse.Namespace:
     argv = normalize(sys.argv[1:] if argv is None else argv)  # (the config file's keys are matched to these)
     parser = build_parser()
     args = parser.parse_args(argv)
-    if args.command != "train" or args.config is None:
+    if args.command != "train":
         return args
-    from .configfile import ConfigFileError, tokens
+    if args.config is not None:
+        from .configfile import ConfigFileError, tokens
 
-    at = argv.index("train")
-    try:
-        from_file = tokens(train_parser(parser), args.config, argv[at + 1 :])
-    except ConfigFileError as exc:
-        train_parser(parser).error(str(exc))
-    return parser.parse_args(argv[: at + 1] + from_file + argv[at + 1 :])
+        at = argv.index("train")
+        try:
+            from_file = tokens(train_parser(parser), args.config, argv[at + 1 :])
+        except ConfigFileError as exc:
+            train_parser(parser).error(str(exc))
+        argv = argv[: at + 1] + from_file + argv[at + 1 :]
+        args = parser.parse_args(argv)
+    args.given = given(argv)
+    return args
+
+
+def given(argv: List[str]) -> frozenset:
+    """The train flags the user set (on the command line or in --config's file), even to their default value:
+    an explicit ``--max-grad-norm 1.0`` is a choice, not a default left alone."""
+    quiet = build_parser()
+    for action in train_parser(quiet)._actions:
+        action.default = argparse.SUPPRESS
+    return frozenset(k for k in vars(quiet.parse_args(argv)) if k != "command")
 
 
 def main(argv: Optional[List[str]] = None) -> int:

@@ -1,10 +1,10 @@
-"""The per-step callback of ``pipedp train``: progress bar, metrics log, TensorBoard, evaluation.
+"""The per-step callback of ``pipedp train``: progress bar, metrics log, trackers (--report-to), evaluation.
 
 ``RUN/metrics.jsonl`` gets one line per step: step, loss (the step's mean per-sample loss), lr (the
 rate that step used), batch_size (rows sampled), clipped_fraction, samples_per_s (rows per second of
 training time so far, evaluation left out) and elapsed_s; every ``epsilon_every`` steps, the last
 step and every evaluation step also carry epsilon (the accountant's, at the run's delta: exactly
-``trainer.epsilon()``). An evaluation adds a line with eval_loss (the mean over the evaluation rows
+``trainer.epsilon()``; null where there is no finite guarantee: --disable-dp). An evaluation adds a line with eval_loss (the mean over the evaluation rows
 of each row's mean token loss, computed through the pipeline without DP machinery) and
 eval_perplexity (its exp).
 
@@ -27,7 +27,7 @@ from typing import Any, Dict, List, Optional
 
 from ..privacy.accounting import adjacency
 from .dataset import RankData
-from .record import METRICS, TENSORBOARD
+from .record import CONFIG_JSON, METRICS, TENSORBOARD
 from .spec import Job
 
 
@@ -61,7 +61,7 @@ class Monitor:
         self.last_eval: Optional[dict] = None
         self._evaluated_at: Optional[int] = None
         self.log = self._open_log() if lead else None
-        self.tensorboard = self._open_tensorboard() if lead and job.report_to == "tensorboard" else None
+        self.trackers = self._open_trackers() if lead and job.report_to else []
         self.bar = None
         self.plain = lead and job.progress and not sys.stderr.isatty()  # a log, not a terminal: plain lines
         if lead and job.progress and not self.plain:
@@ -85,21 +85,28 @@ class Monitor:
         f.flush()
         return f
 
-    def _open_tensorboard(self):
-        from torch.utils.tensorboard import SummaryWriter
+    def _open_trackers(self) -> list:
+        from .trackers import open_trackers
 
-        return SummaryWriter(log_dir=os.path.join(self.job.run_dir, TENSORBOARD), purge_step=self.start_step + 1)
+        try:  # the run's flags, as config.json saved them, are each tracker's config / params
+            with open(os.path.join(self.job.run_dir, CONFIG_JSON)) as f:
+                config = json.load(f)["flags"]
+        except (OSError, ValueError, KeyError):
+            config = {}
+        trackers = open_trackers(self.job.report_to, self.job.run_dir, config, self.start_step, TENSORBOARD)
+        for tracker in trackers:
+            print(f"report to {tracker.where}", flush=True)
+        return trackers
 
     def _write(self, line: dict) -> None:
         if self.log is not None:
             self.log.write(json.dumps(line) + "\n")
             self.log.flush()
-        if self.tensorboard is not None:
-            step = line["step"]
-            for key, value in line.items():
-                if key != "step" and isinstance(value, (int, float)):
-                    tag = f"eval/{key[5:]}" if key.startswith("eval_") else f"train/{key}"
-                    self.tensorboard.add_scalar(tag, value, step)
+        if self.trackers:
+            from .trackers import tags
+
+            for tracker in self.trackers:
+                tracker.log(tags(line), line["step"])
 
     # ---- the callback -----------------------------------------------------------------------------
     def begin(self) -> None:
@@ -129,7 +136,7 @@ class Monitor:
             }
             if step % job.epsilon_every == 0 or step == job.steps or evaluate:
                 self.epsilon = trainer.epsilon()
-                line["epsilon"] = self.epsilon
+                line["epsilon"] = _finite(self.epsilon)  # null: no finite guarantee (--disable-dp)
                 self.history["eps_step"].append(step)
                 self.history["epsilon"].append(self.epsilon)
             self.history["step"].append(step)
@@ -192,6 +199,6 @@ class Monitor:
         if self.log is not None:
             self.log.close()
             self.log = None
-        if self.tensorboard is not None:
-            self.tensorboard.close()
-            self.tensorboard = None
+        for tracker in self.trackers:
+            tracker.close()
+        self.trackers = []

@@ -17,21 +17,14 @@ BATCH = (
     "gradient_accumulation_steps x devices; the expected Poisson batch, q = B / N) and pipedp splits it into "
     "pipeline passes itself; --microbatch-size caps the rows of one micro-batch (what bounds memory)"
 )
-EPOCH_STRATEGY = (
-    "pipedp {what} every {flag} N steps (and at the end); it has no epoch strategy: an epoch is about N / "
-    "--batch-size steps, so pass that as {flag}"
-)
 NOT_THE_SAME: Dict[str, str] = {  # Hugging Face / dp-transformers names that pipedp cannot take as they mean
     "--per-device-train-batch-size": "has no single equivalent: " + BATCH,
     "--gradient-accumulation-steps": "is not needed: " + BATCH,
     "--auto-find-batch-size": "is not needed: " + BATCH,
-    "--eval-strategy": EPOCH_STRATEGY.format(what="evaluates", flag="--eval-every"),
-    "--evaluation-strategy": EPOCH_STRATEGY.format(what="evaluates", flag="--eval-every"),
-    "--save-strategy": EPOCH_STRATEGY.format(what="saves a checkpoint", flag="--checkpoint-every"),
     "--logging-strategy": "does not apply: metrics.jsonl gets every step; --epsilon-every sets how often epsilon "
     "and the progress lines are written",
-    "--logging-dir": "does not apply: the metrics go to RUN/metrics.jsonl and, with --report-to tensorboard, "
-    "RUN/tensorboard (RUN: --checkpoint-dir)",
+    "--logging-dir": "does not apply: the metrics go to RUN/metrics.jsonl and, with --report-to, to RUN/tensorboard, "
+    "RUN/wandb or RUN/mlflow.db (RUN: --checkpoint-dir)",
     "--bf16": "is --precision bf16-mixed here (bf16 autocast, float32 weights and optimizer; bf16-true: the model "
     "in bf16)",
     "--fp16": "has no equivalent: pipedp has no float16 mode; use --precision bf16-mixed",

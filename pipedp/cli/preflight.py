@@ -10,7 +10,6 @@ here), the data (read, tokenised once into the cache, grouped into privacy units
 
 from __future__ import annotations
 
-import importlib.util
 import math
 import os
 import time
@@ -23,6 +22,7 @@ from ..errors import ConfigError, PipeDPError
 from .flags import DEFAULT_STEPS, config_from_args, flag_name
 from .record import RunFolder, default_run_dir, link_latest
 from .spec import TINY_GPT, TINY_GPT_SEQ_LEN, TINY_GPT_SHAPE, Job, Model
+from .trackers import check_installed, parse
 
 Say = Callable[[str], None]
 
@@ -59,6 +59,7 @@ def check_flags(args) -> Tuple[PipelineConfig, PrivacyConfig, FitConfig, DataCon
             "--overwrite under torchrun: every rank would move the folder at once; move or remove it yourself, or "
             "give another --checkpoint-dir"
         )
+    _check_strategies(args, data)
     if args.resume and args.no_checkpoint:
         raise ConfigError("--resume continues a checkpoint: drop --no-checkpoint")
     _refuse_existing_export(args)
@@ -72,8 +73,7 @@ def check_flags(args) -> Tuple[PipelineConfig, PrivacyConfig, FitConfig, DataCon
             from ..data.sources import check_source
 
             check_source(path)
-    if args.report_to == "tensorboard" and importlib.util.find_spec("tensorboard") is None:
-        raise ImportError("--report-to tensorboard needs the tensorboard package: pip install tensorboard")
+    check_installed(parse(args.report_to))
     if data.privacy_unit == "user" and pipeline.microbatch_size is not None and data.max_records_per_user:
         if pipeline.microbatch_size % data.max_records_per_user:
             raise ConfigError(
@@ -99,6 +99,41 @@ def _check_no_privacy_flags(args) -> None:
         )
 
 
+def _check_strategies(args, data: DataConfig) -> None:
+    """--eval-strategy / --save-strategy (Hugging Face's names) against the step flags they replace. ``no`` for
+    saving is --no-checkpoint (set here, so the one switch decides downstream)."""
+    chosen: frozenset = getattr(args, "given", frozenset())
+    for strategy, every in (("eval_strategy", "eval_every"), ("save_strategy", "checkpoint_every")):
+        if getattr(args, strategy) != "steps" and every in chosen:
+            raise ConfigError(
+                f"{flag_name(strategy)} {getattr(args, strategy)} and {flag_name(every)} both say when: give one "
+                f"({flag_name(every)} N is {flag_name(strategy)} steps)",
+                strategy,
+            )
+    if args.eval_strategy == "epoch" and data.eval_data is None and not data.eval_fraction:
+        raise ConfigError(
+            "eval_strategy: epoch evaluates on evaluation data: give --eval-data FILE or --eval-fraction F",
+            "eval_strategy",
+        )
+    if args.save_strategy == "no":
+        args.no_checkpoint = True
+
+
+def _apply_strategies(args, data: DataConfig, fit: FitConfig, privacy: PrivacyConfig, say: Say):
+    """(data, fit) with the epoch strategies' steps: one epoch by the run length's own rule (FitConfig.planned_steps
+    of epochs=1: ceil(1 / q) Poisson steps, ceil(N / B) shuffled)."""
+    if "epoch" not in (args.eval_strategy, args.save_strategy):
+        return data, fit
+    epoch = replace(fit, steps=None, epochs=1.0).planned_steps(privacy)
+    what = [w for w, s in (("evaluating", args.eval_strategy), ("checkpointing", args.save_strategy)) if s == "epoch"]
+    say(f"an epoch is {epoch} steps: {' and '.join(what)} every {epoch} steps")
+    if args.eval_strategy == "epoch":
+        data = replace(data, eval_every=epoch).validate()
+    if args.save_strategy == "epoch":
+        fit = replace(fit, checkpoint_every=epoch)
+    return data, fit
+
+
 def _under_torchrun(args) -> bool:
     return "RANK" in os.environ and "WORLD_SIZE" in os.environ and not args.inprocess
 
@@ -107,12 +142,18 @@ def _check_model_flags(args) -> None:
     if args.model == TINY_GPT:
         if args.lora_r is not None:
             raise ValueError("--lora-r adds PEFT LoRA adapters to a Hugging Face model: give --model a model folder")
-        if args.export is not None:
+        if args.export is not None or args.export_merged is not None:
             raise ValueError(
                 "--export writes a Hugging Face folder: it needs --model pointing at a Hugging Face model "
                 "folder (the built-in tiny-gpt is saved in the checkpoints)"
             )
         return
+    if args.export_merged is not None and args.lora_r is None:
+        raise ConfigError(
+            "--export-merged merges a LoRA adapter into the base model: without --lora-r the model is trained "
+            "whole, and --export DIR writes it",
+            "export_merged",
+        )
     if not os.path.isdir(args.model):
         raise FileNotFoundError(
             f"model {args.model!r} is neither 'tiny-gpt' nor a local folder: pass a Hugging Face model folder "
@@ -267,13 +308,15 @@ def prepare_data(args, data: DataConfig, folder: RunFolder, seed: int, model: Mo
 def _refuse_existing_export(args) -> None:
     """An export folder that already holds files is never written over silently: --overwrite replaces what it
     holds, and a --resume re-exports the run it continues (its own export)."""
-    folder = args.export
-    if folder and os.path.isdir(folder) and os.listdir(folder) and not (args.overwrite or args.resume):
-        raise ConfigError(
-            f"--export {folder} already holds files (an earlier export?): give another folder, remove it, or pass "
-            "--overwrite to write over it",
-            "export",
-        )
+    for flag, folder in (("--export", args.export), ("--export-merged", args.export_merged)):
+        if folder and os.path.isdir(folder) and os.listdir(folder) and not (args.overwrite or args.resume):
+            raise ConfigError(
+                f"{flag} {folder} already holds files (an earlier export?): give another folder, remove it, or "
+                "pass --overwrite to write over it",
+                flag[2:].replace("-", "_"),
+            )
+    if args.export and args.export_merged and os.path.abspath(args.export) == os.path.abspath(args.export_merged):
+        raise ConfigError("--export and --export-merged name one folder: give each its own", "export_merged")
 
 
 TRUNCATED_WARNING = 0.05  # above this fraction of records truncated, say so
@@ -396,7 +439,12 @@ def privacy_warnings(args, privacy: PrivacyConfig, steps: int) -> List[str]:
         return []
     out = []
     defaults = {f.name: f.default for f in fields(PrivacyConfig)}
-    left = [flag_name(n) for n in ("noise_multiplier", "max_grad_norm") if getattr(args, n) == defaults[n]]
+    chosen = getattr(args, "given", None)  # (main.parse's; by value for a Namespace built elsewhere)
+    left = [
+        flag_name(n)
+        for n in ("noise_multiplier", "max_grad_norm")
+        if (n not in chosen if chosen is not None else getattr(args, n) == defaults[n])
+    ]
     if args.target_epsilon is not None and "--noise-multiplier" in left:
         left.remove("--noise-multiplier")  # calibrated, not defaulted
     if left:
@@ -442,6 +490,7 @@ def resolve(args, say: Say = print, lead: bool = True, hold: Optional[ExitStack]
     model = check_model(args, pipeline)
     data, train_file, eval_file, units, per_unit = prepare_data(args, data, folder, privacy.public_seed(), model, say)
     privacy, fit = resolve_privacy(args, privacy, fit, units, per_unit, say)
+    data, fit = _apply_strategies(args, data, fit, privacy, say)
     job = Job(
         pipeline=pipeline,
         privacy=privacy,
@@ -456,9 +505,10 @@ def resolve(args, say: Say = print, lead: bool = True, hold: Optional[ExitStack]
         eval_rows=eval_file,
         rows_per_unit=per_unit,
         export=args.export,
+        export_merged=args.export_merged,
         lora_r=args.lora_r,
         lora_targets=tuple(t for t in args.lora_targets.split(",") if t),
-        report_to=args.report_to,
+        report_to=parse(args.report_to),
         epsilon_every=args.epsilon_every or max(1, fit.steps // 20),
         eval_batch_size=args.eval_batch_size or args.batch_size,
         threads=args.threads,

@@ -7,6 +7,7 @@ a new run makes against it.
     RUN/summary.json     the end of the run
     RUN/training.png     loss and epsilon against steps (with matplotlib)
     RUN/tensorboard/     with --report-to tensorboard
+    RUN/wandb/, RUN/mlflow.db, RUN/trackers.json   with --report-to wandb / mlflow (trackers.json: their run ids)
     RUN/data-cache/      the tokenised rows (a copy of the data: keep the folder private)
     RUN/step-*/, lock    the checkpoints (pipedp.train.checkpoint)
 
@@ -41,7 +42,7 @@ METRICS, SUMMARY, PLOT, TENSORBOARD, CACHE = (
     "tensorboard",
     "data-cache",
 )
-RECORD_FILES = (CONFIG_TOML, CONFIG_JSON, METRICS, SUMMARY, PLOT, TENSORBOARD)
+RECORD_FILES = (CONFIG_TOML, CONFIG_JSON, METRICS, SUMMARY, PLOT, TENSORBOARD, "wandb", "mlflow.db", "trackers.json")
 
 # flags that decide which records are trained on, and how: a resumed run must keep them
 SAME_DATA = {f.name for f in fields(DataConfig)} - {"eval_data", "eval_every", "cache_dir"} | {
@@ -53,9 +54,29 @@ SAME_DATA = {f.name for f in fields(DataConfig)} - {"eval_data", "eval_every", "
 # flags whose change alters the updates from the resumed step on, but not the privacy accounting
 FROM_HERE_ON = {f.name for f in fields(OptimizerConfig)} - {"optimizer"}
 IGNORED = set(NOT_SAVED) | {"no_progress", "command"}
-JOB_FLAGS = ("model", "sample_rate", "batch_size", "export", "lora_r", "lora_targets", "no_checkpoint", "disable_dp")
-SWITCHES_ADDED = ("disable_dp",)  # switches newer than some run records: absent there means off
-RUN_FLAGS = ("report_to", "epsilon_every", "eval_batch_size", "inprocess", "threads", "no_progress")
+JOB_FLAGS = (
+    "model",
+    "sample_rate",
+    "batch_size",
+    "export",
+    "export_merged",
+    "lora_r",
+    "lora_targets",
+    "no_checkpoint",
+    "disable_dp",
+)
+# flags newer than some run records: absent there means this value
+ADDED = {"disable_dp": False, "eval_strategy": "steps", "save_strategy": "steps", "export_merged": None}
+RUN_FLAGS = (
+    "report_to",
+    "save_strategy",
+    "eval_strategy",
+    "epsilon_every",
+    "eval_batch_size",
+    "inprocess",
+    "threads",
+    "no_progress",
+)
 
 
 LATEST = DEFAULT_RUNS + "-latest"
@@ -156,11 +177,16 @@ class RunFolder:
 
     # ---- the record -----------------------------------------------------------------------------------
     def write_config(self, flags: Dict[str, Any], job, defaults: Dict[str, Any]) -> None:
-        """config.toml: the flags set away from their defaults (so never both sides of an exclusive pair, and
-        ``--config`` runs it again); config.json: every flag and the resolved job (what --resume compares)."""
+        """config.toml: the flags the user set or left away from their defaults (so never both sides of an exclusive
+        pair, and ``--config`` runs it again); config.json: every flag and the resolved job (what --resume compares)."""
         os.makedirs(self.path, exist_ok=True)
         with open(self.file(CONFIG_TOML), "w") as f:
-            f.write(dumps(sections({k: v for k, v in flags.items() if k not in defaults or v != defaults[k]})))
+            chosen = flags.get("given", ())  # set by the user, even to the default: kept
+            f.write(
+                dumps(
+                    sections({k: v for k, v in flags.items() if k not in defaults or v != defaults[k] or k in chosen})
+                )
+            )
         resolved = {
             "pipeline": describe(job.pipeline),
             "privacy": describe(job.privacy),
@@ -192,8 +218,8 @@ class RunFolder:
         was = before.get("flags", {})
         resolved = before.get("resolved", {})
         notes, refused = [], []
-        for key in SWITCHES_ADDED:
-            was.setdefault(key, False)
+        for key, value in ADDED.items():
+            was.setdefault(key, value)
         for key in sorted(set(now) | set(was)):
             if key in IGNORED or now.get(key) == was.get(key):
                 continue

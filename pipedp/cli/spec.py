@@ -40,9 +40,10 @@ class Job:
     eval_rows: Optional[str]  # of the --eval-data rows
     rows_per_unit: int
     export: Optional[str]
+    export_merged: Optional[str]  # the LoRA-merged whole model (cli.export)
     lora_r: Optional[int]
     lora_targets: Tuple[str, ...]
-    report_to: str
+    report_to: Tuple[str, ...]  # the trackers (cli.trackers), () for none
     epsilon_every: int
     eval_batch_size: int
     threads: int

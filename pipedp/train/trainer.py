@@ -198,6 +198,8 @@ class PipelineDPTrainer:
             self.fit_config.validate()
         if privacy.target_epsilon is not None:  # over the charges fit() will make in the run declared here
             privacy = calibrated(privacy, self.fit_config)
+        if not privacy.enabled:  # no clipping: the update is the batch gradient, no per-sample gradient to verify
+            pipeline = dataclasses.replace(pipeline, self_check=False)
         self.pipeline, self.privacy = pipeline, privacy
         action_costs = (
             None if pipeline.schedule_costs is None else dict(zip((Kind.F, Kind.I, Kind.W), pipeline.schedule_costs))
@@ -305,7 +307,7 @@ class PipelineDPTrainer:
         """(noise multiplier, sample rate) the accountant records for the next step (of ``n`` units), or None."""
         if sampling is not None and sampling not in SAMPLINGS:
             raise ConfigError(f"unknown sampling {sampling!r}: choose one of {list(SAMPLINGS)}", "sampling")
-        if sampling is None and not self._warned_unamplified:
+        if sampling is None and self.privacy.enabled and not self._warned_unamplified:  # (no DP: nothing accounted)
             self._warned_unamplified = True
             warnings.warn(
                 "step() got a batch whose sampling is not declared: each such step is accounted as if it held every "

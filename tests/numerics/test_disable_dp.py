@@ -10,7 +10,7 @@ import torch
 
 from pipedp import PipelineDPTrainer
 from pipedp.config import PrivacyConfig
-from pipedp.errors import ConfigError
+from pipedp.errors import ConfigError, UnsupportedModelError
 from tests.loop_models import LoopNet
 from tests.steps import class_loss
 
@@ -77,3 +77,37 @@ def test_the_switch_is_part_of_a_checkpoints_identity_only_when_off():
 
     assert "enabled" not in describe(PrivacyConfig(), only_resume=True)  # checkpoints made before it stay valid
     assert describe(PrivacyConfig(enabled=False), only_resume=True)["enabled"] is False
+
+
+class MixSamples(torch.nn.Module):
+    """Subtracts the batch mean: no per-sample gradient exists (the self-check refuses it under DP)."""
+
+    def forward(self, x):
+        return x - x.mean(0, keepdim=True)
+
+
+def test_a_model_that_mixes_samples_trains_without_dp_as_plain_sgd():
+    """The self-check guards per-sample gradients; without DP none is used (every clip factor is 1), so a model it
+    refuses under DP trains without it, as plain SGD (one micro-batch: the mixing spans what one pass sees)."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(5, 8), MixSamples(), torch.nn.Linear(8, 3)).double()
+    x, y = batch()
+    x = x.double()
+    want = copy.deepcopy(model)
+    (class_loss(want(x), y).sum() / N).backward()
+    for enabled in (True, False):
+        privacy = PrivacyConfig(
+            enabled=enabled, expected_batch_size=N, sample_rate=0.5, sampling="poisson", dataset_size=100, seed=1
+        )
+        trainer = PipelineDPTrainer(
+            copy.deepcopy(model), class_loss, lambda p: torch.optim.SGD(p, lr=1.0), privacy=privacy, stages=2,
+            microbatches=1,
+        )  # fmt: skip
+        if enabled:
+            with pytest.raises(UnsupportedModelError, match="its forward mixes samples"):
+                trainer.step(x, y)
+            continue
+        trainer.step(x, y)
+    trained = dict(trainer.model.named_parameters())
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(p.detach() - trained[name].detach(), dict(want.named_parameters())[name].grad)

@@ -1,0 +1,163 @@
+"""``--report-to``: the metrics also go to TensorBoard, Weights & Biases or MLflow, each through its own
+library's API (no writer of ours). Only rank 0 reports.
+
+    tensorboard  RUN/tensorboard (torch.utils.tensorboard)
+    wandb        wandb.init(dir=RUN): online, or offline with WANDB_MODE=offline (then ``wandb sync``);
+                 project WANDB_PROJECT (default "pipedp"); a resumed run continues the same wandb run
+    mlflow       MLFLOW_TRACKING_URI (default sqlite:///RUN/mlflow.db); experiment MLFLOW_EXPERIMENT_NAME
+                 (default "pipedp"); a resumed run continues the same mlflow run
+
+Each tracker gets the run's flags as its config / params, and per step the metrics.jsonl line (names
+``train/loss``, ``eval/loss``... as in TensorBoard), non-finite values left out. The wandb and mlflow run
+ids go to RUN/trackers.json, and --resume continues those runs. Steps after the checkpoint that an
+interrupted run had already logged are logged again on resume: TensorBoard drops the old ones
+(purge_step), wandb keeps the old ones (it ignores steps below its last), mlflow keeps both.
+
+Imports no torch at module level (the names are checked before anything is loaded).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+import os
+from typing import Any, Dict, List, Optional, Protocol, Tuple
+
+from ..errors import ConfigError
+
+TRACKERS = ("tensorboard", "wandb", "mlflow")
+PACKAGES = {"tensorboard": "tensorboard", "wandb": "wandb", "mlflow": "mlflow"}  # what `pip install` names
+IDS = "trackers.json"
+
+
+def parse(text: str) -> Tuple[str, ...]:
+    """``--report-to``'s value: none, all (every installed tracker), or a comma-separated list, as Hugging
+    Face's report_to takes it."""
+    names = [n.strip().lower() for n in text.split(",") if n.strip()]
+    if names in ([], ["none"]):
+        return ()
+    if names == ["all"]:
+        return tuple(n for n in TRACKERS if importlib.util.find_spec(n) is not None)
+    unknown = [n for n in names if n not in TRACKERS]
+    if unknown:
+        raise ConfigError(
+            f"--report-to {text}: {', '.join(unknown)} is not a tracker pipedp reports to; give none, all, or a "
+            f"comma-separated list of {', '.join(TRACKERS)}",
+            "report_to",
+        )
+    return tuple(dict.fromkeys(names))
+
+
+def check_installed(names: Tuple[str, ...]) -> None:
+    """Before any process starts: each tracker's package is importable (and MLflow's default store's)."""
+    for name in names:
+        if importlib.util.find_spec(name) is None:
+            raise ImportError(f"--report-to {name} needs the {PACKAGES[name]} package: pip install {PACKAGES[name]}")
+    if "mlflow" in names and "MLFLOW_TRACKING_URI" not in os.environ and importlib.util.find_spec("sqlalchemy") is None:
+        raise ImportError(
+            "--report-to mlflow stores the run in sqlite:///RUN/mlflow.db, which needs sqlalchemy (mlflow-skinny "
+            "lacks it): pip install mlflow (or sqlalchemy alembic), or point MLFLOW_TRACKING_URI at your server"
+        )
+
+
+class Tracker(Protocol):
+    where: str  # said at the start: where the metrics go
+
+    def log(self, metrics: Dict[str, float], step: int) -> None: ...
+
+    def close(self) -> None: ...
+
+
+def tags(line: Dict[str, Any]) -> Dict[str, float]:
+    """A metrics.jsonl line as tracker metrics: ``eval/loss``, ``train/loss``...; the step and non-numbers out."""
+    out = {}
+    for key, value in line.items():
+        if key == "step" or isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+            continue
+        out[f"eval/{key[5:]}" if key.startswith("eval_") else f"train/{key}"] = float(value)
+    return out
+
+
+class _TensorBoard:
+    def __init__(self, run_dir: str, start_step: int, folder: str):
+        from torch.utils.tensorboard import SummaryWriter
+
+        self.writer = SummaryWriter(log_dir=os.path.join(run_dir, folder), purge_step=start_step + 1)
+        self.where = f"tensorboard: {os.path.join(run_dir, folder)}"
+
+    def log(self, metrics: Dict[str, float], step: int) -> None:
+        for tag, value in metrics.items():
+            self.writer.add_scalar(tag, value, step)
+
+    def close(self) -> None:
+        self.writer.close()
+
+
+class _WandB:
+    def __init__(self, run_dir: str, config: Dict[str, Any], run_id: Optional[str]):
+        import wandb
+
+        self.run = wandb.init(
+            project=os.environ.get("WANDB_PROJECT", "pipedp"),
+            dir=run_dir,
+            name=os.path.basename(os.path.abspath(run_dir)),
+            config=config,
+            id=run_id,
+            resume="allow" if run_id else None,
+        )
+        self.id = self.run.id
+        mode = "offline, `wandb sync` uploads it" if self.run.settings.mode == "offline" else "online"
+        self.where = f"wandb: run {self.id} of project {self.run.project} ({mode}; files in {run_dir}/wandb)"
+
+    def log(self, metrics: Dict[str, float], step: int) -> None:
+        self.run.log(metrics, step=step)
+
+    def close(self) -> None:
+        self.run.finish()
+
+
+class _MLflow:
+    def __init__(self, run_dir: str, config: Dict[str, Any], run_id: Optional[str]):
+        import mlflow
+
+        self.mlflow = mlflow
+        uri = os.environ.get("MLFLOW_TRACKING_URI") or "sqlite:///" + os.path.abspath(
+            os.path.join(run_dir, "mlflow.db")
+        )
+        mlflow.set_tracking_uri(uri)
+        mlflow.set_experiment(os.environ.get("MLFLOW_EXPERIMENT_NAME", "pipedp"))
+        self.run = mlflow.start_run(run_id=run_id, run_name=None if run_id else os.path.basename(run_dir))
+        self.id = self.run.info.run_id
+        self.where = f"mlflow: run {self.id} at {uri}"
+        if run_id is None:  # params are written once (mlflow refuses to change them)
+            mlflow.log_params({k: str(v)[:500] for k, v in config.items()})
+
+    def log(self, metrics: Dict[str, float], step: int) -> None:
+        self.mlflow.log_metrics(metrics, step=step)
+
+    def close(self) -> None:
+        self.mlflow.end_run()
+
+
+def open_trackers(
+    names: Tuple[str, ...], run_dir: str, config: Dict[str, Any], start_step: int, tensorboard_folder: str
+) -> List[Tracker]:
+    """The trackers of ``names``; a resumed run (``start_step`` > 0) continues the runs RUN/trackers.json names."""
+    path = os.path.join(run_dir, IDS)
+    ids: Dict[str, str] = {}
+    if start_step and os.path.exists(path):
+        with open(path) as f:
+            ids = json.load(f)
+    out: List[Tracker] = []
+    for name in names:
+        if name == "tensorboard":
+            out.append(_TensorBoard(run_dir, start_step, tensorboard_folder))
+            continue
+        tracker = (_WandB if name == "wandb" else _MLflow)(run_dir, config, ids.get(name) if start_step else None)
+        ids[name] = tracker.id
+        out.append(tracker)
+    if ids:
+        with open(path, "w") as f:
+            json.dump(ids, f)
+    return out
