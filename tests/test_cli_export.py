@@ -67,3 +67,12 @@ def test_a_merged_export_computes_what_the_adapter_on_its_base_computes(tmp_path
     assert not os.path.exists(str(tmp_path / "merged") + ".adapter-partial")
     again = cli(*args, "--checkpoint-dir", "run2", "--export-merged", "merged")
     assert again.returncode != 0 and "--export-merged merged already holds files" in again.stderr
+    # a LoRA run's own config.toml runs it again (new export folders: the old ones are not written over)
+    rerun = cli("train", "--config", "run/config.toml", "--checkpoint-dir", "again", "--export-merged", "merged2")
+    assert rerun.returncode == 2 and "--export adapter already holds files" in rerun.stderr
+    rerun = cli(
+        "train", "--config", "run/config.toml", "--checkpoint-dir", "again", "--export", "a2", "--export-merged", "m2"
+    )
+    assert rerun.returncode == 0, rerun.stderr[-3000:]
+    resolved = [json.load(open(f"{run}/config.json"))["resolved"] for run in ("run", "again")]
+    assert resolved[0]["privacy"] == resolved[1]["privacy"] and resolved[0]["model_files"] == resolved[1]["model_files"]
