@@ -25,6 +25,20 @@ from .stage import Stage
 
 
 @dataclass
+class BackMessage:
+    """What travels back to the previous stage for one micro-batch, on the gradient channel in this order: the
+    gradient of its activation, the tie's message (an embedding tied to the head: runtime/tie.py) and, for the
+    self-checked micro-batch, each checked row's own gradient message (runtime/self_check.py)."""
+
+    grad: Activation
+    tie: Optional[torch.Tensor] = None
+    probes: Tuple[Activation, ...] = ()
+
+    def messages(self) -> List[Activation]:
+        return [self.grad, *([self.tie] if self.tie is not None else []), *self.probes]
+
+
+@dataclass
 class PassState:
     """Everything one pass keeps between the actions of a stage, keyed by micro-batch id."""
 
@@ -36,13 +50,9 @@ class PassState:
     probe: Optional[Probe] = None  # the self-check of micro-batch 0 (a new input signature)
     received: Dict[int, Activation] = field(default_factory=dict)  # activations in
     outgoing: Dict[int, Activation] = field(default_factory=dict)  # activations out
-    grads_in: Dict[int, Activation] = field(default_factory=dict)  # gradient messages
-    grads_out: Dict[int, Activation] = field(default_factory=dict)
+    back_in: Dict[int, BackMessage] = field(default_factory=dict)  # from the next stage
+    back_out: Dict[int, BackMessage] = field(default_factory=dict)  # to the previous one
     norms: Dict[int, torch.Tensor] = field(default_factory=dict)  # this stage's, before the reduction
-    tie_in: Dict[int, torch.Tensor] = field(default_factory=dict)  # tied head's message, travelling to stage 0
-    tie_out: Dict[int, torch.Tensor] = field(default_factory=dict)
-    probes_in: Tuple[Activation, ...] = ()  # the self-check's per-row gradient messages, behind micro-batch 0's
-    probes_out: Tuple[Activation, ...] = ()
     reductions: Dict[int, PendingReduction] = field(default_factory=dict)
 
 
@@ -60,9 +70,7 @@ class LocalReduction:
 
 
 class Executor:
-    """Behind micro-batch j's gradient message travel, on the gradient channel and in this order: the
-    tie's message (when an embedding is tied to the head) and, for micro-batch 0 of a pass the
-    self-check probes, each checked row's own gradient message."""
+    """One stage's actions over its passes; what travels back for a micro-batch is one ``BackMessage``."""
 
     def __init__(self, stage: Stage, transport: Transport, actions: List[Action]):
         self.stage = stage
@@ -175,9 +183,9 @@ class Executor:
         elif kind is Kind.RECV_F and not received_abort:
             self._receive_or_abort(Kind.RECV_F, mb, 1)
         elif kind is Kind.RECV_B:
-            if not received_abort:  # the gradient, then what travels behind it (as _recv_backward)
-                behind = int(self.tie is not None) + (len(state.probe.rows) if mb == 0 and state.probe else 0)
-                self._receive_or_abort(Kind.RECV_B, mb, 1 + behind)
+            if not received_abort:  # the whole BackMessage (as _recv_backward)
+                tied, probes = self._behind(mb)
+                self._receive_or_abort(Kind.RECV_B, mb, 1 + int(tied) + probes)
             transport.release(Kind.SEND_F, mb)
         elif kind is Kind.NORM_REDUCE and self.reduce_norms:
             norms = state.norms.pop(mb, None)
@@ -198,6 +206,11 @@ class Executor:
                 self.transport.recv(kind, mb)
             except PeerAborted:
                 return
+
+    def _behind(self, mb: int) -> Tuple[bool, int]:
+        """What follows micro-batch ``mb``'s gradient: the tie's message (or not), and how many probes."""
+        state = self._pass
+        return self.tie is not None, len(state.probe.rows) if mb == 0 and state.probe is not None else 0
 
     def _here(self, message: Activation) -> Activation:
         """A message from a stage on another device (one process), on this stage's device."""
@@ -226,22 +239,22 @@ class Executor:
 
     def _backward_input(self, mb: int) -> None:
         state = self._pass
-        grad = state.batch.masks[mb] if self.stage.is_last else state.grads_in.pop(mb)
+        incoming = None if self.stage.is_last else state.back_in.pop(mb)
+        grad = state.batch.masks[mb] if incoming is None else incoming.grad
         probe = None
         if mb == 0 and state.probe is not None:
-            probe = Probe(state.probe.rows, state.probes_in)
+            probe = Probe(state.probe.rows, incoming.probes if incoming is not None else ())
         result = self.stage.backward_input(mb, grad, probe)
-        if result.input_grad is not None:
-            state.grads_out[mb] = result.input_grad
-        if probe is not None:
-            state.probes_out = result.probe_messages
-        norms = result.squared_norms
+        norms, tie = result.squared_norms, None
         if self.tie is not None:  # ||g_emb + g_head||^2 = ||g_emb||^2 + ||g_head||^2 + 2 <g_emb, g_head>
-            norms, outgoing = self.tie.after_backward(
-                self.stage.pending[mb], _token_ids(state.batch.inputs[mb]), norms, state.tie_in.pop(mb, None)
+            norms, tie = self.tie.after_backward(
+                self.stage.pending[mb],
+                _token_ids(state.batch.inputs[mb]),
+                norms,
+                incoming.tie if incoming is not None else None,
             )
-            if outgoing is not None:
-                state.tie_out[mb] = outgoing
+        if result.input_grad is not None:  # (the first stage sends nothing back)
+            state.back_out[mb] = BackMessage(result.input_grad, tie, result.probe_messages if probe else ())
         state.norms[mb] = norms
 
     def _norm_reduce(self, mb: int) -> None:
@@ -276,21 +289,17 @@ class Executor:
         self._pass.received[mb] = self._here(self.transport.recv(Kind.RECV_F, mb))
 
     def _send_backward(self, mb: int) -> None:
-        state = self._pass
-        self.transport.send(Kind.SEND_B, mb, state.grads_out.pop(mb))
-        if self.tie is not None:
-            self.transport.send(Kind.SEND_B, mb, state.tie_out.pop(mb))
-        if mb == 0 and state.probe is not None:
-            for message in state.probes_out:
-                self.transport.send(Kind.SEND_B, mb, message)
+        for message in self._pass.back_out.pop(mb).messages():
+            self.transport.send(Kind.SEND_B, mb, message)
 
     def _recv_backward(self, mb: int) -> None:
-        state = self._pass
-        state.grads_in[mb] = self._here(self.transport.recv(Kind.RECV_B, mb))
-        if self.tie is not None:  # sent right behind the gradient, so it is there too
-            state.tie_in[mb] = self._here(self.transport.recv(Kind.RECV_B, mb))
-        if mb == 0 and state.probe is not None:
-            state.probes_in = tuple(self._here(self.transport.recv(Kind.RECV_B, mb)) for _ in state.probe.rows)
+        tied, probes = self._behind(mb)
+        grad = self._here(self.transport.recv(Kind.RECV_B, mb))  # may raise WouldBlock: nothing changed yet
+        # what follows the gradient was sent right behind it, so it is there too
+        tie = self._here(self.transport.recv(Kind.RECV_B, mb)) if tied else None
+        self._pass.back_in[mb] = BackMessage(
+            grad, tie, tuple(self._here(self.transport.recv(Kind.RECV_B, mb)) for _ in range(probes))
+        )
         # the next stage computed this gradient from our activation of mb: it has received it
         self.transport.release(Kind.SEND_F, mb)
 
