@@ -4,7 +4,7 @@ Layer 0: imports nothing of pipedp, torch or torch.distributed. It stays a top-l
 package (the design card fixes the folder), so it can be used and tested on its own.
 """
 
-from .actions import COMPUTE_KINDS, Action, Kind, Schedule
+from .actions import ACTIVATIONS, CHANNEL_NAMES, COMMUNICATION_KINDS, COMPUTE_KINDS, GRADIENTS, Action, Kind, Schedule
 from .builders import forward_only, gpipe, one_f_one_b
 from .registry import BUILDERS, build, canonical_name
 from .simulator import DeadlockError, SimResult, simulate
@@ -16,6 +16,10 @@ __all__ = [
     "Kind",
     "Schedule",
     "COMPUTE_KINDS",
+    "COMMUNICATION_KINDS",
+    "ACTIVATIONS",
+    "GRADIENTS",
+    "CHANNEL_NAMES",
     "BUILDERS",
     "build",
     "canonical_name",

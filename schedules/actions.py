@@ -25,6 +25,31 @@ class Kind(enum.Enum):
     RECV_B = "RECV_B"  # receive the output gradient from the next stage
     NORM_REDUCE = "NORM_REDUCE"  # sum one micro-batch's per-sample norms over all stages
 
+    @property
+    def channel(self) -> int:
+        """A communication's channel: ACTIVATIONS (forward) or GRADIENTS (backward); a compute kind has none."""
+        if self not in _LINKS:
+            raise ValueError(f"{self.value} is not a communication: it has no channel")
+        return _LINKS[self][0]
+
+    @property
+    def peer(self) -> int:
+        """A communication's peer, as an offset in stages: +1 the next stage, -1 the previous one."""
+        if self not in _LINKS:
+            raise ValueError(f"{self.value} is not a communication: it has no peer")
+        return _LINKS[self][1]
+
+
+ACTIVATIONS, GRADIENTS = 0, 1
+CHANNEL_NAMES = ("activation", "gradient")
+# (channel, peer) of each communication: activations go forward, gradients back
+_LINKS = {
+    Kind.SEND_F: (ACTIVATIONS, +1),
+    Kind.RECV_F: (ACTIVATIONS, -1),
+    Kind.SEND_B: (GRADIENTS, -1),
+    Kind.RECV_B: (GRADIENTS, +1),
+}
+COMMUNICATION_KINDS = frozenset(_LINKS)
 
 COMPUTE_KINDS = frozenset({Kind.F, Kind.I, Kind.W})
 

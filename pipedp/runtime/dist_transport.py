@@ -25,7 +25,7 @@ from typing import Dict, List, Optional, Tuple
 import torch
 import torch.distributed as dist
 
-from schedules import Kind
+from schedules import ACTIVATIONS, CHANNEL_NAMES, GRADIENTS, Kind
 
 from ..errors import TransportError
 from .microbatch import Activation
@@ -48,9 +48,12 @@ _DTYPES = [
     torch.uint8,
     torch.bool,
 ]
-_CHANNEL = {Kind.SEND_F: 0, Kind.RECV_F: 0, Kind.SEND_B: 1, Kind.RECV_B: 1}
-_NAMES = {0: "activation", 1: "gradient"}
 Spec = Tuple[int, Tuple[Tuple[int, Tuple[int, ...]], ...]]  # parts, then (dtype code, shape) of each tensor
+
+
+def _channel_name(channel: int) -> str:
+    """A received header's channel, named (a corrupt one as its number)."""
+    return CHANNEL_NAMES[channel] if 0 <= channel < len(CHANNEL_NAMES) else f"channel {channel}"
 
 
 def _spec(parts: int, tensors: List[torch.Tensor]) -> Spec:
@@ -83,8 +86,8 @@ class DistReduction:
 class DistTransport:
     def __init__(self, stage: int, rank: int, prev_rank, next_rank, groups: "PipelineGroups", device: torch.device):
         self.stage, self.rank = stage, rank
-        self.peer = {Kind.SEND_F: next_rank, Kind.RECV_B: next_rank, Kind.SEND_B: prev_rank, Kind.RECV_F: prev_rank}
-        self.channel_group = {0: groups.activations, 1: groups.gradients}
+        self.neighbour = {+1: next_rank, -1: prev_rank}  # by Kind.peer
+        self.channel_group = {ACTIVATIONS: groups.activations, GRADIENTS: groups.gradients}
         self.group = groups.norms
         self.device = device
         self._pending: Dict[tuple, List] = {}  # (channel, mb) -> [(work, tensor kept alive)]
@@ -94,10 +97,10 @@ class DistTransport:
         self.broken = False  # a receive, send or reduction failed: the channels are no longer in step
 
     def _slot(self, side: str, kind: Kind, mb: int) -> tuple:
-        count = (side, _CHANNEL[kind], mb)
+        count = (side, kind.channel, mb)
         n = self._count.get(count, 0)
         self._count[count] = n + 1
-        return side, _CHANNEL[kind], n
+        return side, kind.channel, n
 
     def send(self, kind: Kind, mb: int, message: Activation) -> None:
         tensors = [message] if isinstance(message, torch.Tensor) else list(message)
@@ -108,8 +111,8 @@ class DistTransport:
             if tensor.dim() > _HEADER - 5:
                 raise TransportError(f"cannot send a {tensor.dim()}-d tensor between stages (at most {_HEADER - 5})")
         tensors = [t.detach().contiguous() for t in tensors]
-        dst, group = self.peer[kind], self.channel_group[_CHANNEL[kind]]
-        sent = self._pending.setdefault((_CHANNEL[kind], mb), [])
+        dst, group = self.neighbour[kind.peer], self.channel_group[kind.channel]
+        sent = self._pending.setdefault((kind.channel, mb), [])
         slot = self._slot("send", kind, mb)
         spec = _spec(parts, tensors)
         known = self._known.get(slot)
@@ -142,12 +145,12 @@ class DistTransport:
         message into a larger buffer), and the receiver then stops reading that message."""
         self._slot("send", kind, mb)
         header = self._header(mb, kind, _ABORTED, None)
-        dst, group = self.peer[kind], self.channel_group[_CHANNEL[kind]]
-        self._pending.setdefault((_CHANNEL[kind], mb), []).append((dist.isend(header, dst, group=group), header))
+        dst, group = self.neighbour[kind.peer], self.channel_group[kind.channel]
+        self._pending.setdefault((kind.channel, mb), []).append((dist.isend(header, dst, group=group), header))
 
     def _header(self, mb: int, kind: Kind, parts: int, tensor) -> torch.Tensor:
         """The message's header, made on this stage's device (one copy from the host)."""
-        values = [mb, _CHANNEL[kind], parts]
+        values = [mb, kind.channel, parts]
         if tensor is not None:
             values += [_DTYPES.index(tensor.dtype), tensor.dim(), *tensor.shape]
         return torch.tensor(values + [0] * (_HEADER - len(values)), dtype=torch.int64, device=self.device)
@@ -174,7 +177,7 @@ class DistTransport:
         return tuple(tensors)
 
     def _recv_one(self, kind: Kind, mb: int) -> Tuple[int, torch.Tensor]:
-        src, group = self.peer[kind], self.channel_group[_CHANNEL[kind]]
+        src, group = self.neighbour[kind.peer], self.channel_group[kind.channel]
         header = torch.zeros(_HEADER, dtype=torch.int64, device=self.device)
         self._wait_for(lambda: dist.recv(header, src, group=group), src, kind, mb)
         parts, dtype, shape = self._check(header, kind, mb, None)
@@ -189,7 +192,7 @@ class DistTransport:
         self, kind: Kind, mb: int, parts: int, code: int, shape: Tuple[int, ...]
     ) -> Optional[torch.Tensor]:
         """The payload of a joined buffer, or None for a notice that a new shape follows."""
-        src, group = self.peer[kind], self.channel_group[_CHANNEL[kind]]
+        src, group = self.neighbour[kind.peer], self.channel_group[kind.channel]
         joined = torch.empty(_joined_bytes(code, shape), dtype=torch.uint8, device=self.device)
         self._wait_for(lambda: dist.recv(joined, src, group=group), src, kind, mb)
         got = self._check(joined[:_HEADER_BYTES].view(torch.int64), kind, mb, (parts, code, shape))[0]
@@ -200,17 +203,17 @@ class DistTransport:
 
     def _check(self, header: torch.Tensor, kind: Kind, mb: int, expected: Optional[tuple]):
         """The header's (parts, dtype code, shape), refused unless it is the expected message."""
-        src = self.peer[kind]
+        src = self.neighbour[kind.peer]
         got_mb, channel, parts, dtype, ndim = (int(v) for v in header[:5].tolist())
-        if got_mb != mb or channel != _CHANNEL[kind]:
+        if got_mb != mb or channel != kind.channel:
             raise TransportError(
-                f"stage {self.stage} expected the {_NAMES[_CHANNEL[kind]]} of micro-batch {mb} from rank {src}, "
-                f"got the {_NAMES.get(channel, channel)} of micro-batch {got_mb}: the ranks run different schedules"
+                f"stage {self.stage} expected the {CHANNEL_NAMES[kind.channel]} of micro-batch {mb} from rank {src}, "
+                f"got the {_channel_name(channel)} of micro-batch {got_mb}: the ranks run different schedules"
             )
         shape = tuple(int(v) for v in header[5 : 5 + ndim].tolist())
         if expected is not None and parts not in (_RESHAPED, _ABORTED) and (parts, dtype, shape) != expected:
             raise TransportError(
-                f"stage {self.stage} got the {_NAMES[channel]} of micro-batch {mb} from rank {src} as (parts, dtype, "
+                f"stage {self.stage} got the {CHANNEL_NAMES[channel]} of micro-batch {mb} from rank {src} as (parts, dtype, "
                 f"shape) {(parts, dtype, shape)}, expected {expected} like the earlier micro-batches of this pass"
             )
         return parts, dtype, shape
@@ -218,7 +221,7 @@ class DistTransport:
     def _refuse_aborted(self, parts: int, kind: Kind, mb: int) -> None:
         if parts == _ABORTED:
             raise PeerAborted(
-                f"rank {self.peer[kind]}'s step failed: it sent no {_NAMES[_CHANNEL[kind]]} of micro-batch {mb}"
+                f"rank {self.neighbour[kind.peer]}'s step failed: it sent no {CHANNEL_NAMES[kind.channel]} of micro-batch {mb}"
             )
 
     def complete(self, work, what: str) -> None:
@@ -239,7 +242,7 @@ class DistTransport:
         except RuntimeError as exc:
             self.broken = True
             raise TransportError(
-                f"rank {self.rank} (stage {self.stage}) got no {_NAMES[_CHANNEL[kind]]} of micro-batch {mb} from "
+                f"rank {self.rank} (stage {self.stage}) got no {CHANNEL_NAMES[kind.channel]} of micro-batch {mb} from "
                 f"rank {src}: rank {src} stopped answering or died ({str(exc).splitlines()[0][:200]})"
             ) from exc
 
@@ -250,7 +253,7 @@ class DistTransport:
 
     def release(self, kind: Kind, mb: int) -> None:
         """The peer has received what this stage sent as ``kind`` for ``mb``: complete it, free it."""
-        for work, _ in self._pending.pop((_CHANNEL[kind], mb), []):
+        for work, _ in self._pending.pop((kind.channel, mb), []):
             self.complete(work, f"the send of micro-batch {mb}")
 
     def finish_pass(self) -> None:

@@ -15,7 +15,7 @@ from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
 
-from schedules import Action, Kind
+from schedules import COMMUNICATION_KINDS, Action, Kind
 
 from ..errors import UnsupportedModelError
 from .microbatch import Activation, PassBatch, detached
@@ -54,9 +54,6 @@ class PassState:
     back_out: Dict[int, BackMessage] = field(default_factory=dict)  # to the previous one
     norms: Dict[int, torch.Tensor] = field(default_factory=dict)  # this stage's, before the reduction
     reductions: Dict[int, PendingReduction] = field(default_factory=dict)
-
-
-_CHANNEL_KINDS = (Kind.SEND_F, Kind.SEND_B, Kind.RECV_F, Kind.RECV_B)
 
 
 class LocalReduction:
@@ -156,7 +153,7 @@ class Executor:
     @property
     def failed_communicating(self) -> bool:
         """Whether the action that raised sends or receives (part of its message may be out: not drainable)."""
-        return not self.done and self.pass_actions[self.position].kind in _CHANNEL_KINDS
+        return not self.done and self.pass_actions[self.position].kind in COMMUNICATION_KINDS
 
     def drain(self, received_abort: bool = False) -> None:
         """This pass failed (here, or on a peer: ``received_abort``, the current receive got its abort

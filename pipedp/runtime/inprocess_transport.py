@@ -12,20 +12,17 @@ from typing import Deque, Dict, Tuple
 
 import torch
 
-from schedules import Kind
+from schedules import CHANNEL_NAMES, Kind
 
 from ..errors import TransportError
 from .microbatch import Activation, detached
 from .protocols import WouldBlock
 
-_PEER = {Kind.SEND_F: 1, Kind.SEND_B: -1, Kind.RECV_F: -1, Kind.RECV_B: 1}
-_CHANNEL = {Kind.SEND_F: "F", Kind.RECV_F: "F", Kind.SEND_B: "B", Kind.RECV_B: "B"}
-
 
 class InProcessHub:
     def __init__(self, stages: int):
         self.stages = stages
-        self.mailboxes: Dict[Tuple[int, int, str], Deque[Tuple[int, Activation]]] = defaultdict(deque)
+        self.mailboxes: Dict[Tuple[int, int, int], Deque[Tuple[int, Activation]]] = defaultdict(deque)
         self.reductions: Dict[int, Dict[int, torch.Tensor]] = defaultdict(dict)
 
     def transport(self, stage: int) -> "InProcessTransport":
@@ -60,18 +57,19 @@ class InProcessTransport:
         self.hub, self.stage = hub, stage
 
     def send(self, kind: Kind, mb: int, message: Activation) -> None:
-        dst = self.stage + _PEER[kind]
-        self.hub.mailboxes[(self.stage, dst, _CHANNEL[kind])].append((mb, detached(message)))
+        dst = self.stage + kind.peer
+        self.hub.mailboxes[(self.stage, dst, kind.channel)].append((mb, detached(message)))
 
     def recv(self, kind: Kind, mb: int) -> Activation:
-        src = self.stage + _PEER[kind]
-        box = self.hub.mailboxes[(src, self.stage, _CHANNEL[kind])]
+        src = self.stage + kind.peer
+        box = self.hub.mailboxes[(src, self.stage, kind.channel)]
         if not box:
             raise WouldBlock
         got_mb, message = box[0]
         if got_mb != mb:
             raise TransportError(
-                f"stage {self.stage} expected {_CHANNEL[kind]} of micro-batch {mb} from stage {src}, got {got_mb}"
+                f"stage {self.stage} expected the {CHANNEL_NAMES[kind.channel]} of micro-batch {mb} from stage {src}, "
+                f"got micro-batch {got_mb}"
             )
         box.popleft()
         return message

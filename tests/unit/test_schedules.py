@@ -89,3 +89,16 @@ def test_dp_zero_bubble_fills_bubbles_where_1f1b_leaves_them():
     one_f = simulate(build("1f1b", 4, 8), costs)
     zb = simulate(build("dp-zb-2x", 4, 8, costs), costs)
     assert zb.makespan < 0.96 * one_f.makespan and zb.bubble_fraction < one_f.bubble_fraction
+
+
+def test_each_send_meets_its_receive_on_the_peer_and_channel():
+    from schedules import ACTIVATIONS, COMMUNICATION_KINDS, GRADIENTS
+
+    pairs = {Kind.SEND_F: Kind.RECV_F, Kind.SEND_B: Kind.RECV_B}
+    assert set(pairs) | set(pairs.values()) == COMMUNICATION_KINDS
+    for send, recv in pairs.items():
+        assert send.peer == -recv.peer and send.channel == recv.channel  # stage s sends to s + p, which hears s
+    assert Kind.SEND_F.peer == +1 and Kind.SEND_F.channel == ACTIVATIONS  # activations go forward
+    assert Kind.SEND_B.peer == -1 and Kind.SEND_B.channel == GRADIENTS  # gradients back
+    with pytest.raises(ValueError, match="W is not a communication"):
+        getattr(Kind.W, "channel")  # noqa: B009 (the property raises)
