@@ -306,7 +306,7 @@ class _Setup:
 
         fake = self._fake_mode()
         p = self.pipeline.stages
-        options = replace(self.options, self_check=False)  # the probe is set below, as check_plan would set it
+        options = replace(self.options, self_check=False)  # the probe is set below, as StageCheck.plan would set it
         schedule = schedules.build("gpipe", p, microbatches)
         rows = b * self.options.units.rows
         batch = PassBatch(

@@ -103,7 +103,7 @@ class Executor:
         self.position = 0
         self.state = PassState(batch, zero, zero.clone(), zero.clone(), evaluating=evaluating)
         batch = batch.to(self.stage.device)  # in one process, stages may sit on several devices
-        probe = None if evaluating else self.stage.check_plan(batch.inputs[0], batch.masks[0])
+        probe = None if evaluating else self.stage.check.plan(batch.inputs[0], batch.masks[0])
         self.state = PassState(batch, zero, zero.clone(), zero.clone(), evaluating=evaluating, probe=probe)
         # every parameter's and buffer's version and every buffer's digest around each pass; the parameters'
         # digests too at a checked pass and at the run's first (state_watch.py)
@@ -125,9 +125,9 @@ class Executor:
         """float64 [4]: the sum of the last pass's real-row losses, how many real privacy units were left
         out because their gradient norm was not finite, and how many were clipped (clip factor < 1), all
         counted on the last stage only; and 1 where this stage's self-check of the pass was inconclusive
-        (the sum over every stage decides: Stage.conclude_check)."""
+        (the sum over every stage decides: StageCheck.conclude)."""
         state = self._pass
-        inconclusive = state.probe is not None and not self.stage.check_conclusive
+        inconclusive = state.probe is not None and not self.stage.check.conclusive
         flag = torch.tensor(float(inconclusive), dtype=torch.float64, device=state.loss_sum.device)
         return torch.stack([state.loss_sum, state.dropped, state.clipped, flag])
 
@@ -227,7 +227,7 @@ class Executor:
             rows = state.probe.rows if mb == 0 and state.probe is not None else ()
             out = stage.forward(mb, x, targets, side, size=size, check_state=True, probe_rows=rows)
             if rows:  # the checked micro-batch: each unit alone must give its rows of the output
-                stage.refuse_mixed_samples(x, targets, side, size, rows)
+                stage.check.refuse_mixed_samples(x, targets, side, size, rows)
         if stage.is_last:
             real = state.batch.masks[mb] > 0
             state.loss_sum += torch.where(real, out.detach().to(torch.float64), 0.0).sum()

@@ -30,6 +30,13 @@ def detached(value: Activation) -> Activation:
     return tuple(t.detach() for t in value) if isinstance(value, tuple) else value.detach()
 
 
+def gradient_message(inputs, tuple_input: bool, grads) -> Activation:
+    """The gradient message to the previous stage: one gradient per floating input (zeros where autograd gave
+    none), a bare tensor where the stage took one."""
+    message = tuple(g if g is not None else torch.zeros_like(t) for g, t in zip(grads, inputs))
+    return message[0] if not tuple_input and len(message) == 1 else message
+
+
 def rows(inputs: Inputs) -> int:
     """The batch size of a tensor or of a dict of batch-first tensors."""
     return int(next(iter(inputs.values())).shape[0]) if isinstance(inputs, dict) else int(inputs.shape[0])

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import contextlib
 import inspect
-import warnings
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, NamedTuple, Optional, Sequence, Tuple
 
@@ -31,8 +30,6 @@ from ..privacy.per_sample import (
     KEEP_MEMORY_RATIO,
     GramCache,
     add_clipped_grad_sum,
-    clipped_grad_sum,
-    full_precision,
     ghost_squared_norms,
     per_sample_grads,
     pools_positions,
@@ -45,8 +42,10 @@ from ..split.blocks import Block
 from ..split.hf_drive import rng_kept
 from . import grad_modes, self_check, state_watch
 from .capture import ActivationCapture, LayerCall, block_layers
-from .microbatch import Activation, tensors_of
+from .layer_errors import named_layer_errors
+from .microbatch import Activation, gradient_message, tensors_of
 from .self_check import Probe
+from .stage_check import StageCheck
 from .tie import StageTie, TieRole
 
 Grads = Dict[nn.Parameter, torch.Tensor]
@@ -141,9 +140,7 @@ class Stage:
             id(b) for b in self.blocks if "side_inputs" in inspect.signature(b.module.forward).parameters
         }
         self._ways: Dict[tuple, str] = {}  # (layer, input and output-grad shapes) -> keep / ghost / materialize
-        self.checked: set = set()  # input signatures the self-check has passed
-        self.checking: set = set()  # signatures checked in this step: passed once every stage concludes so
-        self.check_conclusive = False  # this pass's check compared every unit of its micro-batch, all real and finite
+        self.check = StageCheck(self)  # the self-check's half (stage_check.py)
         self.device = next(
             (t.device for b in self.blocks for t in _tensors(b.module) if not t.is_meta), torch.device("cpu")
         )
@@ -156,7 +153,7 @@ class Stage:
         self.pending.clear()
         self.capture.reset()
         self.clipped_sum = {}
-        self.checking.clear()
+        self.check.reset()
 
     def close(self) -> None:
         """Remove the capture hooks from the user's modules (the stage cannot run afterwards)."""
@@ -358,12 +355,12 @@ class Stage:
         probe_messages: List[Activation] = []
         if checking:
             assert probe is not None
-            probe_messages = self._check(state, outputs, output_grads, leaves, selected, probe, per_param)
+            probe_messages = self.check.compare(state, outputs, output_grads, leaves, selected, probe, per_param)
         norms = self.clip.reduce(self._per_layer(per_param), state.units, self.device)
         return BackwardResult(message, norms, tuple(probe_messages))
 
     def _message(self, state: MicroBatchState, input_grads: Sequence[Optional[torch.Tensor]]) -> Activation:
-        return self._message_of(state.inputs, state.tuple_input, input_grads)
+        return gradient_message(state.inputs, state.tuple_input, input_grads)
 
     def _differentiable(self, output, grad_output) -> Tuple[List[torch.Tensor], List[torch.Tensor]]:
         """The stage's outputs that carry a gradient back, with their incoming gradients."""
@@ -390,7 +387,7 @@ class Stage:
             layer, backprops = self.layers[name], state.backprops[name]
             alone = len(calls) == 1 and name not in self._shares_params
             folds = self.units.single or pools_positions(layer)  # else per-row gradients summed per unit
-            with _naming(name, layer):
+            with named_layer_errors(name, layer):
                 way = "materialize"
                 if alone and folds:
                     inputs, grads_out = self._folded(calls[0].inputs), self.units.fold(backprops[0])
@@ -449,161 +446,6 @@ class Stage:
         """{layer: the way its per-sample norms and clipped sum are computed} (the latest shape's)."""
         return {key[0]: way for key, way in self._ways.items()}
 
-    # ---- the self-check (see self_check.py) -------------------------------------------------
-    def check_plan(self, inputs, mask: torch.Tensor) -> Optional[Probe]:
-        """Every real privacy unit of a pass's first micro-batch, at the first pass of a new input signature
-        (its rows included) until a check of it concludes (``conclude_check``)."""
-        if not self.options.self_check:  # (the same decision on every stage: the probes travel through all)
-            return None
-        key = self_check.signature(inputs)
-        if key in self.checked or key in self.checking:
-            return None
-        units = self_check.rows_to_check(self.units.mask(mask))
-        if not units:
-            return None
-        self.checking.add(key)
-        self.check_conclusive = False
-        return Probe(units)
-
-    def refuse_mixed_samples(self, x, targets, side_inputs, size: int, units: Sequence[int]) -> None:
-        """Each checked unit's stage output computed from its own rows alone must equal its rows of the
-        micro-batch's output. This sees what the gradient comparison cannot: a parameter-free operation across
-        the batch before every trainable parameter (``x - x.mean(0)`` after a frozen embedding), which leaves each
-        sample's gradient right for its loss while one record moves every other sample's. In eval mode (the same
-        function both times: no dropout), from one random state; skipped, with a warning, for a random forward."""
-        if not self.blocks:
-            return
-        device = tensors_of(x)[0].device
-        modes = [(m, m.training) for b in self.blocks for m in b.module.modules()]
-        try:
-            for m, _ in modes:
-                m.training = False
-            with rng_kept(device):
-                whole = self.evaluate(x, targets, side_inputs, size, loss=False)
-            with rng_kept(device):
-                _reseeded(device)
-                again = self.evaluate(x, targets, side_inputs, size, loss=False)
-            if not self_check.same_values(whole, again, self_check.TOLERANCE[torch.float64][0]):
-                warnings.warn(
-                    f"stage {self.index}: its forward draws random numbers in eval mode, so the self-check cannot "
-                    "verify that it keeps every sample apart",
-                    stacklevel=2,
-                )
-                return
-            for r in units:
-                span = self.units.rows_of(r)
-                one = self_check.rows(x, span, size)
-                part = self_check.rows(targets, span, size) if targets is not None else None
-                side = self_check.rows(side_inputs, span, size) if side_inputs is not None else None
-                with rng_kept(device):
-                    alone = self.evaluate(one, part, side, span.stop - span.start, loss=False)
-                self_check.refuse_mixed(self.index, self_check.rows(whole, span, size), alone, span)
-        finally:
-            for m, training in modes:
-                m.training = training
-
-    def conclude_check(self, conclusive: bool) -> None:
-        """The step ended; ``conclusive``: every stage's check of it compared every unit of its micro-batch, each
-        a real sample with finite gradients. Otherwise a padding row, or a sample left out as non-finite, could
-        hide a cross-sample effect: the shape is checked again."""
-        if conclusive:
-            self.checked |= self.checking
-        self.checking.clear()
-
-    def _check(
-        self,
-        state: MicroBatchState,
-        outputs: List[torch.Tensor],
-        output_grads: List[torch.Tensor],
-        leaves: Tuple[torch.Tensor, ...],
-        selected: List[bool],
-        probe: Probe,
-        per_param: Dict[nn.Parameter, torch.Tensor],
-    ) -> List[Activation]:
-        """Each checked row's own gradient by a separate backward through the retained graph (seeded on
-        the last stage by the row's loss, elsewhere by the row's probe message), compared parameter by
-        parameter with what pipedp computed for the row; returns each row's gradient message to the
-        previous stage. Refuses the model on a mismatch (self_check.py)."""
-        names = self.names()
-        owners = {p: (self._owner[p], type(self.layers[self._owner[p]]).__name__) for p in self.trainable}
-        called = set(state.calls) | set(state.kept)
-        comparison = self_check.Comparison(self.index, self_check.compute_dtype(self.precision, self.trainable, []))
-        # a sample with a non-finite norm is left out of the update (clip factor 0), but its NaN or inf
-        # reaches every row's own gradient of the parameters it flows into (0 * NaN is NaN)
-        comparison.non_finite_rows = any(not bool(torch.isfinite(v).all()) for v in per_param.values())
-        messages: List[Activation] = []
-        for k, row in enumerate(probe.rows):
-            grads: Sequence[Optional[torch.Tensor]] = [None] * (len(self.trainable) + len(leaves))
-            if outputs:
-                seeds = self._seeds(outputs, selected, probe, k, row)
-                wrt = list(self.trainable) + list(leaves)
-                with full_precision():  # the reference in the norms' own precision (no TF32)
-                    grads = torch.autograd.grad(outputs, wrt, seeds, retain_graph=True, allow_unused=True)
-            if not self.is_first:
-                messages.append(self._message_of(leaves, state.tuple_input, grads[len(self.trainable) :]))
-            reference = {p: g for p, g in zip(self.trainable, grads) if g is not None}
-            scale = comparison.scale(reference)
-            summed: Dict[nn.Parameter, torch.Tensor] = {}  # parameters several layers use: compared once, summed
-            for name, got in self._row_gradients(state, row):  # one layer at a time
-                for p, have in got.items():
-                    if id(p) in self._shared:
-                        summed[p] = summed[p] + have if p in summed else have
-                        continue
-                    squared = float(per_param[p][row]) if p in per_param else 0.0
-                    comparison.add(
-                        p, names[id(p)], owners[p], name in called, reference.pop(p, None), have, squared, scale
-                    )
-            for p, have in summed.items():
-                squared = float(per_param[p][row]) if p in per_param else 0.0
-                comparison.add(p, names[id(p)], owners[p], True, reference.pop(p, None), have, squared, scale)
-            for p, want in reference.items():  # reached by autograd, by no layer call pipedp captured
-                comparison.add(p, names[id(p)], owners[p], owners[p][0] in called, want, None, 0.0, scale)
-        comparison.refuse_if_any(lambda: self._sums(state, outputs, output_grads))
-        # every unit real and finite: a padding row (or a sample left out) could hide a flow between samples
-        finite = [r for r in probe.rows if all(bool(torch.isfinite(v[r])) for v in per_param.values())]
-        self.check_conclusive = len(finite) == state.units and not comparison.unverified
-        return messages
-
-    def _seeds(self, outputs, selected: List[bool], probe: Probe, k: int, row: int) -> List[torch.Tensor]:
-        if self.is_last:  # the loss of unit ``row`` alone: the sum of its rows' losses
-            seed = torch.zeros_like(outputs[0])
-            seed[self.units.rows_of(row)] = 1
-            return [seed]
-        incoming = [g for g, carries in zip(tensors_of(probe.messages[k]), selected) if carries]
-        return [g.to(t.dtype) for t, g in zip(outputs, incoming)]
-
-    def _message_of(self, leaves, tuple_input: bool, grads: Sequence[Optional[torch.Tensor]]) -> Activation:
-        message = tuple(g if g is not None else torch.zeros_like(t) for g, t in zip(grads, leaves))
-        return message[0] if not tuple_input and len(message) == 1 else message
-
-    def _row_gradients(self, state: MicroBatchState, row: int):
-        """(layer, {param: the per-sample gradient of unit ``row``}) as pipedp's W would use it: the kept
-        tensor's row, or the layer's rule on the unit's rows alone (one-hot clip factors)."""
-        span = self.units.rows_of(row)
-        for name, grads in state.kept.items():
-            yield name, {p: g[row] for p, g in grads.items()}
-        for name, calls in state.calls.items():
-            layer = self.layers[name]
-            got: Grads = {}
-            with _naming(name, layer):
-                for call, bp in zip(calls, state.backprops[name]):
-                    for p, g in clipped_grad_sum(layer, tuple(a[span] for a in call.inputs), bp[span]).items():
-                        got[p] = got[p] + g if p in got else g
-            yield name, got
-
-    def _sums(self, state: MicroBatchState, outputs, output_grads) -> Tuple[Grads, Grads]:
-        """For a refusal's diagnosis: pipedp's W with every clip factor 1, and autograd's micro-batch gradient."""
-        total: Grads = {}
-        for grads in state.kept.values():
-            for p, g in grads.items():
-                total[p] = total[p] + g.sum(0) if p in total else g.sum(0)
-        for name, calls in state.calls.items():
-            for call, bp in zip(calls, state.backprops[name]):
-                for p, g in clipped_grad_sum(self.layers[name], call.inputs, bp).items():
-                    total[p] = total[p] + g if p in total else g
-        summed = torch.autograd.grad(outputs, list(self.trainable), output_grads, retain_graph=True, allow_unused=True)
-        return total, {p: g for p, g in zip(self.trainable, summed) if g is not None}
-
     # ---- W -------------------------------------------------------------------------------
     def weight(self, mb: int, factors: torch.Tensor) -> None:
         """``factors``: the clip factors, [n], or [layers, n] under per_layer (the clip rule's shape)."""
@@ -625,7 +467,7 @@ class Stage:
         for name, calls in state.calls.items():
             layer = self.layers[name]
             dropped = self.units.expand(self.clip.of_layer(factors, name) == 0) if any_dropped else None
-            with _naming(name, layer):
+            with named_layer_errors(name, layer):
                 for call, bp in zip(calls, state.backprops[name]):
                     inputs = call.inputs
                     if dropped is not None:
@@ -655,41 +497,6 @@ class Stage:
         out = [g if g is not None else torch.zeros_like(p) for g, p in zip(out, self.parameters)]
         self.clipped_sum = {}
         return out
-
-
-@contextlib.contextmanager
-def _naming(name: str, layer: nn.Module):
-    """A layer whose per-sample arithmetic fails is named, with the way out."""
-    try:
-        yield
-    except (UnsupportedModelError, BatchError, TransportError):
-        raise
-    except Exception as exc:
-        text = str(exc).splitlines()[0][:200] if str(exc) else ""
-        if "autograd.Function" in text:
-            text = "it runs a custom torch.autograd.Function, which torch.func can only transform with setup_context "
-            text += "and vmap support"
-        elif "random operation" in text:  # vmap refuses randomness: dropout inside a layer with parameters
-            text = "its forward draws random numbers (dropout inside a layer with parameters, e.g. PEFT LoKr in "
-            text += (
-                "training mode), which a per-sample replay cannot draw again as the forward did; put it in eval mode"
-            )
-        raise UnsupportedModelError(
-            f"layer {name!r} ({type(layer).__name__}): its per-sample gradients cannot be computed "
-            f"({type(exc).__name__}: {text}). pipedp takes layers "
-            "with a registered rule (Linear, Embedding, LayerNorm, Conv, GroupNorm, RMSNorm, ...) and others that "
-            "torch.func can differentiate one sample at a time (no custom autograd.Function without vmap support, "
-            "no input layout other than batch-first tensors); register a rule with pipedp.privacy.rules.register, "
-            "replace the layer, or freeze its parameters"
-        ) from exc
-
-
-def _reseeded(device: torch.device) -> None:
-    """Another state for the random generators a forward on ``device`` draws from (restored by rng_kept)."""
-    torch.default_generator.manual_seed(torch.default_generator.initial_seed() + 1)
-    if device.type == "cuda":
-        generator = torch.cuda.default_generators[device.index if device.index is not None else 0]
-        generator.manual_seed(generator.initial_seed() + 1)
 
 
 def _tensors(module: nn.Module):

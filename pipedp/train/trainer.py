@@ -277,7 +277,7 @@ class PipelineDPTrainer:
         self.state.step += 1
         loss_sum, dropped, clipped, inconclusive = (float(v) for v in self.runtime.total(totals))
         for stage in self.runtime.local_stages:  # every stage of every replica agrees: the sum is over all ranks
-            stage.conclude_check(inconclusive == 0)
+            stage.check.conclude(inconclusive == 0)
         self.last_dropped_samples = int(dropped)
         # a diagnostic computed from the private batch without noise: not itself private
         self.last_clipped_fraction = clipped / n if n else 0.0

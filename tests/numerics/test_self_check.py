@@ -252,7 +252,7 @@ def test_the_check_runs_again_for_a_new_input_shape():
     trainer = PipelineDPTrainer(model, seq_loss, stages=2, expected_batch_size=4, noise_multiplier=0.0)
     for t in (3, 3, 5):
         trainer.step(torch.randn(4, t, 8, dtype=torch.float64), torch.randint(0, 5, (4, t)))
-    assert all(len(stage.checked) == 2 for stage in trainer.runtime.local_stages)
+    assert all(len(stage.check.checked) == 2 for stage in trainer.runtime.local_stages)
 
 
 # ---- refused before, exact now ----------------------------------------------------------------------

@@ -13,7 +13,7 @@ from pipedp import PipelineDPTrainer, UnsupportedModelError
 from pipedp.privacy import rules
 from pipedp.privacy.rules import linear
 from pipedp.runtime import self_check
-from pipedp.runtime.stage import Stage
+from pipedp.runtime.stage_check import StageCheck
 
 
 def class_loss(out, y):
@@ -66,13 +66,13 @@ def test_a_check_of_one_real_sample_is_done_again(monkeypatch):
     stays unchecked, and the next step checks it again (with the planted old rule, it was marked checked)."""
     t = trainer(nn.Identity(), microbatches=1, microbatch_size=2)
     t.step(*batch(1))
-    assert not any(stage.checked for stage in t.runtime.local_stages)
+    assert not any(stage.check.checked for stage in t.runtime.local_stages)
     t.step(*batch(2))
-    assert all(stage.checked for stage in t.runtime.local_stages)
-    monkeypatch.setattr(Stage, "conclude_check", lambda self, conclusive: self.checked.update(self.checking))
+    assert all(stage.check.checked for stage in t.runtime.local_stages)
+    monkeypatch.setattr(StageCheck, "conclude", lambda self, conclusive: self.checked.update(self.checking))
     t = trainer(nn.Identity(), microbatches=1, microbatch_size=2)
     t.step(*batch(1))
-    assert all(stage.checked for stage in t.runtime.local_stages)
+    assert all(stage.check.checked for stage in t.runtime.local_stages)
 
 
 def test_a_sample_with_a_non_finite_gradient_leaves_the_shape_unchecked(monkeypatch):
@@ -140,7 +140,7 @@ class LastReadsFirst(nn.Module):
 def test_a_check_with_padding_rows_is_done_again_on_a_full_micro_batch():
     t = trainer(LastReadsFirst(), microbatches=1, microbatch_size=4)
     t.step(*batch(2))  # two real rows and two padding rows: the flow into row 3 is not seen
-    assert not any(stage.checked for stage in t.runtime.local_stages)
+    assert not any(stage.check.checked for stage in t.runtime.local_stages)
     with pytest.raises(UnsupportedModelError, match="its forward mixes samples: the output of rows 3..3"):
         t.step(*batch(4))
 
@@ -167,7 +167,7 @@ def test_a_mixing_before_every_trainable_parameter_is_refused(frozen_embedding, 
 
     with pytest.raises(UnsupportedModelError, match="stage [01]: its forward mixes samples"):
         build().step(x, y)
-    monkeypatch.setattr(Stage, "refuse_mixed_samples", lambda *a: None)  # planted: the gradient check alone
+    monkeypatch.setattr(StageCheck, "refuse_mixed_samples", lambda *a: None)  # planted: the gradient check alone
     build().step(x, y)  # trained: one record moves the others' gradients
 
 

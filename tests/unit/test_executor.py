@@ -14,6 +14,21 @@ from pipedp.runtime.stage import BackwardResult
 from schedules import Action, Kind
 
 
+class FakeCheck:
+    """The stage's self-check half: plans the fake stage's probe rows, records the alone-forward."""
+
+    conclusive = True
+
+    def __init__(self, stage):
+        self.stage = stage
+
+    def plan(self, inputs, mask):
+        return Probe(self.stage.probe_rows) if self.stage.probe_rows else None
+
+    def refuse_mixed_samples(self, x, targets, side, size, rows):
+        self.stage.calls.append("alone")
+
+
 class FakeStage:
     """A middle stage: forward doubles, backward returns fixed norms; records what it was asked."""
 
@@ -22,11 +37,8 @@ class FakeStage:
         self.tie, self.units, self.device = None, Units(), torch.device("cpu")
         self.clip = ClipRule.make("flat", 1.0, 3).for_stage(1, [])
         self.calls, self.pending, self.probe_rows = [], {}, probe_rows
+        self.check = FakeCheck(self)
 
-    def check_plan(self, inputs, mask):
-        return Probe(self.probe_rows) if self.probe_rows else None
-
-    check_conclusive = True
 
     def watch_values(self, parameters=True):
         self.calls.append("watch")
@@ -35,8 +47,6 @@ class FakeStage:
     def refuse_changed_values(self, before, parameters=True):
         self.calls.append("values compared")
 
-    def refuse_mixed_samples(self, x, targets, side, size, rows):
-        self.calls.append("alone")
 
     def forward(self, mb, x, targets, side, size, check_state=False, probe_rows=()):
         self.calls.append(("F", mb, check_state))
