@@ -39,14 +39,12 @@ class FakeStage:
         self.calls, self.pending, self.probe_rows = [], {}, probe_rows
         self.check = FakeCheck(self)
 
-
     def watch_values(self, parameters=True):
         self.calls.append("watch")
         return {}
 
     def refuse_changed_values(self, before, parameters=True):
         self.calls.append("values compared")
-
 
     def forward(self, mb, x, targets, side, size, check_state=False, probe_rows=()):
         self.calls.append(("F", mb, check_state))
