@@ -91,6 +91,32 @@ class MicroBatchState:
     kept: Dict[str, Grads] = field(default_factory=dict)
 
 
+class ClipFactors:
+    """One micro-batch's clip factors as each layer reads them: its own ([layers, n] under per_layer), per row
+    (for captured inputs) or per unit (for kept per-sample gradients), in the layer's dtype, converted once."""
+
+    def __init__(self, values: torch.Tensor, clip: StageClip, units: Units):
+        self.values, self.clip, self.units = values, clip, units
+        # rows with factor 0 (padding, or a sample whose norm was not finite) must add exactly nothing, and
+        # 0 * NaN is NaN: their inputs and output-grads are zeroed, not just scaled
+        self.any_dropped = bool((values == 0).any())
+        self._shaped: Dict[tuple, torch.Tensor] = {}
+
+    def of(self, name: str, dtype: torch.dtype, rows: bool = True) -> torch.Tensor:
+        key = (dtype, name if self.clip.per_layer else "", rows)
+        if key not in self._shaped:
+            unit = self.clip.of_layer(self.values, name)
+            self._shaped[key] = (self.units.expand(unit) if rows else unit).to(dtype)
+        return self._shaped[key]
+
+    def dropped(self, name: str, rows: bool) -> Optional[torch.Tensor]:
+        """The rows (or units) of ``name`` to zero, or None where no factor is 0."""
+        if not self.any_dropped:
+            return None
+        zero = self.clip.of_layer(self.values, name) == 0
+        return self.units.expand(zero) if rows else zero
+
+
 class BackwardResult(NamedTuple):
     input_grad: Optional[Activation]  # the gradient message to the previous stage; None on the first
     squared_norms: torch.Tensor  # float64 [n] (per_layer: [layers, n]): this stage's part of the norms
@@ -450,40 +476,28 @@ class Stage:
     def weight(self, mb: int, factors: torch.Tensor) -> None:
         """``factors``: the clip factors, [n], or [layers, n] under per_layer (the clip rule's shape)."""
         state = self.pending.pop(mb)
-        # rows with clip factor 0 (padding, or a sample whose norm was not finite) must add exactly
-        # nothing, and 0 * NaN is NaN: their inputs and output-grads are zeroed, not just scaled
-        any_dropped = bool((factors == 0).any())
-        shaped: Dict[tuple, torch.Tensor] = {}
-
-        def factors_for(name: str, dtype: torch.dtype, rows: bool = True) -> torch.Tensor:
-            """The layer's clip factors in ``dtype``, [n]: per row (captures) or per unit (kept gradients);
-            converted once per call of weight."""
-            key = (dtype, name if self.clip.per_layer else "", rows)
-            if key not in shaped:
-                row = self.clip.of_layer(factors, name)
-                shaped[key] = (self.units.expand(row) if rows else row).to(dtype)
-            return shaped[key]
-
+        clip = ClipFactors(factors, self.clip, self.units)
         for name, calls in state.calls.items():
             layer = self.layers[name]
-            dropped = self.units.expand(self.clip.of_layer(factors, name) == 0) if any_dropped else None
+            dropped = clip.dropped(name, rows=True)
             with named_layer_errors(name, layer):
                 for call, bp in zip(calls, state.backprops[name]):
                     inputs = call.inputs
                     if dropped is not None:
                         bp = _zero_rows(bp, dropped)
                         inputs = tuple(_zero_rows(a, dropped) if a.is_floating_point() else a for a in inputs)
-                    add_clipped_grad_sum(layer, inputs, bp, factors_for(name, bp.dtype), self.clipped_sum)
+                    add_clipped_grad_sum(layer, inputs, bp, clip.of(name, bp.dtype), self.clipped_sum)
         for name, grads in state.kept.items():  # sum_i c_i g_i of the kept per-sample gradients
+            dropped = clip.dropped(name, rows=False)
             for p, g in grads.items():
-                if any_dropped:
-                    g = _zero_rows(g, self.clip.of_layer(factors, name) == 0)
+                if dropped is not None:
+                    g = _zero_rows(g, dropped)
                 total = self.clipped_sum.get(p)
                 if total is None:
                     total = self.clipped_sum[p] = torch.zeros(p.shape, dtype=g.dtype, device=g.device)
                 # one in-place matrix-vector product: [P, n] @ [n] added to the running sum (a tensordot
                 # and an add cost three times as much at these sizes)
-                total.view(-1).addmv_(g.reshape(g.shape[0], -1).t(), factors_for(name, g.dtype, rows=False))
+                total.view(-1).addmv_(g.reshape(g.shape[0], -1).t(), clip.of(name, g.dtype, rows=False))
 
     def take_tied_part(self) -> torch.Tensor:
         """Partner in one process: its clipped part of the tied weight, for the owner to add."""
