@@ -8,6 +8,8 @@ their gates are ordinary layers. What couples samples is refused: a batch-level 
 (``output_router_logits``), noise written into the hidden states in place (``*_jitter_noise``), expert
 parallelism, a trainable parameter of the router other than its weight and bias (bias balancing); a
 router that samples its experts in training is refused too (not a coupling, but nothing here verifies it).
+A block frozen whole needs no rule and is accepted as it is (the self-check still compares each checked
+sample's output from its own rows alone, so a block that mixes samples is refused there).
 """
 
 from __future__ import annotations
@@ -49,6 +51,8 @@ def accept_experts(model: nn.Module, path: str, module: nn.Module) -> None:
     for name, block in moe_parts(module):
         where = f"{type(model).__name__}: {f'{path}.{name}' if path else name} ({type(block).__name__})"
         _refuse_config(where, getattr(model, "config", None), block)
+        if not any(p.requires_grad for p in block.parameters()):
+            continue  # frozen whole: no rule reads it, the self-check still sees whether it keeps samples apart
         bank = getattr(block, "experts", None)
         if type(bank).__module__.startswith("peft."):
             raise UnsupportedModelError(
@@ -60,7 +64,8 @@ def accept_experts(model: nn.Module, path: str, module: nn.Module) -> None:
             raise UnsupportedModelError(
                 f"{where} is a mixture of experts whose experts pipedp has no per-sample rule for (it trains fused "
                 "expert banks: transformers' use_experts_implementation layout, gate_up_proj / down_proj of shape "
-                "[experts, out, in]): freeze the block's experts and router, or use a dense model"
+                "[experts, out, in]): freeze the whole block (every parameter of it: requires_grad_(False)), or use a dense "
+                "model"
             )
         router = _router(where, block, bank)
         _check(where, router, bank)
@@ -113,7 +118,7 @@ def _router(where: str, block: nn.Module, bank: nn.Module) -> nn.Module:
     if router is None or not isinstance(weight, nn.Parameter) or weight.dim() != 2 or weight.shape[0] != experts:
         raise UnsupportedModelError(
             f"{where}: no router (a child named {' or '.join(ROUTER_NAMES)} with a weight [{experts}, hidden]) was "
-            "found beside its experts: freeze the block, or use a dense model"
+            "found beside its experts: freeze the whole block (every parameter of it), or use a dense model"
         )
     if getattr(bank, "has_post_expert_norm", False) or getattr(bank, "_is_expert_parallel", False):
         raise UnsupportedModelError(
@@ -141,17 +146,25 @@ def _check(where: str, router: nn.Module, bank: nn.Module) -> None:
     router.eval(), bank.eval()
     try:
         with torch.no_grad():
-            out = router(x)
+            try:
+                out = router(x)
+            except TypeError as exc:  # a forward that needs more than the hidden states (a bias, the token ids)
+                raise UnsupportedModelError(
+                    f"{where}: its router ({type(router).__name__}) cannot be called on the hidden states alone "
+                    f"({exc}), as pipedp's per-sample rule for it calls it: freeze the whole block (every "
+                    "parameter of it), or use a model whose router takes the hidden states"
+                ) from exc
             if not isinstance(out, tuple) or len(out) < 3:
                 raise UnsupportedModelError(
-                    f"{where}: its router returns {type(out).__name__}, not (logits, weights, experts): freeze it"
+                    f"{where}: its router returns {type(out).__name__}, not (logits, weights, experts): freeze the whole "
+                    "block (every parameter of it)"
                 )
             logits, weights, index = out[0], out[1], out[2]
             want = F.linear(x, weight, getattr(router, "bias", None))
             if logits.shape != want.shape or not torch.allclose(logits.to(want.dtype), want, rtol=1e-3, atol=1e-5):
                 raise UnsupportedModelError(
                     f"{where}: its router's first output is not F.linear(hidden, weight, bias), which pipedp's "
-                    "per-sample rule for it assumes: freeze the router"
+                    "per-sample rule for it assumes: freeze the whole block (every parameter of it)"
                 )
             own = bank(x, index, weights)
             try:
@@ -161,14 +174,15 @@ def _check(where: str, router: nn.Module, bank: nn.Module) -> None:
             if recomputed is None or not torch.allclose(recomputed.to(own.dtype), own, rtol=1e-3, atol=1e-5):
                 raise UnsupportedModelError(
                     f"{where}: its experts ({type(bank).__name__}) do not compute what pipedp's per-sample rule reads "
-                    "from their weights (the fused layout's gate, activation and routing weights): freeze them"
+                    "from their weights (the fused layout's gate, activation and routing weights): freeze the whole block "
+                    "(every parameter of it)"
                 )
         router.train()
         if _draws_random_numbers(router, x):
             raise UnsupportedModelError(
                 f"{where}: its router draws the experts at random in training (sampled routing, e.g. phimoe's "
-                "sparsemixer), which pipedp's oracles cannot reproduce and it has not verified: freeze the router "
-                "and the experts, or use a model with top-k routing"
+                "sparsemixer), which pipedp's oracles cannot reproduce and it has not verified: freeze the whole "
+                "block (every parameter of it), or use a model with top-k routing"
             )
     finally:
         router.train(was[0]), bank.train(was[1])

@@ -156,6 +156,36 @@ def test_planted_a_bank_read_in_the_wrong_layout_is_refused_at_construction():
         PipelineDPTrainer(model, token_loss, stages=2, expected_batch_size=4)
 
 
+def test_a_block_frozen_whole_trains_what_is_around_it_whatever_its_layout():
+    """The refusals' remedy ("freeze the whole block") lifts them: a planted bank no rule could read, frozen with
+    its router, is accepted, and the rest of the model matches the loop oracle (review of 2026-12-04)."""
+    model = mixtral()
+    for layer in model.model.layers:
+        layer.mlp.experts.is_transposed = True  # the layout the construction check refuses when it is trained
+        layer.mlp.requires_grad_(False)
+    inputs, labels = padded_batch("right")
+    want = loop_clipped_sum(copy.deepcopy(model), hf_loss, inputs, labels, CLIP)
+    got = pipedp_clipped_sum(model, token_loss, inputs, labels, CLIP, stages=2, microbatches=2)
+    assert max_relative_error(got, want) < 1e-12
+    model.model.layers[1].mlp.gate.weight.requires_grad_(True)  # one trainable router: the block is checked
+    with pytest.raises(UnsupportedModelError, match="model.layers.1.mlp .*do not compute what pipedp.s"):
+        PipelineDPTrainer(model, token_loss, stages=2, expected_batch_size=4)
+
+
+def test_a_router_that_needs_more_than_the_hidden_states_is_refused_by_name():
+    model = mixtral()
+    gate = model.model.layers[0].mlp.gate
+    original = type(gate).forward
+
+    class NeedsIds(type(gate)):
+        def forward(self, hidden_states, input_ids):  # (DeepSeek-V4's hash router reads the token ids)
+            return original(self, hidden_states)
+
+    gate.__class__ = NeedsIds
+    with pytest.raises(UnsupportedModelError, match=r"model.layers.0.mlp .*cannot be called on the hidden states"):
+        PipelineDPTrainer(model, token_loss, stages=2, expected_batch_size=4)
+
+
 def test_tensor_parallel_experts_are_refused_by_name():
     from pipedp.parallel.plan import tensor_parallel_plan
     from pipedp.split.adapters import model_blocks
