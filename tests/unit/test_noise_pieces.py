@@ -73,3 +73,27 @@ def test_each_tensor_parallel_slice_gets_exactly_its_part_of_the_whole_noise(mon
         mine = torch.zeros(shard.shape, dtype=torch.float64)
         noise.add_noise([mine], ["w"], 1.0, 3, 2, shards=[shard])
         assert torch.equal(mine, shard.of(whole))
+
+
+@pytest.mark.parametrize("source", ["chacha20", "urandom"])
+def test_secure_noise_is_standard_normal_times_std_from_either_source(monkeypatch, source):
+    """Both secure sources give N(0, std^2): the mean within 5 standard errors, the std within 2% (2e5 draws:
+    its standard error is 0.16%), the tails as a normal's (P(|z| > 3) = 0.27%), no two draws alike."""
+    import math
+    import os
+
+    from pipedp.privacy import secure
+
+    read = []
+    real = os.urandom
+    monkeypatch.setattr(os, "urandom", lambda n: read.append(n) or real(n))
+    if source == "urandom":
+        monkeypatch.setattr(secure, "Cipher", None)
+    elif secure.Cipher is None:
+        pytest.skip("the cryptography package is not installed")
+    z = secure.secure_gaussian_like(torch.zeros(200_000, dtype=torch.float64), 3.0) / 3.0
+    assert abs(float(z.mean())) < 5 / math.sqrt(z.numel()) and abs(float(z.std()) - 1) < 0.02
+    assert 0.0022 < float((z.abs() > 3).double().mean()) < 0.0032
+    assert not torch.equal(z, secure.secure_gaussian_like(torch.zeros(200_000, dtype=torch.float64), 3.0) / 3.0)
+    # chacha20 reads a 256-bit key and a nonce from the OS per draw; urandom reads every bit (8 bytes per uniform)
+    assert read[:2] == [32, 16] if source == "chacha20" else read[0] == 8 * 4 * 200_000
