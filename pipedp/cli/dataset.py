@@ -36,11 +36,11 @@ def _inputs(job: Job, ids, mask):
 
 
 def rank_data(job: Job) -> RankData:
-    from ..data import Units, assemble, hold_out, record_units, user_units
+    from ..data import UnitGroups, assemble, hold_out, record_units, user_units
 
     rows = _rows(job.train_rows)
     data = job.data
-    units = user_units(rows, job.rows_per_unit) if data.privacy_unit == "user" else record_units(rows)
+    units = user_units(rows, job.unit_rows) if data.privacy_unit == "user" else record_units(rows)
     train_units, held = hold_out(len(units), data.eval_fraction, job.privacy.public_seed())
     ids, labels, mask = assemble(rows, units, train_units)
     train = (_inputs(job, ids, mask), labels)
@@ -53,7 +53,7 @@ def rank_data(job: Job) -> RankData:
         return RankData(train, None)
     # evaluation counts rows, whatever the unit: real rows in groups of unit_rows, the last group padded
     # (the trainer evaluates whole units; a padding row's loss is 0, so the rows' mean loss comes out exact)
-    k = units.per_unit
-    groups = Units([real[i : i + k] for i in range(0, len(real), k)], k, {})
+    k = units.unit_rows
+    groups = UnitGroups([real[i : i + k] for i in range(0, len(real), k)], k, {})
     ids, labels, mask = assemble(source, groups, list(range(len(groups))))
     return RankData(train, (_inputs(job, ids, mask), labels), len(real), k)

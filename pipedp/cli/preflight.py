@@ -288,7 +288,7 @@ def prepare_data(args, data: DataConfig, folder: RunFolder, seed: int, model: Mo
     if data.privacy_unit == "user":
         c = units.counts
         say(
-            f"privacy unit: user ({data.user_field!r}): {c['units']} users of {units.per_unit} rows each; "
+            f"privacy unit: user ({data.user_field!r}): {c['units']} users of {units.unit_rows} rows each; "
             f"{c['users capped']} users had more records ({c['records cut']} cut), {c['padding rows']} padding rows"
         )
     train_units, held = hold_out(len(units), data.eval_fraction, seed)
@@ -302,7 +302,7 @@ def prepare_data(args, data: DataConfig, folder: RunFolder, seed: int, model: Mo
         )
     elif eval_file is not None:
         say("eval: --eval-data; its loss and perplexity carry no DP guarantee unless those records are public")
-    return data, train_file, eval_file, len(train_units), units.per_unit
+    return data, train_file, eval_file, len(train_units), units.unit_rows
 
 
 def _refuse_existing_export(args) -> None:
@@ -378,9 +378,9 @@ def _progress_bar(enabled: bool):
 
 
 # ---- 5. the privacy -----------------------------------------------------------------------------------
-def resolve_privacy(args, privacy: PrivacyConfig, fit: FitConfig, units: int, per_unit: int, say: Say):
+def resolve_privacy(args, privacy: PrivacyConfig, fit: FitConfig, units: int, unit_rows: int, say: Say):
     """(privacy with its sample rate, batch, N and noise multiplier; fit with its steps, from the one rule of
-    the run length, FitConfig.planned_steps). Everything counts privacy units: records, or users of ``per_unit``
+    the run length, FitConfig.planned_steps). Everything counts privacy units: records, or users of ``unit_rows``
     rows each."""
     if args.sample_rate is not None:
         sample_rate = args.sample_rate
@@ -395,7 +395,7 @@ def resolve_privacy(args, privacy: PrivacyConfig, fit: FitConfig, units: int, pe
         sample_rate = batch / units
     shuffle = privacy.sampling == "shuffle"
     privacy = replace(
-        privacy, sample_rate=sample_rate, expected_batch_size=batch, dataset_size=units, unit_rows=per_unit
+        privacy, sample_rate=sample_rate, expected_batch_size=batch, dataset_size=units, unit_rows=unit_rows
     ).validate()  # delta < 1/N is checked here
     steps = fit.planned_steps(privacy)
     if privacy.target_epsilon is not None:  # calibrate once here, so every rank gets the same sigma
@@ -488,8 +488,8 @@ def resolve(args, say: Say = print, lead: bool = True, hold: Optional[ExitStack]
     folder = check_folder(args, say, lead, hold)
     fit = replace(fit, checkpoint_dir=None if args.no_checkpoint else folder.path)
     model = check_model(args, pipeline)
-    data, train_file, eval_file, units, per_unit = prepare_data(args, data, folder, privacy.public_seed(), model, say)
-    privacy, fit = resolve_privacy(args, privacy, fit, units, per_unit, say)
+    data, train_file, eval_file, units, unit_rows = prepare_data(args, data, folder, privacy.public_seed(), model, say)
+    privacy, fit = resolve_privacy(args, privacy, fit, units, unit_rows, say)
     data, fit = _apply_strategies(args, data, fit, privacy, say)
     job = Job(
         pipeline=pipeline,
@@ -503,7 +503,7 @@ def resolve(args, say: Say = print, lead: bool = True, hold: Optional[ExitStack]
         overwrite=args.overwrite,
         train_rows=train_file,
         eval_rows=eval_file,
-        rows_per_unit=per_unit,
+        unit_rows=unit_rows,
         export=args.export,
         export_merged=args.export_merged,
         lora_r=args.lora_r,

@@ -20,22 +20,23 @@ from .rows import Tokenized
 
 
 @dataclass
-class Units:
-    """Row indices of each unit (at user level, at most k each) and what grouping did."""
+class UnitGroups:
+    """A dataset's rows grouped into privacy units: the row indices of each unit (at user level, at most k
+    each) and what grouping did. (privacy/units.py's ``Units`` is the batch-side rule: rows per unit.)"""
 
     rows: List[List[int]]
-    per_unit: int  # rows per unit: 1, or k at user level
+    unit_rows: int  # rows per unit: 1, or k at user level (PrivacyConfig.unit_rows)
     counts: Dict[str, int]
 
     def __len__(self) -> int:
         return len(self.rows)
 
 
-def record_units(t: Tokenized) -> Units:
-    return Units([[r] for r in range(t.rows)], 1, {"units": t.rows})
+def record_units(t: Tokenized) -> UnitGroups:
+    return UnitGroups([[r] for r in range(t.rows)], 1, {"units": t.rows})
 
 
-def user_units(t: Tokenized, per_user: int) -> Units:
+def user_units(t: Tokenized, per_user: int) -> UnitGroups:
     """Group rows by user (first appearance order), keep each user's first ``per_user`` rows."""
     if t.users is None:
         raise ValueError("user-level units need the rows' users (tokenise with user_field)")
@@ -46,7 +47,7 @@ def user_units(t: Tokenized, per_user: int) -> Units:
     cut = sum(max(0, len(g) - per_user) for g in groups.values())
     padded = sum(per_user - len(g) for g in groups.values() if len(g) < per_user)
     rows = [g[:per_user] for g in groups.values()]
-    return Units(
+    return UnitGroups(
         rows, per_user, {"units": len(rows), "users capped": capped, "records cut": cut, "padding rows": padded}
     )
 
@@ -63,15 +64,15 @@ def hold_out(count: int, fraction: Optional[float], seed: int) -> Tuple[List[int
     return sorted(order[held:]), sorted(order[:held])
 
 
-def assemble(t: Tokenized, units: Units, chosen: List[int], padded: bool = True):
+def assemble(t: Tokenized, units: UnitGroups, chosen: List[int], padded: bool = True):
     """(input_ids, labels, attention_mask) as int64 tensors: the chosen units' rows, unit after unit, each
-    unit filled to ``per_unit`` rows with padding rows (targets -100, mask 0) when ``padded``."""
+    unit filled to ``unit_rows`` rows with padding rows (targets -100, mask 0) when ``padded``."""
     index: List[int] = []
     for u in chosen:
         members = units.rows[u]
         index.extend(members)
         if padded:
-            index.extend([-1] * (units.per_unit - len(members)))
+            index.extend([-1] * (units.unit_rows - len(members)))
     take = torch.tensor([max(i, 0) for i in index], dtype=torch.long)
     pad = torch.tensor([i < 0 for i in index], dtype=torch.bool)
     ids = t.input_ids[take].long()

@@ -20,7 +20,7 @@ import torch
 try:  # ChaCha20 in user space (OpenSSL); os.urandom without it
     from cryptography.hazmat.primitives.ciphers import Cipher, algorithms
 except ImportError:  # pragma: no cover (the dev extra installs it)
-    Cipher = algorithms = None
+    Cipher = algorithms = None  # type: ignore[assignment,misc]
 
 MASK_53 = (1 << 53) - 1
 

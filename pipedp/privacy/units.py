@@ -55,11 +55,11 @@ class Units:
             return per_row
         return per_row.reshape(per_row.shape[0] // self.rows, self.rows, *per_row.shape[1:]).sum(1)
 
-    def expand(self, per_unit: torch.Tensor) -> torch.Tensor:
+    def expand(self, of_units: torch.Tensor) -> torch.Tensor:
         """[..., n] -> [..., n R]: a unit's value on each of its rows (clip factors, flags)."""
         if self.single:
-            return per_unit
-        return per_unit.repeat_interleave(self.rows, dim=-1)
+            return of_units
+        return of_units.repeat_interleave(self.rows, dim=-1)
 
     def mask(self, row_mask: torch.Tensor) -> torch.Tensor:
         """[n R] -> [n]: a unit is real if any of its rows is."""
