@@ -89,9 +89,12 @@ def load_pipeline_stage(
     """
     model = build_on_meta(folder, attn_implementation, device)
     if converted_on_loading(model, folder):  # (a mixture of experts' per-expert tensors, merged into banks)
+        if not _splits_on_loading(model):  # each tensor converted from its own sources: read only the stage's
+            converted = _Converted(folder, attn_implementation)
+            return load_stage(model, converted, stages, stage, balance, device, untie_weights)
         print(
-            f"stage {stage}: transformers converts {folder}'s tensors on loading (merged or split): this rank loads "
-            "the whole model once, keeps its stage's tensors and frees the rest",
+            f"stage {stage}: transformers splits some of {folder}'s tensors on loading: this rank loads the whole "
+            "model once, keeps its stage's tensors and frees the rest",
             flush=True,
         )
         whole = load_local_model(folder, attn_implementation)
@@ -99,6 +102,71 @@ def load_pipeline_stage(
         del whole
         return load_stage(model, tensors, stages, stage, balance, device, untie_weights)
     return load_stage(model, checkpoint_tensors(model, folder), stages, stage, balance, device, untie_weights)
+
+
+def _splits_on_loading(model: nn.Module) -> bool:
+    """Does a conversion make several of the model's tensors from one stored tensor (a fused qkv split)?"""
+    from transformers.conversion_mapping import get_model_conversion_mapping
+    from transformers.core_model_loading import WeightRenaming
+
+    return any(
+        len(t.target_patterns) > 1 for t in get_model_conversion_mapping(model) if not isinstance(t, WeightRenaming)
+    )
+
+
+class _Converted(Mapping):
+    """A checkpoint whose tensors transformers converts on loading (a mixture of experts' per-expert tensors
+    merged into banks), read one model tensor at a time: its stored sources only, converted by transformers'
+    own loader (``convert_and_load_state_dict_in_model``) into a scratch copy of the model on the meta device.
+    So a rank reads its stage's tensors alone, never the whole model."""
+
+    def __init__(self, folder: str, attn_implementation: str):
+        from transformers.conversion_mapping import get_model_conversion_mapping
+        from transformers.core_model_loading import WeightRenaming, rename_source_key
+
+        self.scratch = build_on_meta(folder, attn_implementation)
+        self.mapping = get_model_conversion_mapping(self.scratch)
+        renamings = [t for t in self.mapping if isinstance(t, WeightRenaming)]
+        converters = [t for t in self.mapping if not isinstance(t, WeightRenaming)]
+        self.files = weight_map(folder)
+        self.sources: Dict[str, List[str]] = {}  # model name -> the stored names it is made from
+        for key in self.files:
+            name = rename_source_key(key, renamings, converters, self.scratch.base_model_prefix)[0]
+            self.sources.setdefault(name, []).append(key)
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        from safetensors import safe_open
+        from transformers.core_model_loading import convert_and_load_state_dict_in_model
+        from transformers.modeling_utils import LoadStateDictConfig
+
+        stored: Dict[str, torch.Tensor] = {}
+        for key in self.sources[name]:
+            with safe_open(self.files[key], framework="pt") as f:
+                stored[key] = f.get_tensor(key)
+        config = LoadStateDictConfig(weight_mapping=self.mapping, device_map={"": "cpu"})
+        convert_and_load_state_dict_in_model(self.scratch, stored, config)
+        value = dict(self.scratch.state_dict(keep_vars=True))[name]
+        if value.is_meta:
+            raise CheckpointError(f"{name!r}: transformers' conversion of {self.sources[name]} did not produce it")
+        _set_meta(self.scratch, name)  # the scratch copy keeps nothing: the caller holds the tensor
+        return value.detach()
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.sources)
+
+    def __len__(self) -> int:
+        return len(self.sources)
+
+
+def _set_meta(model: nn.Module, name: str) -> None:
+    module_name, _, attribute = name.rpartition(".")
+    module = model.get_submodule(module_name)
+    value = getattr(module, attribute)
+    meta = torch.empty_like(value, device="meta")
+    if isinstance(value, nn.Parameter):
+        setattr(module, attribute, nn.Parameter(meta, requires_grad=value.requires_grad))
+    else:
+        module.register_buffer(attribute, meta)
 
 
 def converted_on_loading(model: nn.Module, folder: str) -> bool:

@@ -4,6 +4,8 @@ top-1 and top-3 routing, bf16-free float32 with transformers' default (grouped) 
 catching a routed pair given to the wrong sample; and the couplings refused by name."""
 
 import copy
+import os
+from unittest import mock
 
 import pytest
 import torch
@@ -219,17 +221,46 @@ def saved_chat_mixtral(folder):
 
 
 def test_each_stage_loads_its_banks_from_a_saved_folder(tmp_path):
+    import safetensors
+
     from pipedp.split.hf_loading import load_local_model, load_pipeline_stage
 
     folder = saved_chat_mixtral(tmp_path / "mixtral")
     whole = dict(load_local_model(folder).named_parameters())
+    stored_keys = list(safetensors.safe_open(os.path.join(folder, "model.safetensors"), "pt").keys())
+    assert any(".experts.0." in k for k in stored_keys)  # saved per expert: transformers merges them on loading
+    read: list = []
+    real = safetensors.safe_open
+
+    class Recording:  # the stored tensors a stage reads (the loader opens the file per tensor)
+        def __init__(self, *args, **kwargs):
+            self.f = real(*args, **kwargs)
+
+        def __enter__(self):
+            self.f.__enter__()
+            return self
+
+        def __exit__(self, *exc):
+            return self.f.__exit__(*exc)
+
+        def get_tensor(self, key):
+            read.append(key)
+            return self.f.get_tensor(key)
+
+        def keys(self):
+            return self.f.keys()
+
     loaded = set()
-    for stage in range(2):
-        model = load_pipeline_stage(folder, 2, stage)
-        for name, p in model.named_parameters():
-            if not p.is_meta:
-                assert torch.equal(p, whole[name]), name
-                loaded.add(name)
+    with mock.patch.object(safetensors, "safe_open", Recording):
+        for stage in range(2):
+            read.clear()
+            model = load_pipeline_stage(folder, 2, stage)
+            held = {name for name, p in model.named_parameters() if not p.is_meta}
+            for name in held:
+                assert torch.equal(dict(model.named_parameters())[name], whole[name]), name
+            loaded |= held
+            other = 1 - stage  # the other stage's layer: none of its stored tensors read
+            assert read and not [k for k in read if f"layers.{other}." in k], read
     assert loaded == set(whole)  # every tensor on one stage or the other
 
 
