@@ -243,6 +243,29 @@ class _OperatorTimes(TorchDispatchMode):
         return out
 
 
+def flop_bound(preset_name: str, grad_mode: str = "auto") -> Dict[str, float]:
+    """The most DP can reach on the preset: plain micro-batched training's matrix-product FLOPs per step over
+    pipedp's (``grad_mode``, 2 stages in one process, after two warm-up steps: the self-check's first step is
+    not counted), the ratio a DP step would run at if its products ran at plain's rate and nothing else cost."""
+    preset = PRESETS[preset_name]
+    m, batch = preset.microbatches, preset.batch
+    x, y = preset.make_batch(batch, 0)
+    torch.manual_seed(0)
+    steps = {"plain": _plain_step(preset.build(), preset, x, y, m)}
+    torch.manual_seed(0)
+    trainer = _trainer(preset.build(), preset, m, grad_mode, 2, batch)
+    steps["dp"] = lambda: trainer.step(x, y)
+    flops = {}
+    for name, step in steps.items():
+        step()
+        step()
+        with _OperatorTimes() as counter:
+            step()
+        flops[name] = counter.flops
+    trainer.close()
+    return {"plain_flops": flops["plain"], "dp_flops": flops["dp"], "bound": flops["plain"] / flops["dp"]}
+
+
 def by_operator(preset_name: str = "small", reps: int = 3) -> Dict:
     """Plain micro-batched training and pipedp's default step (grad_mode auto) on the preset: each aten
     operator's time (median over reps) on both sides, and both steps' matrix-product FLOPs, whose ratio

@@ -15,7 +15,9 @@ sides of it; the figure is the median over rounds, with the min and max as its s
 figure takes "the best pipedp", the best variant is the one with the lowest median time over the
 rounds, and its per-round ratios are reported (not the per-round best, which would pick noise).
 Peak memory per process (bench.memory.PeakMemory: above the state before the contender was built)
-covers its build and warm-up steps.
+covers its build and warm-up steps. Each dp-cost figure also gets its FLOP bound (bench.overhead.flop_bound:
+plain training's matrix-product FLOPs per step over DP's, for the figure's grad mode) and the share of it
+reached: the limit at plain's FLOP rate.
 """
 
 from __future__ import annotations
@@ -281,6 +283,16 @@ def ask(question: str, preset_name: str, rounds: int, steps: int, warmup: int, v
             if name.startswith("pipedp-") and name != top:
                 f = speed_ratio(f"{question}/{preset_name}/{name}", "", preset, times, name, torch_name, None, command)
                 figures.append(dict(f, detail=True))
+        if question == "dp-cost":  # the limit beside each figure: how much of its FLOP bound it reaches
+            from .overhead import flop_bound
+
+            limits: Dict[str, float] = {}
+            for fig in figures:
+                if fig["id"].startswith("dp-cost/"):
+                    mode = fig["numerator"].rsplit("-", 1)[-1]  # pipedp-SCHEDULE-GRADMODE
+                    if mode not in limits:
+                        limits[mode] = flop_bound(preset_name, mode)["bound"]
+                    fig.update(flop_bound=limits[mode], of_bound=fig["median"] / limits[mode])
     elif question == "opacus":
         variants = variants or ["ghost", "keep"]
         got = launch(_one_process, 1, (preset_name, rounds, steps, warmup, variants), timeout_s=3600, threads=threads)[
@@ -371,7 +383,10 @@ def ask(question: str, preset_name: str, rounds: int, steps: int, warmup: int, v
 def describe(fig: Dict) -> str:
     spread = f"{fig['min']:.2f}-{fig['max']:.2f}"
     goal = "-" if fig["goal"] is None else f">= {fig['goal']:.2f} " + ("met" if fig["met"] else "**missed**")
-    return f"{fig['median']:.2f}x ({spread} over {len(fig['ratios'])} rounds), goal {goal}"
+    bound = ""
+    if fig.get("flop_bound") is not None:  # (dp-cost) plain's matrix-product FLOPs over DP's, and the share reached
+        bound = f", FLOP bound {fig['flop_bound']:.2f}x: {fig['of_bound']:.2f} of it"
+    return f"{fig['median']:.2f}x ({spread} over {len(fig['ratios'])} rounds){bound}, goal {goal}"
 
 
 def main(argv=None) -> Dict:

@@ -106,8 +106,8 @@ def in_snapshot(module: str, argv, tree: str, results: str, figures: str) -> boo
 
 def figures_table(figs: List[Dict]) -> List[str]:
     lines = [
-        "| figure | ratio | median | spread (min-max, rounds) | goal | command |",
-        "|---|---|---|---|---|---|",
+        "| figure | ratio | median | spread (min-max, rounds) | FLOP bound: share reached | goal | command |",
+        "|---|---|---|---|---|---|---|",
     ]
     for f in figs:
         if f.get("detail"):
@@ -117,9 +117,10 @@ def figures_table(figs: List[Dict]) -> List[str]:
         else:
             sign = ">=" if f.get("higher_is_better", True) else "<="
             goal = f"{sign} {f['goal']:.2f}: " + ("met" if f["met"] else "**missed**")
+        bound = f"{f['flop_bound']:.2f}x: {f['of_bound']:.2f}" if f.get("flop_bound") is not None else "-"
         lines.append(
             f"| {f['id']} | {f['numerator']} / {f['denominator']} | **{f['median']:.2f}** | "
-            f"{f['min']:.2f}-{f['max']:.2f} ({len(f['ratios'])}) | {goal} | `{f['command']}` |"
+            f"{f['min']:.2f}-{f['max']:.2f} ({len(f['ratios'])}) | {bound} | {goal} | `{f['command']}` |"
         )
     return lines
 
