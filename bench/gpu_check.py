@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import statistics
 import sys
 import time
@@ -637,7 +638,7 @@ def _contenders(preset, device) -> Dict[str, Callable[[], None]]:
     out["opacus-ghost"] = opacus_step
     for mode in ("ghost", "keep"):
         trainer = _pipedp(preset, device, mode)
-        out[f"pipedp-1stage-{mode}"] = lambda t=trainer: t.step(x, y)
+        out[f"pipedp-1stage-{mode}"] = functools.partial(trainer.step, x, y)
     return out
 
 

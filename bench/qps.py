@@ -13,6 +13,7 @@ import argparse
 import json
 import os
 import platform
+import sys
 import time
 
 import torch
@@ -84,7 +85,7 @@ def main(argv=None) -> dict:
     for r in rows:
         r["qps"] = args.batch / r["seconds"]
     result = {
-        "command": "python -m bench.qps " + " ".join(os.sys.argv[1:]),
+        "command": "python -m bench.qps " + " ".join(sys.argv[1:]),
         "machine": f"{platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}",
         "preset": preset.note,
         "stages": args.stages,

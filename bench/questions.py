@@ -23,6 +23,7 @@ reached: the limit at plain's FLOP rate.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import statistics
 import time
@@ -101,8 +102,8 @@ def _pipeline_rank(rank: int, question: str, preset_name: str, rounds: int, step
     _settle()
     preset = PRESETS[preset_name]
     lora = question == "lora"
-    makers = [lambda: S.torch_1f1b(preset, lora=lora)]
-    makers += [lambda s=s, m=m: S.pipedp(preset, s, m, lora=lora) for s, m in variants]
+    makers: List[Callable] = [lambda: S.torch_1f1b(preset, lora=lora)]
+    makers += [functools.partial(S.pipedp, preset, s, m, lora=lora) for s, m in variants]
     if question == "dp-cost" and preset.opacus:  # (the naive split runs Opacus's hooks on each part)
         makers.append(lambda: S.naive(preset))
     contenders, peaks = build_all(makers, warmup)
@@ -117,9 +118,10 @@ def _one_process(rank: int, preset_name: str, rounds: int, steps: int, warmup: i
 
     _settle()
     preset = PRESETS[preset_name]
-    makers = [lambda: S.opacus_ghost(preset), lambda: S.plain(preset)]
+    makers: List[Callable] = [lambda: S.opacus_ghost(preset), lambda: S.plain(preset)]
     makers += [
-        lambda m=m: S.pipedp(preset, "1f1b", m, name=f"pipedp-1stage-{m}", stages=1, microbatches=1) for m in variants
+        functools.partial(S.pipedp, preset, "1f1b", m, name=f"pipedp-1stage-{m}", stages=1, microbatches=1)
+        for m in variants
     ]
     contenders, peaks = build_all(makers, warmup)
     times = interleave(contenders, rounds, steps)

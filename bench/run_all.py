@@ -209,7 +209,7 @@ def main(argv=None) -> Dict:
     results = []
     for question, preset, rounds, steps, warmup, variants, *threads in plan:
         print(f"[{time.perf_counter() - start:6.0f} s] {question} / {preset} ...", flush=True)
-        r = questions.ask(question, preset, rounds, steps, warmup, variants, *threads)
+        r = questions.ask(question, preset, rounds, steps, warmup, variants, *threads)  # type: ignore[arg-type]
         for fig in r["figures"]:
             if not fig.get("detail"):
                 print(f"    {fig['id']}: {questions.describe(fig)}", flush=True)

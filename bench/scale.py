@@ -870,35 +870,37 @@ def main(argv=None) -> Dict:
     w.add_argument("--layers", type=int, default=None, help="an N-layer slice (default: every layer)")
     w.add_argument("--shard-mib", type=int, default=SHARD_BYTES >> 20)
     for name in ("run", "suite"):
-        r = sub.add_parser(name)
+        job = sub.add_parser(name)
         if name == "run":
-            r.add_argument("folder")
-            r.add_argument("--mode", choices=["lora", "full"], default="lora")
-            r.add_argument("--stages", type=int, default=2)
+            job.add_argument("folder")
+            job.add_argument("--mode", choices=["lora", "full"], default="lora")
+            job.add_argument("--stages", type=int, default=2)
         else:
-            r.add_argument("--configs", default=None, help="a grid instead of the default PLAN: these configs ...")
-            r.add_argument("--layers", type=int, default=2, help="... with this many layers ...")
-            r.add_argument("--full-depth", action="store_true", help="... or every layer of the configuration ...")
-            r.add_argument("--modes", default="lora,full", help="... in these modes ...")
-            r.add_argument("--stage-counts", default="2", help="... on these stage counts ...")
-            r.add_argument("--self-check", default="on", help="... with self_check on, off, or on,off ...")
-            r.add_argument("--activation-checkpointing", default="off", help="... and this: off, on, or off,on")
-            r.add_argument("--root", default=os.environ.get("TMPDIR", "/tmp"), help="where folders are written")
-            r.add_argument("--no-record", action="store_true", help="do not add a section to bench/RESULTS.md")
-            r.add_argument("--results", default=None, help="markdown file to add the section to (bench/RESULTS.md)")
-            r.add_argument("--figures", default=None, help="folder for the JSON (bench/figures)")
-            r.add_argument("--tree", choices=["head", "work"], default="head", help="see bench/snapshot.py")
-        r.add_argument("--steps", type=int, default=3)
-        r.add_argument("--batch", type=int, default=4)
-        r.add_argument("--microbatches", type=int, default=2)
-        r.add_argument("--seq", type=int, default=32)
-        r.add_argument(
+            job.add_argument("--configs", default=None, help="a grid instead of the default PLAN: these configs ...")
+            job.add_argument("--layers", type=int, default=2, help="... with this many layers ...")
+            job.add_argument("--full-depth", action="store_true", help="... or every layer of the configuration ...")
+            job.add_argument("--modes", default="lora,full", help="... in these modes ...")
+            job.add_argument("--stage-counts", default="2", help="... on these stage counts ...")
+            job.add_argument("--self-check", default="on", help="... with self_check on, off, or on,off ...")
+            job.add_argument("--activation-checkpointing", default="off", help="... and this: off, on, or off,on")
+            job.add_argument("--root", default=os.environ.get("TMPDIR", "/tmp"), help="where folders are written")
+            job.add_argument("--no-record", action="store_true", help="do not add a section to bench/RESULTS.md")
+            job.add_argument("--results", default=None, help="markdown file to add the section to (bench/RESULTS.md)")
+            job.add_argument("--figures", default=None, help="folder for the JSON (bench/figures)")
+            job.add_argument("--tree", choices=["head", "work"], default="head", help="see bench/snapshot.py")
+        job.add_argument("--steps", type=int, default=3)
+        job.add_argument("--batch", type=int, default=4)
+        job.add_argument("--microbatches", type=int, default=2)
+        job.add_argument("--seq", type=int, default=32)
+        job.add_argument(
             "--balance", choices=["compute", "params", "uniform"], default="compute", help="the split's rule"
         )
         if name == "run":
-            r.add_argument("--no-self-check", action="store_true", help="self_check=False (default: on, as shipped)")
-            r.add_argument("--activation-checkpointing", action="store_true", help="recompute each layer's activations")
-        r.add_argument("--no-baseline", action="store_true", help="skip the non-private torch 1F1B steps")
+            job.add_argument("--no-self-check", action="store_true", help="self_check=False (default: on, as shipped)")
+            job.add_argument(
+                "--activation-checkpointing", action="store_true", help="recompute each layer's activations"
+            )
+        job.add_argument("--no-baseline", action="store_true", help="skip the non-private torch 1F1B steps")
     args = p.parse_args(argv)
     if args.command == "write":
         out = write_folder(args.config, args.folder, args.layers, args.shard_mib << 20)
@@ -930,6 +932,7 @@ def main(argv=None) -> Dict:
     if in_snapshot("bench.scale", argv, args.tree, results_path, figures_path):
         return {}
     cmd = command_line("bench.scale", argv).strip()
+    plan: List[tuple]
     if args.configs is None:
         plan = PLAN
     else:
