@@ -6,6 +6,7 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -415,7 +416,7 @@ def test_wandb_and_mlflow_offline_get_every_step_and_resume_continues_their_runs
     base = ("train", "--inprocess", "--no-progress", "--report-to", "wandb,mlflow", "--checkpoint-dir", str(ck))
     env = dict(ENV, WANDB_MODE="offline", WANDB_SILENT="true", WANDB_DIR=str(tmp_path))
     env.pop("MLFLOW_TRACKING_URI", None)
-    for extra in (("--steps", "2"), ("--steps", "3", "--resume")):
+    for extra in (("--steps", "2", "--seed", "7"), ("--steps", "3", "--resume", "--seed", "7")):
         out = subprocess.run(
             [sys.executable, "-m", "pipedp.cli", *base, *extra], capture_output=True, text=True, env=env, timeout=240
         )
@@ -431,6 +432,11 @@ def test_wandb_and_mlflow_offline_get_every_step_and_resume_continues_their_runs
     losses = {line["step"]: line["loss"] for line in metrics(ck) if "loss" in line}
     assert sorted((m.step, m.value) for m in history) == sorted(losses.items()) and len(history) == 3
     assert run.data.params["report_to"] == "wandb,mlflow"
+    assert "seed" not in run.data.params  # a known seed regenerates the noise: never sent to a tracker
+    assert not any("--seed" in str(v) for v in run.data.tags.values())
+    for folder, _, names in os.walk(ck / "wandb"):  # nor in wandb's record of the command line
+        for name in names:
+            assert b"--seed" not in (Path(folder) / name).read_bytes(), name
 
 
 def test_user_level_units_are_sampled_and_accounted_per_user(tmp_path, cli):

@@ -7,7 +7,8 @@ library's API (no writer of ours). Only rank 0 reports.
     mlflow       MLFLOW_TRACKING_URI (default sqlite:///RUN/mlflow.db); experiment MLFLOW_EXPERIMENT_NAME
                  (default "pipedp"); a resumed run continues the same mlflow run
 
-Each tracker gets the run's flags as its config / params, and per step the metrics.jsonl line (names
+Each tracker gets the run's flags as its config / params (never the seed: a known seed regenerates the
+noise), and per step the metrics.jsonl line (names
 ``train/loss``, ``eval/loss``... as in TensorBoard), non-finite values left out. The wandb and mlflow run
 ids go to RUN/trackers.json, and --resume continues those runs. Steps after the checkpoint that an
 interrupted run had already logged are logged again on resume: TensorBoard drops the old ones
@@ -29,6 +30,8 @@ from ..errors import ConfigError
 TRACKERS = ("tensorboard", "wandb", "mlflow")
 PACKAGES = {"tensorboard": "tensorboard", "wandb": "wandb", "mlflow": "mlflow"}  # what `pip install` names
 IDS = "trackers.json"
+# never sent to a tracker (a third party's server, for wandb online): a known seed regenerates the noise
+SECRET = ("seed", "checkpoint_key")
 
 
 def parse(text: str) -> Tuple[str, ...]:
@@ -105,6 +108,8 @@ class _WandB:
             config=config,
             id=run_id,
             resume="allow" if run_id else None,
+            # no system metadata: it records the command line, and with it a --seed (SECRET)
+            settings=wandb.Settings(x_disable_meta=True, save_code=False),
         )
         self.id = self.run.id
         mode = "offline, `wandb sync` uploads it" if self.run.settings.mode == "offline" else "online"
@@ -144,6 +149,7 @@ def open_trackers(
     names: Tuple[str, ...], run_dir: str, config: Dict[str, Any], start_step: int, tensorboard_folder: str
 ) -> List[Tracker]:
     """The trackers of ``names``; a resumed run (``start_step`` > 0) continues the runs RUN/trackers.json names."""
+    config = {k: v for k, v in config.items() if k not in SECRET}
     path = os.path.join(run_dir, IDS)
     ids: Dict[str, str] = {}
     if start_step and os.path.exists(path):
