@@ -135,6 +135,11 @@ def _lock(trainer: Trainable, directory: str) -> checkpoint.FolderLock:
     problem = trainer.runtime.broadcast(problem)
     if problem is not None:
         raise CheckpointError(problem)
+    try:
+        checkpoint.refuse_unshared(trainer.runtime, directory)
+    except BaseException:
+        lock.release()
+        raise
     return lock
 
 

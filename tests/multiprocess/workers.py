@@ -148,6 +148,19 @@ def fit_run(rank, steps, checkpoint_dir, resume, die_at_step=None):
     return trainer.state_dict(), trainer.epsilon(1e-5)
 
 
+def node_local_fit(rank, checkpoint_dir):
+    """fit() with checkpoints where rank 1 cannot see what rank 0 writes (as on another node with a node-local
+    folder): rank 1's view of the folder misses every file rank 0 makes there."""
+    real = os.path.exists
+    if rank == 1:
+        os.path.exists = lambda path: False if os.path.basename(path).startswith(".tmp-probe-") else real(path)
+    try:
+        fit_run(rank, 2, checkpoint_dir, False)
+    finally:
+        os.path.exists = real
+    return "trained"
+
+
 def hf_stage_step(rank, folder, stages):
     """Each rank materializes only its stage from the checkpoint, then one DP step."""
     from pipedp.split.hf_loading import load_pipeline_stage, resident_parameter_bytes

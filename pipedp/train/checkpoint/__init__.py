@@ -27,7 +27,7 @@ import os
 from typing import Optional, Union
 
 from ...errors import CheckpointError
-from .folder import exists
+from .folder import exists, refuse_unshared
 from .lock import FolderLock
 from .store import load, save
 
@@ -54,4 +54,4 @@ def resolve_key(key: Union[str, bytes, None]) -> Optional[bytes]:
     return key
 
 
-__all__ = ["KEY_ENV", "FolderLock", "exists", "load", "resolve_key", "save"]
+__all__ = ["KEY_ENV", "FolderLock", "exists", "load", "refuse_unshared", "resolve_key", "save"]

@@ -284,4 +284,25 @@ def newest(root: str, key: Optional[bytes]) -> Manifest:
     return last
 
 
-__all__ = ["exists", "newest", "prune", "read", "require_key", "step_folders"]
+def refuse_unshared(runtime, directory: str) -> None:
+    """Every rank writes its stage's files into the folder rank 0 then commits, so every rank must see one
+    folder: a node-local folder on each of several nodes would lose the other nodes' files at every save.
+    Rank 0 writes a probe there; each rank says whether it sees it."""
+    probe = None
+    if runtime.rank == 0:
+        probe = f"{TMP}probe-{secrets.token_hex(8)}"  # (a .tmp- name: removed with the lock if left)
+        open(os.path.join(directory, probe), "w").close()
+    probe = runtime.broadcast(probe)
+    sees = runtime.all_gather(os.path.exists(os.path.join(directory, probe)))
+    if runtime.rank == 0:
+        os.unlink(os.path.join(directory, probe))
+    blind = [rank for rank, seen in enumerate(sees) if not seen]
+    if blind:
+        raise CheckpointError(
+            f"checkpoint_dir {directory}: ranks {blind} do not see the files rank 0 writes there, but every rank "
+            "writes its stage's files into that one folder: on several nodes give a shared file system (NFS, "
+            "Lustre, ...) mounted at the same path on every node"
+        )
+
+
+__all__ = ["exists", "newest", "prune", "read", "refuse_unshared", "require_key", "step_folders"]
