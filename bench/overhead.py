@@ -244,9 +244,10 @@ class _OperatorTimes(TorchDispatchMode):
 
 
 def flop_bound(preset_name: str, grad_mode: str = "auto") -> Dict[str, float]:
-    """The most DP can reach on the preset: plain micro-batched training's matrix-product FLOPs per step over
-    pipedp's (``grad_mode``, 2 stages in one process, after two warm-up steps: the self-check's first step is
-    not counted), the ratio a DP step would run at if its products ran at plain's rate and nothing else cost."""
+    """Plain micro-batched training's matrix-product FLOPs per step over pipedp's on the preset (``grad_mode``, 2
+    stages in one process, after two warm-up steps: the self-check's first step is not counted): the speed ratio
+    a DP step would reach if its products ran at plain's rate and nothing else cost. Work both sides share
+    (softmax, element-wise operations) lifts the real limit above it."""
     preset = PRESETS[preset_name]
     m, batch = preset.microbatches, preset.batch
     x, y = preset.make_batch(batch, 0)

@@ -106,7 +106,7 @@ def in_snapshot(module: str, argv, tree: str, results: str, figures: str) -> boo
 
 def figures_table(figs: List[Dict]) -> List[str]:
     lines = [
-        "| figure | ratio | median | spread (min-max, rounds) | FLOP bound: share reached | goal | command |",
+        "| figure | ratio | median | spread (min-max, rounds) | FLOP ratio: share reached | goal | command |",
         "|---|---|---|---|---|---|---|",
     ]
     for f in figs:
