@@ -65,6 +65,18 @@ def test_a_merged_export_computes_what_the_adapter_on_its_base_computes(tmp_path
     assert (want - untrained).abs().max() > 1e-4  # the adapter was trained: the check can fail
     torch.testing.assert_close(got, want, rtol=0, atol=1e-5)  # (the merged weights were saved in float32)
     assert not os.path.exists(str(tmp_path / "merged") + ".adapter-partial")
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    load = (  # from another working directory, without peft: transformers alone loads it and generates
+        "import sys, torch, transformers; m = transformers.AutoModelForCausalLM.from_pretrained(sys.argv[1]); "
+        "t = transformers.AutoTokenizer.from_pretrained(sys.argv[1]); "
+        "print(m.generate(torch.tensor([[1, 2]]), max_new_tokens=2, do_sample=False).shape, t.__class__.__name__)"
+    )
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    loaded = subprocess.run(
+        [sys.executable, "-c", load, str(tmp_path / "merged")], cwd=elsewhere, capture_output=True, text=True, env=env
+    )
+    assert loaded.returncode == 0 and "torch.Size([1, 4])" in loaded.stdout, loaded.stderr[-3000:]
     again = cli(*args, "--checkpoint-dir", "run2", "--export-merged", "merged")
     assert again.returncode != 0 and "--export-merged merged already holds files" in again.stderr
     # a LoRA run's own config.toml runs it again (new export folders: the old ones are not written over)
