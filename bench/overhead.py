@@ -243,11 +243,9 @@ class _OperatorTimes(TorchDispatchMode):
         return out
 
 
-def flop_bound(preset_name: str, grad_mode: str = "auto") -> Dict[str, float]:
-    """Plain micro-batched training's matrix-product FLOPs per step over pipedp's on the preset (``grad_mode``, 2
-    stages in one process, after two warm-up steps: the self-check's first step is not counted): the speed ratio
-    a DP step would reach if its products ran at plain's rate and nothing else cost. Work both sides share
-    (softmax, element-wise operations) lifts the real limit above it."""
+def _plain_and_dp(preset_name: str, grad_mode: str):
+    """({"plain": step, "dp": step}, the trainer) on the preset's batch, each warmed up by two steps (the
+    self-check's first step done)."""
     preset = PRESETS[preset_name]
     m, batch = preset.microbatches, preset.batch
     x, y = preset.make_batch(batch, 0)
@@ -256,10 +254,20 @@ def flop_bound(preset_name: str, grad_mode: str = "auto") -> Dict[str, float]:
     torch.manual_seed(0)
     trainer = _trainer(preset.build(), preset, m, grad_mode, 2, batch)
     steps["dp"] = lambda: trainer.step(x, y)
+    for step in steps.values():
+        step()
+        step()
+    return steps, trainer
+
+
+def flop_bound(preset_name: str, grad_mode: str = "auto") -> Dict[str, float]:
+    """Plain micro-batched training's matrix-product FLOPs per step over pipedp's on the preset (``grad_mode``, 2
+    stages in one process, after two warm-up steps: the self-check's first step is not counted): the speed ratio
+    a DP step would reach if its products ran at plain's rate and nothing else cost. Work both sides share
+    (softmax, element-wise operations) lifts the real limit above it."""
+    steps, trainer = _plain_and_dp(preset_name, grad_mode)
     flops = {}
     for name, step in steps.items():
-        step()
-        step()
         with _OperatorTimes() as counter:
             step()
         flops[name] = counter.flops
@@ -271,17 +279,7 @@ def by_operator(preset_name: str = "small", reps: int = 3) -> Dict:
     """Plain micro-batched training and pipedp's default step (grad_mode auto) on the preset: each aten
     operator's time (median over reps) on both sides, and both steps' matrix-product FLOPs, whose ratio
     bounds the DP / plain speed where DP's products ran at plain's rate and nothing else cost."""
-    preset = PRESETS[preset_name]
-    m, batch = preset.microbatches, preset.batch
-    x, y = preset.make_batch(batch, 0)
-    torch.manual_seed(0)
-    steps = {"plain": _plain_step(preset.build(), preset, x, y, m)}
-    torch.manual_seed(0)
-    trainer = _trainer(preset.build(), preset, m, "auto", 2, batch)
-    steps["dp"] = lambda: trainer.step(x, y)
-    for step in steps.values():
-        step()
-        step()
+    steps, trainer = _plain_and_dp(preset_name, "auto")
     times: Dict[str, Dict[str, List[float]]] = {name: defaultdict(list) for name in steps}
     flops: Dict[str, int] = {}
     for _ in range(reps):
