@@ -397,10 +397,16 @@ def test_report_to_names_are_checked_before_the_run(monkeypatch):
     with pytest.raises(ConfigError, match="comet is not a tracker pipedp reports to"):
         trackers.parse("wandb,comet")
     real = importlib.util.find_spec
-    monkeypatch.setattr(importlib.util, "find_spec", lambda name: None if name == "wandb" else real(name))
-    assert "wandb" not in trackers.parse("all")
+    gone = {"wandb", "sqlalchemy"}
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: None if name in gone else real(name))
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    assert "wandb" not in trackers.parse("all") and "mlflow" not in trackers.parse("all")  # (no sqlite store)
     with pytest.raises(ImportError, match="pip install wandb"):
-        trackers.check_installed(("mlflow", "wandb"))
+        trackers.check_installed(("wandb",))
+    with pytest.raises(ImportError, match="needs sqlalchemy"):
+        trackers.check_installed(("mlflow",))
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", "http://tracking.example:5000")  # a server: no local store needed
+    trackers.check_installed(("mlflow",))
     # the metrics.jsonl line as tracker names; no step, no null or infinite epsilon (--disable-dp)
     line = {"step": 3, "loss": 1.5, "epsilon": float("inf"), "eval_loss": 2.0, "clipped_fraction": None}
     assert trackers.tags(line) == {"train/loss": 1.5, "eval/loss": 2.0}

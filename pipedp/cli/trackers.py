@@ -41,7 +41,7 @@ def parse(text: str) -> Tuple[str, ...]:
     if names in ([], ["none"]):
         return ()
     if names == ["all"]:
-        return tuple(n for n in TRACKERS if importlib.util.find_spec(n) is not None)
+        return tuple(n for n in TRACKERS if _missing(n) is None)
     unknown = [n for n in names if n not in TRACKERS]
     if unknown:
         raise ConfigError(
@@ -52,16 +52,24 @@ def parse(text: str) -> Tuple[str, ...]:
     return tuple(dict.fromkeys(names))
 
 
-def check_installed(names: Tuple[str, ...]) -> None:
-    """Before any process starts: each tracker's package is importable (and MLflow's default store's)."""
-    for name in names:
-        if importlib.util.find_spec(name) is None:
-            raise ImportError(f"--report-to {name} needs the {PACKAGES[name]} package: pip install {PACKAGES[name]}")
-    if "mlflow" in names and "MLFLOW_TRACKING_URI" not in os.environ and importlib.util.find_spec("sqlalchemy") is None:
-        raise ImportError(
+def _missing(name: str) -> Optional[str]:
+    """What ``name`` lacks to report (None: nothing): its package, or MLflow's default store's."""
+    if importlib.util.find_spec(name) is None:
+        return f"--report-to {name} needs the {PACKAGES[name]} package: pip install {PACKAGES[name]}"
+    if name == "mlflow" and "MLFLOW_TRACKING_URI" not in os.environ and importlib.util.find_spec("sqlalchemy") is None:
+        return (
             "--report-to mlflow stores the run in sqlite:///RUN/mlflow.db, which needs sqlalchemy (mlflow-skinny "
             "lacks it): pip install mlflow (or sqlalchemy alembic), or point MLFLOW_TRACKING_URI at your server"
         )
+    return None
+
+
+def check_installed(names: Tuple[str, ...]) -> None:
+    """Before any process starts: each tracker can report (``all`` took only those that can)."""
+    for name in names:
+        problem = _missing(name)
+        if problem is not None:
+            raise ImportError(problem)
 
 
 class Tracker(Protocol):
