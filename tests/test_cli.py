@@ -412,6 +412,29 @@ def test_report_to_names_are_checked_before_the_run(monkeypatch):
     assert trackers.tags(line) == {"train/loss": 1.5, "eval/loss": 2.0}
 
 
+def test_a_failing_tracker_is_said_and_dropped_and_the_run_ends_as_without_it(tmp_path, cli, monkeypatch):
+    """A tracker that fails at a step or at close (a server gone) must not end the run: the summary, the export and
+    the other trackers still happen (before: the run ended after training with no summary.json)."""
+    pytest.importorskip("tensorboard")
+    from pipedp.cli import trackers
+
+    def broken(*args, **kwargs):
+        raise ConnectionError("the tracking server went away")
+
+    monkeypatch.setattr(trackers._TensorBoard, "log", broken)
+    monkeypatch.setattr(trackers._TensorBoard, "close", broken)
+    args = ("train", "--inprocess", "--steps", "2", "--no-progress", "--report-to", "tensorboard", "--checkpoint-dir")
+    out = cli(*args, str(tmp_path / "ck"))
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stderr.count("--report-to tensorboard failed at step 1 (ConnectionError") == 1  # said once, dropped
+    assert "tensorboard failed to close" not in out.stderr  # (dropped at step 1: nothing left to close)
+    assert (tmp_path / "ck" / "summary.json").exists() and len(metrics(tmp_path / "ck")) == 2
+    monkeypatch.setattr(trackers._TensorBoard, "log", lambda self, metrics, step: None)
+    out = cli(*args, str(tmp_path / "ck2"))
+    assert out.returncode == 0 and "--report-to tensorboard failed to close (ConnectionError" in out.stderr
+    assert (tmp_path / "ck2" / "summary.json").exists()
+
+
 def test_wandb_and_mlflow_offline_get_every_step_and_resume_continues_their_runs(tmp_path):
     pytest.importorskip("wandb")
     pytest.importorskip("mlflow")

@@ -79,6 +79,12 @@ def test_a_merged_export_computes_what_the_adapter_on_its_base_computes(tmp_path
     assert loaded.returncode == 0 and "torch.Size([1, 4])" in loaded.stdout, loaded.stderr[-3000:]
     again = cli(*args, "--checkpoint-dir", "run2", "--export-merged", "merged")
     assert again.returncode != 0 and "--export-merged merged already holds files" in again.stderr
+    alone = cli(*args, "--checkpoint-dir", "run4", "--export-merged", "merged-alone")  # no --export: the scratch
+    assert alone.returncode == 0 and "config.json" in os.listdir(tmp_path / "merged-alone")
+    assert not os.path.exists(str(tmp_path / "merged-alone") + ".adapter-partial")  # ... removed after the merge
+    os.makedirs(str(tmp_path / "left") + ".adapter-partial")  # as an interrupted merge leaves it
+    stale = cli(*args, "--checkpoint-dir", "run5", "--export-merged", "left")
+    assert stale.returncode == 2 and "left from an interrupted merged export" in stale.stderr
     # a LoRA run's own config.toml runs it again (new export folders: the old ones are not written over)
     rerun = cli("train", "--config", "run/config.toml", "--checkpoint-dir", "again", "--export-merged", "merged2")
     assert rerun.returncode == 2 and "--export adapter already holds files" in rerun.stderr

@@ -110,3 +110,13 @@ def test_epoch_strategies_evaluate_and_checkpoint_every_epoch(cli, tmp_path):
     assert lone.returncode == 2 and "give --eval-data FILE or --eval-fraction F" in lone.stderr
     assert cli(*args, "--steps", "2", "--save-strategy", "no", "--checkpoint-dir", "n").returncode == 0
     assert not [d for d in os.listdir("n") if d.startswith("step-")]
+    assert "no-checkpoint" not in open("n/config.toml").read()  # saved as the user said it, not rewritten
+    again = cli(*args, "--steps", "2", "--save-strategy", "no", "--checkpoint-dir", "n", "--resume")
+    assert again.returncode == 2 and "drop --save-strategy no" in again.stderr
+    both = cli(*args, "--save-strategy", "epoch", "--no-checkpoint")
+    assert both.returncode == 2 and "--save-strategy epoch would do nothing" in both.stderr
+    # a config file's step flag gives way to the command line's strategy (flags override the file)
+    with open("job.toml", "w") as f:
+        f.write("eval-every = 3\ncheckpoint-every = 3\n")
+    chosen = cli(*args, "--config", "job.toml", "--steps", "2", "--eval-strategy", "epoch", "--checkpoint-dir", "c")
+    assert chosen.returncode == 0 and f"an epoch is {epoch} steps: evaluating every" in chosen.stdout, chosen.stderr

@@ -15,6 +15,9 @@ import json
 import math
 from typing import Any, Dict, List, Sequence
 
+# Hugging Face's --eval-strategy / --save-strategy and the step flags they replace (cli/preflight.py refuses both
+# on one command line; a file's one gives way to the command line's other)
+STRATEGY_STEPS = {"eval_strategy": "eval_every", "save_strategy": "checkpoint_every"}
 NOT_SAVED = ("config", "checkpoint_key", "resume", "overwrite", "given")  # run control and secrets: never written back
 
 
@@ -86,6 +89,9 @@ def tokens(parser: argparse.ArgumentParser, path: str, argv: Sequence[str]) -> L
         dests = {a.dest for a in group._group_actions}
         for d in dests:
             partners[d] = dests - {d}
+    for strategy, every in STRATEGY_STEPS.items():  # one says when in steps, the other by Hugging Face's strategy
+        partners.setdefault(strategy, set()).add(every)
+        partners.setdefault(every, set()).add(strategy)
     out: List[str] = []
     for dest, value in values.items():
         if dest == "config":

@@ -13,24 +13,43 @@ from .spec import Job
 
 
 def export(trainer, job: Job, lead: bool) -> None:
-    adapter = job.export or f"{os.path.abspath(job.export_merged or '')}.adapter-partial"  # (merged only: a scratch)
-    trainer.save_pretrained(adapter)  # every rank takes part; rank 0 writes
-    if not lead:
+    """--export's folder, and for --export-merged the adapter in its scratch folder (merged by ``export_merged``
+    once every rank has finished). Every rank takes part; rank 0 writes."""
+    if job.export:
+        trainer.save_pretrained(job.export)
+        if lead:
+            from transformers import AutoTokenizer
+
+            AutoTokenizer.from_pretrained(job.model.name, local_files_only=True).save_pretrained(job.export)
+            base = _name_base(job.export, job.model.name)
+            on = f" (a LoRA adapter on {base})" if base else ""
+            print(f"exported: {job.export}{on} (transformers' from_pretrained loads it)", flush=True)
+    if job.export_merged:
+        trainer.save_pretrained(merge_scratch(job.export_merged))
+        if lead:
+            _name_base(merge_scratch(job.export_merged), job.model.name)
+
+
+def merge_scratch(folder: str) -> str:
+    """Where a run leaves its adapter for --export-merged ``folder`` (preflight refuses one left by an interrupted
+    merge)."""
+    return f"{os.path.abspath(folder)}.adapter-partial"
+
+
+def export_merged(job: Job) -> None:
+    """--export-merged, on the job's lead process after every rank has finished: loading the whole base model and
+    merging may take minutes, longer than a rank may wait in a collective. Nothing to do when the run wrote no
+    adapter (a finished run resumed)."""
+    if not job.export_merged or not os.path.isdir(merge_scratch(job.export_merged)):
         return
+    scratch = merge_scratch(job.export_merged)
     from transformers import AutoTokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(job.model.name, local_files_only=True)
-    base = _name_base(adapter, job.model.name)
-    if job.export:
-        tokenizer.save_pretrained(job.export)
-        on = f" (a LoRA adapter on {base})" if base else ""
-        print(f"exported: {job.export}{on} (transformers' from_pretrained loads it)", flush=True)
-    if job.export_merged:
-        _merge(adapter, job.model.name, job.export_merged)
-        tokenizer.save_pretrained(job.export_merged)
-        if not job.export:
-            shutil.rmtree(adapter)
-        print(f"exported: {job.export_merged} (the LoRA adapter merged into {base}; no peft needed)", flush=True)
+    _merge(scratch, job.model.name, job.export_merged)
+    AutoTokenizer.from_pretrained(job.model.name, local_files_only=True).save_pretrained(job.export_merged)
+    shutil.rmtree(scratch)
+    base = os.path.abspath(job.model.name) if os.path.isdir(job.model.name) else job.model.name
+    print(f"exported: {job.export_merged} (the LoRA adapter merged into {base}; no peft needed)", flush=True)
 
 
 def _merge(adapter: str, base: str, folder: str) -> None:

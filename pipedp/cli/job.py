@@ -101,7 +101,7 @@ def _run(args, defaults: Optional[dict], hold) -> int:
             )
         init_from_env("gloo" if job.pipeline.device == "cpu" else None, timeout_s=job.pipeline.timeout)
         _print_rank_device(world)
-        return exit_code(train_rank(int(os.environ["RANK"]), job))
+        return _merged(job, exit_code(train_rank(int(os.environ["RANK"]), job)), lead)
     if (job.inprocess or world == 1) and replicas > 1:
         raise PipeDPError("--replicas > 1 needs one process per (stage, replica): drop --inprocess")
     if job.inprocess and tp > 1:
@@ -110,8 +110,17 @@ def _run(args, defaults: Optional[dict], hold) -> int:
     if not placement.processes:
         devices = None if set(placement.devices) == {"cpu"} else placement.devices
         pipeline = replace(job.pipeline, transport="inprocess", devices=devices)
-        return exit_code(train_rank(0, replace(job, inprocess=True, pipeline=pipeline)))
-    return _launch(job, world, placement.backend or "gloo")
+        return _merged(job, exit_code(train_rank(0, replace(job, inprocess=True, pipeline=pipeline))), lead)
+    return _merged(job, _launch(job, world, placement.backend or "gloo"), lead)
+
+
+def _merged(job: Job, code: int, lead: bool) -> int:
+    """--export-merged after the ranks (cli/export.py): on the lead process, when the run exported."""
+    if lead and job.export_merged:
+        from .export import export_merged
+
+        export_merged(job)
+    return code
 
 
 def place_job(job: Job):

@@ -103,10 +103,9 @@ class Monitor:
             self.log.write(json.dumps(line) + "\n")
             self.log.flush()
         if self.trackers:
-            from .trackers import tags
+            from .trackers import log_all, tags
 
-            for tracker in self.trackers:
-                tracker.log(tags(line), line["step"])
+            self.trackers = log_all(self.trackers, tags(line), line["step"])
 
     # ---- the callback -----------------------------------------------------------------------------
     def begin(self) -> None:
@@ -199,6 +198,8 @@ class Monitor:
         if self.log is not None:
             self.log.close()
             self.log = None
-        for tracker in self.trackers:
-            tracker.close()
-        self.trackers = []
+        if self.trackers:
+            from .trackers import close_all
+
+            trackers, self.trackers = self.trackers, []
+            close_all(trackers)

@@ -19,6 +19,8 @@ from typing import Callable, List, Optional, Tuple
 
 from ..config import DataConfig, FitConfig, OptimizerConfig, PipelineConfig, PrivacyConfig
 from ..errors import ConfigError, PipeDPError
+from .configfile import STRATEGY_STEPS
+from .export import merge_scratch
 from .flags import DEFAULT_STEPS, config_from_args, flag_name
 from .record import RunFolder, default_run_dir, link_latest
 from .spec import TINY_GPT, TINY_GPT_SEQ_LEN, TINY_GPT_SHAPE, Job, Model
@@ -60,8 +62,9 @@ def check_flags(args) -> Tuple[PipelineConfig, PrivacyConfig, FitConfig, DataCon
             "give another --checkpoint-dir"
         )
     _check_strategies(args, data)
-    if args.resume and args.no_checkpoint:
-        raise ConfigError("--resume continues a checkpoint: drop --no-checkpoint")
+    if args.resume and _no_checkpoint(args):
+        flag = "--no-checkpoint" if args.no_checkpoint else "--save-strategy no"
+        raise ConfigError(f"--resume continues a checkpoint: drop {flag}")
     _refuse_existing_export(args)
     if privacy.sampling == "shuffle" and fit.max_logical_batch is not None:
         raise ConfigError(
@@ -101,9 +104,9 @@ def _check_no_privacy_flags(args) -> None:
 
 def _check_strategies(args, data: DataConfig) -> None:
     """--eval-strategy / --save-strategy (Hugging Face's names) against the step flags they replace. ``no`` for
-    saving is --no-checkpoint (set here, so the one switch decides downstream)."""
+    saving is --no-checkpoint (``_no_checkpoint``)."""
     chosen: frozenset = getattr(args, "given", frozenset())
-    for strategy, every in (("eval_strategy", "eval_every"), ("save_strategy", "checkpoint_every")):
+    for strategy, every in STRATEGY_STEPS.items():
         if getattr(args, strategy) != "steps" and every in chosen:
             raise ConfigError(
                 f"{flag_name(strategy)} {getattr(args, strategy)} and {flag_name(every)} both say when: give one "
@@ -115,8 +118,16 @@ def _check_strategies(args, data: DataConfig) -> None:
             "eval_strategy: epoch evaluates on evaluation data: give --eval-data FILE or --eval-fraction F",
             "eval_strategy",
         )
-    if args.save_strategy == "no":
-        args.no_checkpoint = True
+    if args.no_checkpoint and args.save_strategy != "steps":
+        raise ConfigError(
+            f"--no-checkpoint saves no checkpoint, so --save-strategy {args.save_strategy} would do nothing: give one",
+            "save_strategy",
+        )
+
+
+def _no_checkpoint(args) -> bool:
+    """No checkpoints: --no-checkpoint, or Hugging Face's --save-strategy no."""
+    return bool(args.no_checkpoint) or args.save_strategy == "no"
 
 
 def _apply_strategies(args, data: DataConfig, fit: FitConfig, privacy: PrivacyConfig, say: Say):
@@ -191,7 +202,7 @@ def check_folder(args, say: Say, lead: bool = True, hold: Optional[ExitStack] = 
             f"{folder.path!r} already holds the checkpoint of a run: pass --resume to continue it, --overwrite to "
             "start afresh (the old run is moved aside), or give another --checkpoint-dir"
         )
-    if not args.no_checkpoint:  # an empty key, or a signed folder resumed without its key: refused before any rank
+    if not _no_checkpoint(args):  # an empty key, or a signed folder resumed without its key: refused before any rank
         key = resolve_key(args.checkpoint_key)
         if held and args.resume:
             checkpoints.require_key(folder.path, key)
@@ -315,6 +326,12 @@ def _refuse_existing_export(args) -> None:
                 "pass --overwrite to write over it",
                 flag[2:].replace("-", "_"),
             )
+    if args.export_merged and os.path.exists(merge_scratch(args.export_merged)):
+        raise ConfigError(
+            f"--export-merged {args.export_merged}: {merge_scratch(args.export_merged)} is left from an interrupted "
+            "merged export (the adapter it was merging): remove it, or give another folder",
+            "export_merged",
+        )
     if args.export and args.export_merged and os.path.abspath(args.export) == os.path.abspath(args.export_merged):
         raise ConfigError("--export and --export-merged name one folder: give each its own", "export_merged")
 
@@ -486,7 +503,7 @@ def resolve(args, say: Say = print, lead: bool = True, hold: Optional[ExitStack]
     """The checked job; ``hold``: takes the run folder's lock, held until it closes (see check_folder)."""
     pipeline, privacy, fit, data, optim = check_flags(args)
     folder = check_folder(args, say, lead, hold)
-    fit = replace(fit, checkpoint_dir=None if args.no_checkpoint else folder.path)
+    fit = replace(fit, checkpoint_dir=None if _no_checkpoint(args) else folder.path)
     model = check_model(args, pipeline)
     data, train_file, eval_file, units, unit_rows = prepare_data(args, data, folder, privacy.public_seed(), model, say)
     privacy, fit = resolve_privacy(args, privacy, fit, units, unit_rows, say)

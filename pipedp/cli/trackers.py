@@ -14,6 +14,9 @@ ids go to RUN/trackers.json, and --resume continues those runs. Steps after the 
 interrupted run had already logged are logged again on resume: TensorBoard drops the old ones
 (purge_step), wandb keeps the old ones (it ignores steps below its last), mlflow keeps both.
 
+A tracker that fails (to start, at a step, or to close: a login missing, a server gone) is said on stderr
+and dropped; it never ends the training run (metrics.jsonl has every step).
+
 Imports no torch at module level (the names are checked before anything is loaded).
 """
 
@@ -23,6 +26,7 @@ import importlib.util
 import json
 import math
 import os
+import sys
 from typing import Any, Dict, List, Optional, Protocol, Tuple
 
 from ..errors import ConfigError
@@ -73,6 +77,7 @@ def check_installed(names: Tuple[str, ...]) -> None:
 
 
 class Tracker(Protocol):
+    name: str  # tensorboard, wandb or mlflow
     where: str  # said at the start: where the metrics go
 
     def log(self, metrics: Dict[str, float], step: int) -> None: ...
@@ -91,6 +96,8 @@ def tags(line: Dict[str, Any]) -> Dict[str, float]:
 
 
 class _TensorBoard:
+    name = "tensorboard"
+
     def __init__(self, run_dir: str, start_step: int, folder: str):
         from torch.utils.tensorboard import SummaryWriter
 
@@ -106,6 +113,8 @@ class _TensorBoard:
 
 
 class _WandB:
+    name = "wandb"
+
     def __init__(self, run_dir: str, config: Dict[str, Any], run_id: Optional[str]):
         import wandb
 
@@ -131,6 +140,8 @@ class _WandB:
 
 
 class _MLflow:
+    name = "mlflow"
+
     def __init__(self, run_dir: str, config: Dict[str, Any], run_id: Optional[str]):
         import mlflow
 
@@ -153,6 +164,33 @@ class _MLflow:
         self.mlflow.end_run()
 
 
+def failed(name: str, what: str, exc: BaseException) -> None:
+    """A tracker's failure never ends a training run: it is said on stderr, and the tracker dropped."""
+    text = str(exc).strip().splitlines()[0][:300] if str(exc).strip() else type(exc).__name__
+    message = f"--report-to {name} {what} ({type(exc).__name__}: {text}); training goes on without it"
+    print(f"pipedp: warning: {message} (metrics.jsonl has every step)", file=sys.stderr, flush=True)
+
+
+def log_all(trackers: List[Tracker], metrics: Dict[str, float], step: int) -> List[Tracker]:
+    """Each tracker logs the step; returns those still working."""
+    working = []
+    for tracker in trackers:
+        try:
+            tracker.log(metrics, step)
+            working.append(tracker)
+        except Exception as exc:
+            failed(tracker.name, f"failed at step {step}", exc)
+    return working
+
+
+def close_all(trackers: List[Tracker]) -> None:
+    for tracker in trackers:
+        try:
+            tracker.close()
+        except Exception as exc:  # (the others are still closed: their last events flushed)
+            failed(tracker.name, "failed to close", exc)
+
+
 def open_trackers(
     names: Tuple[str, ...], run_dir: str, config: Dict[str, Any], start_step: int, tensorboard_folder: str
 ) -> List[Tracker]:
@@ -165,10 +203,14 @@ def open_trackers(
             ids = json.load(f)
     out: List[Tracker] = []
     for name in names:
-        if name == "tensorboard":
-            out.append(_TensorBoard(run_dir, start_step, tensorboard_folder))
+        try:
+            if name == "tensorboard":
+                out.append(_TensorBoard(run_dir, start_step, tensorboard_folder))
+                continue
+            tracker = (_WandB if name == "wandb" else _MLflow)(run_dir, config, ids.get(name) if start_step else None)
+        except Exception as exc:  # (a login missing, a server unreachable): said, and the run goes on
+            failed(name, "could not start", exc)
             continue
-        tracker = (_WandB if name == "wandb" else _MLflow)(run_dir, config, ids.get(name) if start_step else None)
         ids[name] = tracker.id
         out.append(tracker)
     if ids:

@@ -35,6 +35,8 @@ def secure_bytes(count: int) -> bytes:
 
 def _uniform(count: int, device: torch.device) -> torch.Tensor:
     """``count`` float64 uniform in (0, 1), 53 random bits each, on ``device``."""
+    if count == 0:  # (frombuffer refuses an empty buffer)
+        return torch.zeros(0, dtype=torch.float64, device=device)
     raw = torch.frombuffer(bytearray(secure_bytes(8 * count)), dtype=torch.int64).to(device)
     return ((raw & MASK_53).to(torch.float64) + 0.5) / float(1 << 53)
 

@@ -130,8 +130,9 @@ class _Converted(Mapping):
         converters = [t for t in self.mapping if not isinstance(t, WeightRenaming)]
         self.files = weight_map(folder)
         self.sources: Dict[str, List[str]] = {}  # model name -> the stored names it is made from
+        own = self.scratch.state_dict()  # (as transformers' loader: a checkpoint saved without the prefix matches)
         for key in self.files:
-            name = rename_source_key(key, renamings, converters, self.scratch.base_model_prefix)[0]
+            name = rename_source_key(key, renamings, converters, self.scratch.base_model_prefix, own)[0]
             self.sources.setdefault(name, []).append(key)
 
     def __getitem__(self, name: str) -> torch.Tensor:

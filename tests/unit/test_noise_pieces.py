@@ -96,4 +96,25 @@ def test_secure_noise_is_standard_normal_times_std_from_either_source(monkeypatc
     assert 0.0022 < float((z.abs() > 3).double().mean()) < 0.0032
     assert not torch.equal(z, secure.secure_gaussian_like(torch.zeros(200_000, dtype=torch.float64), 3.0) / 3.0)
     # chacha20 reads a 256-bit key and a nonce from the OS per draw; urandom reads every bit (8 bytes per uniform)
-    assert read[:2] == [32, 16] if source == "chacha20" else read[0] == 8 * 4 * 200_000
+    # chacha20: a fresh key and nonce per draw (the second draw reads them again)
+    assert read[:4] == [32, 16, 32, 16] if source == "chacha20" else read[0] == 8 * 4 * 200_000
+
+
+def test_secure_noise_sums_four_draws_per_coordinate(monkeypatch):
+    """Holohan & Braghin's fix against floating-point attacks (as Opacus's secure mode): each coordinate is the
+    sum of 2n = 4 Gaussians halved, so 4 standard normals are drawn per coordinate."""
+    from pipedp.privacy import secure
+
+    asked = []
+    real = secure._standard_normal
+    monkeypatch.setattr(secure, "_standard_normal", lambda count, device: asked.append(count) or real(count, device))
+    secure.secure_gaussian_like(torch.zeros(10), 1.0)
+    assert asked == [40]
+
+
+def test_secure_noise_on_an_empty_tensor_is_nothing():
+    from pipedp.privacy.sampling import poisson_indices
+
+    empty = torch.zeros(0)
+    noise.add_noise([empty], ["a"], 1.0, seed=0, step=0, secure_mode=True)
+    assert empty.numel() == 0 and poisson_indices(0, 0.5, 0, 0, True).numel() == 0
