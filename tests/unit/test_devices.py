@@ -5,6 +5,7 @@ device (under FakeTensorMode a fake cuda tensor mixed with a real CPU one raises
 from dataclasses import dataclass, field
 from datetime import timedelta
 from types import SimpleNamespace
+from typing import Optional
 
 import pytest
 import torch
@@ -69,6 +70,7 @@ class _Job:  # the fields pipedp.cli.job.run reads
     resume: bool = False
     run_dir: str = ""
     resume_notes: tuple = ()
+    export_merged: Optional[str] = None
 
 
 @pytest.mark.parametrize(
