@@ -264,17 +264,12 @@ def parse(argv: Optional[List[str]] = None) -> argparse.Namespace:
             train_parser(parser).error(str(exc))
         argv = argv[: at + 1] + from_file + argv[at + 1 :]
         args = parser.parse_args(argv)
-    args.given = given(argv)
+    # the train flags the user set (on the command line or in the file), even to their default value: an explicit
+    # ``--max-grad-norm 1.0`` is a choice, not a default left alone
+    from .configfile import given_on_command_line
+
+    args.given = frozenset(given_on_command_line(train_parser(parser), argv[argv.index("train") + 1 :]))
     return args
-
-
-def given(argv: List[str]) -> frozenset:
-    """The train flags the user set (on the command line or in --config's file), even to their default value:
-    an explicit ``--max-grad-norm 1.0`` is a choice, not a default left alone."""
-    quiet = build_parser()
-    for action in train_parser(quiet)._actions:
-        action.default = argparse.SUPPRESS
-    return frozenset(k for k in vars(quiet.parse_args(argv)) if k != "command")
 
 
 def main(argv: Optional[List[str]] = None) -> int:

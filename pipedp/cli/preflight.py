@@ -105,9 +105,8 @@ def _check_no_privacy_flags(args) -> None:
 def _check_strategies(args, data: DataConfig) -> None:
     """--eval-strategy / --save-strategy (Hugging Face's names) against the step flags they replace. ``no`` for
     saving is --no-checkpoint (``_no_checkpoint``)."""
-    chosen: frozenset = getattr(args, "given", frozenset())
     for strategy, every in STRATEGY_STEPS.items():
-        if getattr(args, strategy) != "steps" and every in chosen:
+        if getattr(args, strategy) != "steps" and every in args.given:
             raise ConfigError(
                 f"{flag_name(strategy)} {getattr(args, strategy)} and {flag_name(every)} both say when: give one "
                 f"({flag_name(every)} N is {flag_name(strategy)} steps)",
@@ -455,13 +454,7 @@ def privacy_warnings(args, privacy: PrivacyConfig, steps: int) -> List[str]:
     if not privacy.enabled:
         return []
     out = []
-    defaults = {f.name: f.default for f in fields(PrivacyConfig)}
-    chosen = getattr(args, "given", None)  # (main.parse's; by value for a Namespace built elsewhere)
-    left = [
-        flag_name(n)
-        for n in ("noise_multiplier", "max_grad_norm")
-        if (n not in chosen if chosen is not None else getattr(args, n) == defaults[n])
-    ]
+    left = [flag_name(n) for n in ("noise_multiplier", "max_grad_norm") if n not in args.given]  # (main.parse's)
     if args.target_epsilon is not None and "--noise-multiplier" in left:
         left.remove("--noise-multiplier")  # calibrated, not defaulted
     if left:
