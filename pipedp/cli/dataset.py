@@ -40,7 +40,7 @@ def rank_data(job: Job) -> RankData:
 
     rows = _rows(job.train_rows)
     data = job.data
-    units = user_units(rows, job.unit_rows) if data.privacy_unit == "user" else record_units(rows)
+    units = user_units(rows, job.privacy.unit_rows) if data.privacy_unit == "user" else record_units(rows)
     train_units, held = hold_out(len(units), data.eval_fraction, job.privacy.public_seed())
     ids, labels, mask = assemble(rows, units, train_units)
     train = (_inputs(job, ids, mask), labels)

@@ -513,7 +513,6 @@ def resolve(args, say: Say = print, lead: bool = True, hold: Optional[ExitStack]
         overwrite=args.overwrite,
         train_rows=train_file,
         eval_rows=eval_file,
-        unit_rows=unit_rows,
         export=args.export,
         export_merged=args.export_merged,
         lora_r=args.lora_r,

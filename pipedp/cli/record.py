@@ -192,7 +192,7 @@ class RunFolder:
             "privacy": describe(job.privacy),
             "fit": {k: v for k, v in describe(job.fit).items() if k != "checkpoint_key"},
             "units": job.privacy.dataset_size,
-            "rows_per_unit": job.unit_rows,  # (the record's key, kept: earlier runs' records name it so)
+            "rows_per_unit": job.privacy.unit_rows,  # (the record's key, kept: earlier runs' records name it so)
             "seq_len": job.data.seq_len,  # as given, or chosen from the data
             "train_rows": os.path.basename(job.train_rows) if job.train_rows else None,
             "eval_rows": os.path.basename(job.eval_rows) if job.eval_rows else None,
@@ -248,7 +248,7 @@ class RunFolder:
         for key, what in (("train_rows", "training rows"), ("rows_per_unit", "rows per unit"), ("units", "units")):
             new = {
                 "train_rows": os.path.basename(job.train_rows) if job.train_rows else None,
-                "rows_per_unit": job.unit_rows,
+                "rows_per_unit": job.privacy.unit_rows,
                 "units": job.privacy.dataset_size,
             }[key]
             if key in resolved and resolved[key] != new and not refused:

@@ -38,7 +38,6 @@ class Job:
     overwrite: bool
     train_rows: Optional[str]  # the cache file of the tokenised training rows
     eval_rows: Optional[str]  # of the --eval-data rows
-    unit_rows: int  # rows per privacy unit (PrivacyConfig.unit_rows)
     export: Optional[str]
     export_merged: Optional[str]  # the LoRA-merged whole model (cli.export)
     lora_r: Optional[int]

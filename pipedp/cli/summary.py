@@ -24,7 +24,7 @@ def describe_job(job: Job) -> str:
     decay = f"weight decay {o.weight_decay:g}" + (
         f" (not on {', '.join(o.no_decay_kinds())})" if o.weight_decay and o.no_decay_kinds() else ""
     )
-    unit = "record" if d.privacy_unit == "record" else f"user ({d.user_field}, {job.unit_rows} rows each)"
+    unit = "record" if d.privacy_unit == "record" else f"user ({d.user_field}, {job.privacy.unit_rows} rows each)"
     checkpoints = (
         f"checkpoints every {f.checkpoint_every} steps, keep {f.keep_last}" if f.checkpoint_dir else "no checkpoints"
     )
