@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping
-from typing import Dict, Iterator, List
+from typing import Dict, Iterator, List, Tuple
 
 import torch
 import torch.nn as nn
@@ -104,14 +104,19 @@ def load_pipeline_stage(
     return load_stage(model, checkpoint_tensors(model, folder), stages, stage, balance, device, untie_weights)
 
 
-def _splits_on_loading(model: nn.Module) -> bool:
-    """Does a conversion make several of the model's tensors from one stored tensor (a fused qkv split)?"""
+def _transforms(model: nn.Module) -> Tuple[list, list, list]:
+    """transformers' conversion mapping for ``model``: (the whole mapping, its renamings, its converters)."""
     from transformers.conversion_mapping import get_model_conversion_mapping
     from transformers.core_model_loading import WeightRenaming
 
-    return any(
-        len(t.target_patterns) > 1 for t in get_model_conversion_mapping(model) if not isinstance(t, WeightRenaming)
-    )
+    mapping = get_model_conversion_mapping(model)
+    renamings = [t for t in mapping if isinstance(t, WeightRenaming)]
+    return mapping, renamings, [t for t in mapping if not isinstance(t, WeightRenaming)]
+
+
+def _splits_on_loading(model: nn.Module) -> bool:
+    """Does a conversion make several of the model's tensors from one stored tensor (a fused qkv split)?"""
+    return any(len(t.target_patterns) > 1 for t in _transforms(model)[2])
 
 
 class _Converted(Mapping):
@@ -121,13 +126,10 @@ class _Converted(Mapping):
     So a rank reads its stage's tensors alone, never the whole model."""
 
     def __init__(self, folder: str, attn_implementation: str):
-        from transformers.conversion_mapping import get_model_conversion_mapping
-        from transformers.core_model_loading import WeightRenaming, rename_source_key
+        from transformers.core_model_loading import rename_source_key
 
         self.scratch = build_on_meta(folder, attn_implementation)
-        self.mapping = get_model_conversion_mapping(self.scratch)
-        renamings = [t for t in self.mapping if isinstance(t, WeightRenaming)]
-        converters = [t for t in self.mapping if not isinstance(t, WeightRenaming)]
+        self.mapping, renamings, converters = _transforms(self.scratch)
         self.files = weight_map(folder)
         self.sources: Dict[str, List[str]] = {}  # model name -> the stored names it is made from
         own = self.scratch.state_dict()  # (as transformers' loader: a checkpoint saved without the prefix matches)
@@ -172,10 +174,9 @@ def _set_meta(model: nn.Module, name: str) -> None:
 
 def converted_on_loading(model: nn.Module, folder: str) -> bool:
     """Does transformers convert (merge, split) some of the checkpoint's tensors when it loads them?"""
-    from transformers.conversion_mapping import get_model_conversion_mapping
-    from transformers.core_model_loading import WeightRenaming, rename_source_key
+    from transformers.core_model_loading import rename_source_key
 
-    converters = [t for t in get_model_conversion_mapping(model) if not isinstance(t, WeightRenaming)]
+    converters = _transforms(model)[2]
     return any(rename_source_key(key, [], converters)[1] is not None for key in weight_map(folder))
 
 
@@ -203,16 +204,15 @@ class _Renamed(Mapping):
 def checkpoint_tensors(model: nn.Module, folder: str):
     """``folder``, or its tensors under the model's names when transformers renames any of them; a
     checkpoint whose tensors transformers converts on loading (split, merged, transposed) is refused."""
-    from transformers.conversion_mapping import get_model_conversion_mapping
-    from transformers.core_model_loading import WeightRenaming, rename_source_key
+    from transformers.core_model_loading import rename_source_key
 
-    renamings = [t for t in get_model_conversion_mapping(model) if isinstance(t, WeightRenaming)]
+    renamings = _transforms(model)[1]
     files = weight_map(folder)
     if converted_on_loading(model, folder):
         raise CheckpointError(
             f"{type(model).__name__}: the checkpoint at {folder!r} holds tensors that transformers converts when "
-            "loading (merged or split), which pipedp cannot read stage by stage: load the whole model with "
-            "load_local_model (load_pipeline_stage does, and keeps the stage's tensors)"
+            "loading (merged or split), which this plain reader cannot read: load it with load_pipeline_stage, which "
+            "converts such checkpoints stage by stage through transformers' own loader"
         )
     own = model.state_dict()
     stored = {rename_source_key(key, renamings, [], model.base_model_prefix, own)[0]: key for key in files}
