@@ -29,6 +29,8 @@ from ..privacy.rules.experts import recomputed_output
 ROUTING = re.compile(r"expert|router|sparse_?moe|moe(block|layer|mlp)?$", re.IGNORECASE)
 CHECK_TOKENS = 5  # the random tokens a bank and its router are checked on
 ROUTER_NAMES = ("gate", "router")
+# the way out of every refusal below: a block frozen whole needs no rule (accept_experts skips it)
+FREEZE = "freeze the whole block (block.requires_grad_(False): a frozen block needs no rule)"
 
 
 def moe_parts(module: nn.Module) -> List[Tuple[str, nn.Module]]:
@@ -64,8 +66,7 @@ def accept_experts(model: nn.Module, path: str, module: nn.Module) -> None:
             raise UnsupportedModelError(
                 f"{where} is a mixture of experts whose experts pipedp has no per-sample rule for (it trains fused "
                 "expert banks: transformers' use_experts_implementation layout, gate_up_proj / down_proj of shape "
-                "[experts, out, in]): freeze the whole block (every parameter of it: requires_grad_(False)), or use a dense "
-                "model"
+                f"[experts, out, in]): {FREEZE}, or use a dense model"
             )
         router = _router(where, block, bank)
         _check(where, router, bank)
@@ -118,7 +119,7 @@ def _router(where: str, block: nn.Module, bank: nn.Module) -> nn.Module:
     if router is None or not isinstance(weight, nn.Parameter) or weight.dim() != 2 or weight.shape[0] != experts:
         raise UnsupportedModelError(
             f"{where}: no router (a child named {' or '.join(ROUTER_NAMES)} with a weight [{experts}, hidden]) was "
-            "found beside its experts: freeze the whole block (every parameter of it), or use a dense model"
+            f"found beside its experts: {FREEZE}, or use a dense model"
         )
     if getattr(bank, "has_post_expert_norm", False) or getattr(bank, "_is_expert_parallel", False):
         raise UnsupportedModelError(
@@ -151,20 +152,19 @@ def _check(where: str, router: nn.Module, bank: nn.Module) -> None:
             except TypeError as exc:  # a forward that needs more than the hidden states (a bias, the token ids)
                 raise UnsupportedModelError(
                     f"{where}: its router ({type(router).__name__}) cannot be called on the hidden states alone "
-                    f"({exc}), as pipedp's per-sample rule for it calls it: freeze the whole block (every "
-                    "parameter of it), or use a model whose router takes the hidden states"
+                    f"({exc}), as pipedp's per-sample rule for it calls it: {FREEZE}, or use a model whose router "
+                    "takes the hidden states"
                 ) from exc
             if not isinstance(out, tuple) or len(out) < 3:
                 raise UnsupportedModelError(
-                    f"{where}: its router returns {type(out).__name__}, not (logits, weights, experts): freeze the whole "
-                    "block (every parameter of it)"
+                    f"{where}: its router returns {type(out).__name__}, not (logits, weights, experts): {FREEZE}"
                 )
             logits, weights, index = out[0], out[1], out[2]
             want = F.linear(x, weight, getattr(router, "bias", None))
             if logits.shape != want.shape or not torch.allclose(logits.to(want.dtype), want, rtol=1e-3, atol=1e-5):
                 raise UnsupportedModelError(
                     f"{where}: its router's first output is not F.linear(hidden, weight, bias), which pipedp's "
-                    "per-sample rule for it assumes: freeze the whole block (every parameter of it)"
+                    f"per-sample rule for it assumes: {FREEZE}"
                 )
             own = bank(x, index, weights)
             try:
@@ -174,15 +174,14 @@ def _check(where: str, router: nn.Module, bank: nn.Module) -> None:
             if recomputed is None or not torch.allclose(recomputed.to(own.dtype), own, rtol=1e-3, atol=1e-5):
                 raise UnsupportedModelError(
                     f"{where}: its experts ({type(bank).__name__}) do not compute what pipedp's per-sample rule reads "
-                    "from their weights (the fused layout's gate, activation and routing weights): freeze the whole block "
-                    "(every parameter of it)"
+                    f"from their weights (the fused layout's gate, activation and routing weights): {FREEZE}"
                 )
         router.train()
         if _draws_random_numbers(router, x):
             raise UnsupportedModelError(
                 f"{where}: its router draws the experts at random in training (sampled routing, e.g. phimoe's "
-                "sparsemixer), which pipedp's oracles cannot reproduce and it has not verified: freeze the whole "
-                "block (every parameter of it), or use a model with top-k routing"
+                f"sparsemixer), which pipedp's oracles cannot reproduce and it has not verified: {FREEZE}, or use a "
+                "model with top-k routing"
             )
     finally:
         router.train(was[0]), bank.train(was[1])
