@@ -27,7 +27,7 @@ from typing import Any, Dict, List, Optional
 
 from ..privacy.accounting import adjacency
 from .dataset import RankData
-from .record import CONFIG_JSON, METRICS, TENSORBOARD
+from .record import CONFIG_JSON, METRICS
 from .spec import Job
 
 
@@ -93,7 +93,7 @@ class Monitor:
                 config = json.load(f)["flags"]
         except (OSError, ValueError, KeyError):
             config = {}
-        trackers = open_trackers(self.job.report_to, self.job.run_dir, config, self.start_step, TENSORBOARD)
+        trackers = open_trackers(self.job.report_to, self.job.run_dir, config, self.start_step)
         for tracker in trackers:
             print(f"report to {tracker.where}", flush=True)
         return trackers

@@ -33,16 +33,11 @@ from ..errors import ConfigError
 from .configfile import NOT_SAVED, dumps
 from .flags import DEFAULT_RUNS, cli_fields, flag_name
 from .spec import TINY_GPT
+from .trackers import OUTPUTS as TRACKER_OUTPUTS
 
 CONFIG_TOML, CONFIG_JSON = "config.toml", "config.json"
-METRICS, SUMMARY, PLOT, TENSORBOARD, CACHE = (
-    "metrics.jsonl",
-    "summary.json",
-    "training.png",
-    "tensorboard",
-    "data-cache",
-)
-RECORD_FILES = (CONFIG_TOML, CONFIG_JSON, METRICS, SUMMARY, PLOT, TENSORBOARD, "wandb", "mlflow.db", "trackers.json")
+METRICS, SUMMARY, PLOT, CACHE = ("metrics.jsonl", "summary.json", "training.png", "data-cache")
+RECORD_FILES = (CONFIG_TOML, CONFIG_JSON, METRICS, SUMMARY, PLOT, *TRACKER_OUTPUTS)
 
 # flags that decide which records are trained on, and how: a resumed run must keep them
 SAME_DATA = {f.name for f in fields(DataConfig)} - {"eval_data", "eval_every", "cache_dir"} | {

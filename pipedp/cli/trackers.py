@@ -32,8 +32,9 @@ from typing import Any, Dict, List, Optional, Protocol, Tuple
 from ..errors import ConfigError
 
 TRACKERS = ("tensorboard", "wandb", "mlflow")
-PACKAGES = {"tensorboard": "tensorboard", "wandb": "wandb", "mlflow": "mlflow"}  # what `pip install` names
-IDS = "trackers.json"
+# what the trackers leave in the run folder (RUN/wandb is wandb's own folder under dir=RUN; trackers.json: run ids)
+TENSORBOARD, WANDB, MLFLOW_DB, IDS = "tensorboard", "wandb", "mlflow.db", "trackers.json"
+OUTPUTS = (TENSORBOARD, WANDB, MLFLOW_DB, IDS)
 # never sent to a tracker (a third party's server, for wandb online): a known seed regenerates the noise
 SECRET = ("seed", "checkpoint_key")
 
@@ -59,7 +60,7 @@ def parse(text: str) -> Tuple[str, ...]:
 def _missing(name: str) -> Optional[str]:
     """What ``name`` lacks to report (None: nothing): its package, or MLflow's default store's."""
     if importlib.util.find_spec(name) is None:
-        return f"--report-to {name} needs the {PACKAGES[name]} package: pip install {PACKAGES[name]}"
+        return f"--report-to {name} needs the {name} package: pip install {name}"
     if name == "mlflow" and "MLFLOW_TRACKING_URI" not in os.environ and importlib.util.find_spec("sqlalchemy") is None:
         return (
             "--report-to mlflow stores the run in sqlite:///RUN/mlflow.db, which needs sqlalchemy (mlflow-skinny "
@@ -98,11 +99,11 @@ def tags(line: Dict[str, Any]) -> Dict[str, float]:
 class _TensorBoard:
     name = "tensorboard"
 
-    def __init__(self, run_dir: str, start_step: int, folder: str):
+    def __init__(self, run_dir: str, start_step: int):
         from torch.utils.tensorboard import SummaryWriter
 
-        self.writer = SummaryWriter(log_dir=os.path.join(run_dir, folder), purge_step=start_step + 1)
-        self.where = f"tensorboard: {os.path.join(run_dir, folder)}"
+        self.writer = SummaryWriter(log_dir=os.path.join(run_dir, TENSORBOARD), purge_step=start_step + 1)
+        self.where = f"tensorboard: {os.path.join(run_dir, TENSORBOARD)}"
 
     def log(self, metrics: Dict[str, float], step: int) -> None:
         for tag, value in metrics.items():
@@ -130,7 +131,9 @@ class _WandB:
         )
         self.id = self.run.id
         mode = "offline, `wandb sync` uploads it" if self.run.settings.mode == "offline" else "online"
-        self.where = f"wandb: run {self.id} of project {self.run.project} ({mode}; files in {run_dir}/wandb)"
+        self.where = (
+            f"wandb: run {self.id} of project {self.run.project} ({mode}; files in {os.path.join(run_dir, WANDB)})"
+        )
 
     def log(self, metrics: Dict[str, float], step: int) -> None:
         self.run.log(metrics, step=step)
@@ -146,9 +149,7 @@ class _MLflow:
         import mlflow
 
         self.mlflow = mlflow
-        uri = os.environ.get("MLFLOW_TRACKING_URI") or "sqlite:///" + os.path.abspath(
-            os.path.join(run_dir, "mlflow.db")
-        )
+        uri = os.environ.get("MLFLOW_TRACKING_URI") or "sqlite:///" + os.path.abspath(os.path.join(run_dir, MLFLOW_DB))
         mlflow.set_tracking_uri(uri)
         mlflow.set_experiment(os.environ.get("MLFLOW_EXPERIMENT_NAME", "pipedp"))
         self.run = mlflow.start_run(run_id=run_id, run_name=None if run_id else os.path.basename(run_dir))
@@ -191,9 +192,7 @@ def close_all(trackers: List[Tracker]) -> None:
             failed(tracker.name, "failed to close", exc)
 
 
-def open_trackers(
-    names: Tuple[str, ...], run_dir: str, config: Dict[str, Any], start_step: int, tensorboard_folder: str
-) -> List[Tracker]:
+def open_trackers(names: Tuple[str, ...], run_dir: str, config: Dict[str, Any], start_step: int) -> List[Tracker]:
     """The trackers of ``names``; a resumed run (``start_step`` > 0) continues the runs RUN/trackers.json names."""
     config = {k: v for k, v in config.items() if k not in SECRET}
     path = os.path.join(run_dir, IDS)
@@ -205,9 +204,9 @@ def open_trackers(
     for name in names:
         try:
             if name == "tensorboard":
-                out.append(_TensorBoard(run_dir, start_step, tensorboard_folder))
+                out.append(_TensorBoard(run_dir, start_step))
                 continue
-            tracker = (_WandB if name == "wandb" else _MLflow)(run_dir, config, ids.get(name) if start_step else None)
+            tracker = (_WandB if name == "wandb" else _MLflow)(run_dir, config, ids.get(name))  # (ids: a resumed run's)
         except Exception as exc:  # (a login missing, a server unreachable): said, and the run goes on
             failed(name, "could not start", exc)
             continue
