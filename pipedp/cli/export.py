@@ -40,16 +40,15 @@ def export_merged(job: Job) -> None:
     """--export-merged, on the job's lead process after every rank has finished: loading the whole base model and
     merging may take minutes, longer than a rank may wait in a collective. Nothing to do when the run wrote no
     adapter (a finished run resumed)."""
-    if not job.export_merged or not os.path.isdir(merge_scratch(job.export_merged)):
+    folder = job.export_merged
+    if folder is None or not os.path.isdir(merge_scratch(folder)):
         return
-    scratch = merge_scratch(job.export_merged)
     from transformers import AutoTokenizer
 
-    _merge(scratch, job.model.name, job.export_merged)
-    AutoTokenizer.from_pretrained(job.model.name, local_files_only=True).save_pretrained(job.export_merged)
-    shutil.rmtree(scratch)
-    base = os.path.abspath(job.model.name) if os.path.isdir(job.model.name) else job.model.name
-    print(f"exported: {job.export_merged} (the LoRA adapter merged into {base}; no peft needed)", flush=True)
+    _merge(merge_scratch(folder), job.model.name, folder)
+    AutoTokenizer.from_pretrained(job.model.name, local_files_only=True).save_pretrained(folder)
+    shutil.rmtree(merge_scratch(folder))
+    print(f"exported: {folder} (the LoRA adapter merged into {_base(job.model.name)}; no peft needed)", flush=True)
 
 
 def _merge(adapter: str, base: str, folder: str) -> None:
@@ -70,8 +69,12 @@ def _name_base(folder: str, model: str) -> Optional[str]:
         return None
     with open(path) as f:
         config = json.load(f)
-    base = os.path.abspath(model) if os.path.isdir(model) else model
-    config["base_model_name_or_path"] = base
+    base = config["base_model_name_or_path"] = _base(model)
     with open(path, "w") as f:
         json.dump(config, f, indent=2, sort_keys=True)
     return base
+
+
+def _base(model: str) -> str:
+    """--model as the base model's name anywhere: a folder by its absolute path, a hub id as it is."""
+    return os.path.abspath(model) if os.path.isdir(model) else model

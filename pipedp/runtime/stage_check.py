@@ -37,7 +37,7 @@ class StageCheck:
 
     def plan(self, inputs, mask: torch.Tensor) -> Optional[Probe]:
         """Every real privacy unit of a pass's first micro-batch, at the first pass of a new input signature
-        (its rows included) until a check of it concludes (``conclude_check``)."""
+        (its rows included) until a check of it concludes (``conclude``)."""
         if not self.stage.options.self_check:  # (the same decision on every stage: the probes travel through all)
             return None
         key = self_check.signature(inputs)
