@@ -87,6 +87,12 @@ class PipelineConfig:
         "this many times the memory of the captures they free (1: never more memory; 0: never keep)",
     )
     replicas: int = option(1, "data-parallel replicas (world size = stages x replicas x tensor_parallel)")
+    shard_optimizer: bool = option(
+        False,
+        "ZeRO stage 1 over the replicas: each replica owns whole parameters (balanced by size), receives only their "
+        "clipped sums, adds their noise, keeps their optimizer state and steps them, then sends them to the other "
+        "replicas; the update is the unsharded one, each rank's optimizer state about 1/replicas of it",
+    )
     tensor_parallel: int = option(
         1,
         "tensor-parallel ranks per stage: a Hugging Face decoder's attention heads, MLP widths, vocabulary and "

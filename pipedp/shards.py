@@ -1,4 +1,5 @@
-"""A tensor split across the tensor-parallel ranks of a stage: which slice this rank holds.
+"""A tensor split across the tensor-parallel ranks of a stage: which slice this rank holds; and, under a sharded
+optimizer, which data-parallel replica owns each whole parameter (``owners``).
 
 One home for the idea, used by the parallel layers (which hold the slice), the noise (which draws the whole
 tensor's values and keeps the slice's, so a run on T ranks is noised exactly as one on 1), the per-sample norms
@@ -9,7 +10,7 @@ state dict (the slices gathered into the whole tensor).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Dict, Optional, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -58,3 +59,17 @@ class TensorParallelPart:
         """Whether this rank adds ``parameter``'s per-sample squared norms: its own slice always, a whole tensor
         on rank 0 only (counted once, never ``size`` times)."""
         return self.rank == 0 or id(parameter) in self.shards
+
+
+def owners(sizes: Sequence[int], replicas: int) -> List[int]:
+    """The replica that owns each parameter of a stage under a sharded optimizer (ZeRO stage 1), given their sizes
+    in bytes: the largest first, each to the replica that owns the fewest bytes so far (the lowest index on a
+    tie), so every rank computes the same answer and no replica owns much more than 1/replicas of the bytes.
+    Whole parameters, never pieces: a parameter's optimizer step reads its own state and gradient only."""
+    load = [0] * replicas
+    out = [0] * len(sizes)
+    for k in sorted(range(len(sizes)), key=lambda k: (-sizes[k], k)):
+        r = min(range(replicas), key=lambda r: (load[r], r))
+        out[k] = r
+        load[r] += sizes[k]
+    return out

@@ -178,6 +178,25 @@ def test_a_7b_model_is_planned_from_its_config_alone(tmp_path):
         assert s.grads == 4 * s.trainable and s.optimizer == 2 * 2 * s.trainable
 
 
+def test_a_sharded_optimizer_is_planned_as_the_replica_that_owns_the_most(tmp_path):
+    """Full fine-tuning of the 7B config on 2 stages x 4 replicas: each replica's Adam state is its owned share (at
+    most one tensor over a quarter), the clipped sums are every parameter's still."""
+    from pipedp import PipelineConfig, PrivacyConfig
+    from pipedp.cli.plan import _Setup
+
+    folder = _llama_7b(tmp_path)
+
+    def static(**options):
+        pipeline = PipelineConfig(stages=2, replicas=4, **options)
+        return _Setup(folder, pipeline, PrivacyConfig(), 4096, None, (), 0, "adamw", 0.0).static
+
+    for whole, shard in zip(static(), static(shard_optimizer=True)):
+        largest = 2 * 2 * 32000 * 4096  # the embedding's (or head's) float16 moments
+        assert whole.optimizer / 4 <= shard.optimizer <= whole.optimizer / 4 + largest
+        assert shard.grads == whole.grads and shard.trainable == whole.trainable
+        assert shard.stepped_grads < whole.stepped_grads / 2
+
+
 def _meta(folder):
     from pipedp.split.hf_loading import build_on_meta
 

@@ -29,7 +29,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 from ..config import OptimizerConfig, PipelineConfig, PrivacyConfig
 from .flags import add_config_flags
 
-PLAN_SKIP = ("microbatch_size", "replicas", "timeout", "transport", "device")  # (timeout, transport: no flags)
+PLAN_SKIP = ("microbatch_size", "timeout", "transport", "device")  # (timeout, transport: no flags)
 OPTIMIZER_FLAGS = ("optimizer", "momentum", "weight_decay")
 
 
@@ -204,7 +204,11 @@ class _Setup:
 
             group = Group(0, pipeline.tensor_parallel, None)  # simulated: no peers
             self.parts = [split_stage(b, prepared.tensor_parallel_plan, group) for b in self.stage_blocks]
-        self.static = [static_bytes(b, optimizer, momentum, weight_decay=weight_decay) for b in self.stage_blocks]
+        shard_over = pipeline.replicas if pipeline.shard_optimizer else 1
+        self.static = [
+            static_bytes(b, optimizer, momentum, weight_decay=weight_decay, shard_over=shard_over)
+            for b in self.stage_blocks
+        ]
         self.optimizer = optimizer
         self._fake = None
         self._profiles: Dict[int, tuple] = {}
@@ -221,6 +225,8 @@ class _Setup:
             f"trainable: {tuned}); "
             f"{p.stages} stages"
             + (f" x {p.tensor_parallel} tensor-parallel ranks (per rank)" if p.tensor_parallel > 1 else "")
+            + (f" x {p.replicas} replicas" if p.replicas > 1 else "")
+            + (" (optimizer state sharded over them)" if p.shard_optimizer and p.replicas > 1 else "")
             + f", {p.schedule} x {p.microbatches} micro-batches of {b} x {self.seq_len} tokens; "
             f"precision {p.precision}, grad mode {p.grad_mode}, {self.optimizer}"
             + (", activation checkpointing" if p.activation_checkpointing else "")

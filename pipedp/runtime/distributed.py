@@ -94,6 +94,7 @@ class Mesh:
 
 
 CHECKSUM_PIECE = 1 << 20  # elements summed at a time
+_TENSOR = "__tensor__"  # in an optimizer state's header: a tensor that follows, by (shape, dtype)
 BUCKET = 1 << 24  # elements of the sums all-reduced over replicas at a time (64 MiB of float32)
 
 
@@ -110,6 +111,15 @@ def _buckets(grads: List[torch.Tensor]) -> List[List[torch.Tensor]]:
             out.append([g])
             size = g.numel()
     return out
+
+
+def _by_owner(
+    tensors: List[torch.Tensor], owners: Optional[List[int]], replicas: int
+) -> List[Tuple[Optional[int], List[torch.Tensor]]]:
+    """The tensors grouped by the replica that owns them (one group owned by none: no sharded optimizer)."""
+    if owners is None:
+        return [(None, tensors)]
+    return [(r, [t for t, o in zip(tensors, owners) if o == r]) for r in range(replicas)]
 
 
 def _checksum(parameters: Sequence[torch.Tensor]) -> float:
@@ -477,21 +487,82 @@ class DistributedRuntime:
         text = str(error).splitlines()[0][:300] if str(error) else ""
         return f"rank {self.rank} (stage {self.mesh.stage}) failed in a step: {type(error).__name__}: {text}"
 
-    def sum_over_replicas(self, grads: List[torch.Tensor]) -> List[torch.Tensor]:
+    def sum_over_replicas(self, grads: List[torch.Tensor], owners: Optional[List[int]] = None) -> List[torch.Tensor]:
         if self.replicas == 1 or not grads:
             return grads
-        for bucket in _buckets(grads):
+        for owner, part in _by_owner(grads, owners, self.replicas):
             # in place, a bucket at a time: one flat copy of every sum would hold them all twice
-            alone = len(bucket) == 1 and bucket[0].is_contiguous()
-            flat = bucket[0].view(-1) if alone else torch.cat([g.reshape(-1) for g in bucket])
-            self._polled(
-                "sum over replicas",
-                functools.partial(dist.all_reduce, flat, dist.ReduceOp.SUM, self.dp_group, async_op=True),
-            )
-            if not alone:
-                for g, chunk in zip(bucket, flat.split([g.numel() for g in bucket])):
-                    g.copy_(chunk.view_as(g))
+            for bucket in _buckets(part):
+                alone = len(bucket) == 1 and bucket[0].is_contiguous()
+                flat = bucket[0].view(-1) if alone else torch.cat([g.reshape(-1) for g in bucket])
+                if owner is None:
+                    start = functools.partial(dist.all_reduce, flat, dist.ReduceOp.SUM, self.dp_group, async_op=True)
+                else:  # a sharded optimizer: the sum is needed on its owner only
+                    dst = self.mesh.rank_of(owner, self.mesh.stage, self.mesh.t)
+                    start = functools.partial(dist.reduce, flat, dst, dist.ReduceOp.SUM, self.dp_group, async_op=True)
+                self._polled("sum over replicas", start)
+                if not alone and owner in (None, self.replica):
+                    for g, chunk in zip(bucket, flat.split([g.numel() for g in bucket])):
+                        g.copy_(chunk.view_as(g))
         return grads
+
+    def share_owned(self, parameters: List[torch.nn.Parameter], owners: List[int]) -> None:
+        """A sharded optimizer: every parameter as its owner stepped it, on every replica (one broadcast a bucket)."""
+        if self.replicas == 1:
+            return
+        with torch.no_grad():
+            for owner in range(self.replicas):
+                part = [p.detach() for p, o in zip(parameters, owners) if o == owner]
+                src = self.mesh.rank_of(owner, self.mesh.stage, self.mesh.t)
+                for bucket in _buckets(part):
+                    alone = len(bucket) == 1 and bucket[0].is_contiguous()
+                    flat = bucket[0].view(-1) if alone else torch.cat([p.reshape(-1) for p in bucket])
+                    self._polled(
+                        "parameter broadcast",
+                        functools.partial(dist.broadcast, flat, src, self.dp_group, async_op=True),
+                    )
+                    if not alone and owner != self.replica:
+                        for p, chunk in zip(bucket, flat.split([p.numel() for p in bucket])):
+                            p.copy_(chunk.view_as(p))
+
+    def gather_owned(self, states: List[Optional[Dict[str, Any]]], owners: List[int]) -> List[Optional[Dict[str, Any]]]:
+        """A sharded optimizer's state on replica 0 (which writes the stage's checkpoint file): each parameter's
+        state as its owner holds it (``states[k]``: this replica's, None where another owns it), sent point to
+        point, one tensor in flight, onto replica 0's CPU. The other replicas get ``states`` back as they were."""
+        if self.replicas == 1:
+            return states
+        out = list(states)
+        for k, owner in enumerate(owners):
+            if owner != 0 and self.replica == owner:
+                self._send_state(states[k] or {}, self.mesh.rank_of(0, self.mesh.stage, self.mesh.t))
+            elif owner != 0 and self.replica == 0:
+                out[k] = self._recv_state(self.mesh.rank_of(owner, self.mesh.stage, self.mesh.t))
+        return out
+
+    def _send_state(self, state: Dict[str, Any], dst: int) -> None:
+        """One parameter's optimizer state to ``dst``: a header (plain values, and each tensor's shape and dtype),
+        then each tensor from this rank's device."""
+        header = [{k: (_TENSOR, tuple(v.shape), v.dtype) if torch.is_tensor(v) else v for k, v in state.items()}]
+        send = functools.partial(dist.send_object_list, header, dst, self.dp_group, self.device)
+        self._collective("optimizer state gather", send)
+        for v in state.values():
+            if torch.is_tensor(v):
+                tensor = v.to(self.device).contiguous()
+                self._collective("optimizer state gather", functools.partial(dist.send, tensor, dst, self.dp_group))
+
+    def _recv_state(self, src: int) -> Dict[str, Any]:
+        """``_send_state``'s state from ``src``, its tensors on the CPU."""
+        header: List[Any] = [None]
+        receive = functools.partial(dist.recv_object_list, header, src, self.dp_group, self.device)
+        self._collective("optimizer state gather", receive)
+        out: Dict[str, Any] = {}
+        for k, v in header[0].items():
+            if isinstance(v, tuple) and v and v[0] == _TENSOR:
+                buffer = torch.empty(v[1], dtype=v[2], device=self.device)
+                self._collective("optimizer state gather", functools.partial(dist.recv, buffer, src, self.dp_group))
+                v = buffer.cpu()
+            out[k] = v
+        return out
 
     def combine_tied(self, stage: Stage, grads: List[torch.Tensor]) -> List[torch.Tensor]:
         if stage.tie is None or self.tie_group is None:

@@ -52,8 +52,14 @@ class InProcessRuntime:
         self.hub.end_pass()
         return torch.stack([e.totals().cpu() for e in self.executors]).sum(0)
 
-    def sum_over_replicas(self, grads: List[torch.Tensor]) -> List[torch.Tensor]:
-        return grads
+    def sum_over_replicas(self, grads: List[torch.Tensor], owners: Optional[List[int]] = None) -> List[torch.Tensor]:
+        return grads  # (one replica in one process)
+
+    def share_owned(self, parameters: List[torch.nn.Parameter], owners: List[int]) -> None:
+        return None
+
+    def gather_owned(self, states: List[Optional[Dict[str, Any]]], owners: List[int]) -> List[Optional[Dict[str, Any]]]:
+        return states
 
     def broadcast_whole(self, stage: Stage, grads: List[torch.Tensor]) -> List[torch.Tensor]:
         return grads  # (no tensor parallelism in one process)

@@ -81,7 +81,19 @@ class Runtime(Protocol):
         """One forward-only pass (no capture, no gradient); float64 [3] as run_pass, loss sum first."""
         ...
 
-    def sum_over_replicas(self, grads: List[torch.Tensor]) -> List[torch.Tensor]: ...
+    def sum_over_replicas(self, grads: List[torch.Tensor], owners: Optional[List[int]] = None) -> List[torch.Tensor]:
+        """Each clipped sum added over the data-parallel replicas, in place: on every replica, or (a sharded
+        optimizer's ``owners``: the replica of each) on its owner only, the others' left as they were."""
+        ...
+
+    def share_owned(self, parameters: List[torch.nn.Parameter], owners: List[int]) -> None:
+        """A sharded optimizer: every parameter set, on every replica, to its owner's (which stepped it)."""
+        ...
+
+    def gather_owned(self, states: List[Optional[Dict[str, Any]]], owners: List[int]) -> List[Optional[Dict[str, Any]]]:
+        """A sharded optimizer: each parameter's optimizer state (this replica's where it owns it, else None) from
+        its owner onto replica 0's CPU, for the checkpoint; ``states`` as they were on the other replicas."""
+        ...
 
     def broadcast_whole(self, stage: Stage, grads: List[torch.Tensor]) -> List[torch.Tensor]:
         """Tensor parallelism: the noisy sums of the parameters every rank of the stage holds whole, rank 0's on

@@ -29,6 +29,7 @@ import torch
 import torch.nn as nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from ..shards import owners
 from .blocks import Block
 
 
@@ -170,13 +171,21 @@ def static_bytes(
     momentum: float = 0.0,
     fused: bool = True,
     weight_decay: float = 0.0,
+    shard_over: int = 1,
 ) -> StaticBytes:
     """``blocks`` as the trainer holds them (after LoRA and the precision's dtype changes). With Adam's fused
     kernel (``fused``, the CLI's on CPU and CUDA) or SGD without weight decay the gradients are narrowed
     inside the float32 sums' storage, so no copy exists beside the sums (train/narrowing.py's
-    ``steps_without_temporaries``; SGD's weight decay is taken as applying to some trainable parameter)."""
+    ``steps_without_temporaries``; SGD's weight decay is taken as applying to some trainable parameter).
+    ``shard_over``: the replicas a sharded optimizer splits the stage's parameters over (pipedp.shards.owners):
+    the optimizer's state and the gradients it steps are those of the replica that owns the most bytes."""
     params, buffers = stage_tensors(blocks)
     trainable = [p for p in params if p.requires_grad]
+    every = trainable
+    if shard_over > 1:  # the replica with the largest share
+        owner = owners([p.numel() * p.element_size() for p in trainable], shard_over)
+        shares = [[p for p, o in zip(trainable, owner) if o == r] for r in range(shard_over)]
+        trainable = max(shares, key=lambda ps: sum(p.numel() * p.element_size() for p in ps))
     frozen = [p for p in params if not p.requires_grad]
 
     def size(t: torch.Tensor) -> int:
@@ -185,7 +194,8 @@ def static_bytes(
     def sum_dtype(p: torch.Tensor) -> torch.dtype:  # per-sample arithmetic is float32 at least
         return torch.float64 if p.dtype == torch.float64 else torch.float32
 
-    grads = sum(p.numel() * sum_dtype(p).itemsize for p in trainable)
+    grads = sum(p.numel() * sum_dtype(p).itemsize for p in every)  # every replica makes every clipped sum
+    stepped = sum(p.numel() * sum_dtype(p).itemsize for p in trainable)  # the sums that become gradients here
     copies = sum(size(p) for p in trainable if p.dtype != sum_dtype(p))
     per_param = {"adam": 2, "adamw": 2}.get(optimizer, 1 if momentum else 0)
     largest = max((size(p) for p in trainable), default=0)
@@ -196,14 +206,14 @@ def static_bytes(
         largest_copy, copies = 0, 0
     return StaticBytes(
         params=sum(p.numel() for p in params),
-        trainable=sum(p.numel() for p in trainable),
+        trainable=sum(p.numel() for p in every),
         frozen_bytes=sum(size(p) for p in frozen),
-        trainable_bytes=sum(size(p) for p in trainable),
+        trainable_bytes=sum(size(p) for p in every),
         buffer_bytes=sum(size(t) for t in buffers),
         grads=grads,
         grad_copies=copies,
         largest_copy=largest_copy,
-        stepped_grads=grads if in_storage else sum(size(p) for p in trainable),  # else p.grad in p's dtype
+        stepped_grads=stepped if in_storage else sum(size(p) for p in trainable),  # else p.grad in p's dtype
         optimizer=per_param * sum(size(p) for p in trainable),
         step_temporaries=largest if per_param and not (adam and fused) else 0,
     )

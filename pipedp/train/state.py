@@ -25,3 +25,6 @@ class TrainingState:
     schedulers: List[Optional[Any]] = field(default_factory=list)  # per local stage: an LRScheduler, or None
     seed: int = 0  # the noise's and the sampling's root seed (privacy/streams.py run_seed), the same on every rank
     charges: Charges = field(default_factory=Charges)  # where a shuffled epoch stands (what the next step costs)
+    # per local stage, under a sharded optimizer: the replica that owns (noises, steps, keeps the state of) each of
+    # its parameters (pipedp.shards.owners); None: every replica steps every parameter
+    owners: List[Optional[List[int]]] = field(default_factory=list)

@@ -24,6 +24,7 @@ from opacus.accountants import create_accountant
 import schedules
 from schedules import Kind
 
+from .. import shards
 from ..config import SAMPLINGS, FitConfig, PipelineConfig, PrivacyConfig, describe, split_options
 from ..errors import ConfigError, NonFiniteError, PrivacyBudgetExceeded
 from ..privacy.accounting import BudgetGuard, calibrated, planned_charges, spent_epsilon
@@ -57,19 +58,21 @@ SchedulerFactory = Callable[[torch.optim.Optimizer], Any]  # e.g. lambda opt: La
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 
-def _check_finite(stage: Any, values: List[torch.Tensor], step: int, what: str) -> None:
+def _check_finite(stage: Any, values: List[Optional[torch.Tensor]], step: int, what: str) -> None:
     """Non-finite values never reach the parameters silently: name the step, stage and parameters
-    (one flag per tensor, read back once)."""
-    if not values:
+    (one flag per tensor, read back once; None: a parameter another replica steps)."""
+    named = [(n, v) for n, v in zip(stage.parameter_names(), values) if v is not None]
+    names, tensors = [n for n, _ in named], [v for _, v in named]
+    if not tensors:
         return
     # a NaN or inf element makes its tensor's sum non-finite, so finite sums clear every tensor at the
     # cost of one reduction each (10x cheaper than isfinite(v).all()); a non-finite sum may also be a
     # finite tensor whose sum overflowed, which the exact per-element check below tells apart
-    if bool(torch.isfinite(torch.stack([v.sum() for v in values])).all()):
+    if bool(torch.isfinite(torch.stack([v.sum() for v in tensors])).all()):
         return
-    finite = torch.stack([torch.isfinite(v).all() for v in values])
+    finite = torch.stack([torch.isfinite(v).all() for v in tensors])
     if not bool(finite.all()):
-        bad = [name for name, ok in zip(stage.parameter_names(), finite.tolist()) if not ok]
+        bad = [name for name, ok in zip(names, finite.tolist()) if not ok]
         raise NonFiniteError(
             f"step {step}, stage {stage.index}: the {what} of {', '.join(bad[:5])} is not finite (NaN/inf): "
             "the optimizer step is refused; check the learning rate, max_grad_norm and the data"
@@ -102,6 +105,43 @@ def _check_elementwise(optimizers: List[Optional[torch.optim.Optimizer]], tensor
                 f"({names}); use one of them, or tensor_parallel=1",
                 "tensor_parallel",
             )
+
+
+# optimizers whose step of a parameter reads that parameter's gradient and state alone: under a sharded optimizer
+# each replica steps the parameters it owns, which is the whole step only for them (not LBFGS's one search over all)
+PER_TENSOR = ELEMENTWISE + (
+    torch.optim.Adamax,
+    torch.optim.NAdam,
+    torch.optim.RAdam,
+    torch.optim.Adadelta,
+    torch.optim.Adafactor,
+    torch.optim.Rprop,
+)
+
+
+def _shard_optimizers(
+    optimizers: List[Optional[torch.optim.Optimizer]], stages: List[Any], replicas: int, replica: int
+) -> List[Optional[List[int]]]:
+    """ZeRO stage 1: which replica owns each parameter of each stage (pipedp.shards.owners), after refusing an
+    optimizer that does not step each tensor alone. The optimizers keep every parameter (their groups and LR
+    schedules stay the unsharded run's), but a parameter this replica does not own never gets a gradient, so torch's
+    optimizers make no state for it; state made eagerly (Adagrad's) is dropped here."""
+    out: List[Optional[List[int]]] = []
+    for stage, opt in zip(stages, optimizers):
+        if opt is not None and type(opt) not in PER_TENSOR:
+            names = ", ".join(t.__name__ for t in PER_TENSOR)
+            raise ConfigError(
+                f"shard_optimizer with {type(opt).__name__}: each replica steps only the parameters it owns, which is "
+                f"the whole step only for optimizers whose step of a parameter reads its own gradient and state "
+                f"alone ({names}); use one of them, or shard_optimizer=False",
+                "shard_optimizer",
+            )
+        owners = shards.owners([p.numel() * p.element_size() for p in stage.parameters], replicas)
+        for p, owner in zip(stage.parameters, owners):
+            if opt is not None and owner != replica:
+                opt.state.pop(p, None)
+        out.append(owners)
+    return out
 
 
 def _warn_if_nothing_can_change(runtime: Runtime, optimizers: List[Optional[torch.optim.Optimizer]]) -> None:
@@ -241,6 +281,14 @@ class PipelineDPTrainer:
             schedulers=[scheduler(opt) if scheduler is not None and opt is not None else None for opt in optimizers],
             seed=self.runtime.broadcast(run_seed(privacy.seed)),  # rank 0's draw: the ranks' streams must agree
         )
+        if pipeline.shard_optimizer and self.runtime.replicas > 1:
+            self.state.owners = _shard_optimizers(
+                optimizers, self.runtime.local_stages, self.runtime.replicas, self.runtime.replica
+            )
+        elif pipeline.shard_optimizer:
+            warnings.warn(
+                "shard_optimizer with one replica: there is nothing to shard the optimizer over", stacklevel=2
+            )
         _check_optimizer_options(self.state.optimizers)
         _check_elementwise(self.state.optimizers, pipeline.tensor_parallel)
         _warn_if_nothing_can_change(self.runtime, self.state.optimizers)
@@ -322,37 +370,45 @@ class PipelineDPTrainer:
 
     def _apply_update(self) -> None:
         std = self.privacy.noise_multiplier * self.clip.sensitivity if self.privacy.enabled else 0.0
-        stages = self.runtime.local_stages
-        for stage, opt in zip(stages, self.state.optimizers):  # every update set and checked before any step
+        stages, replica = self.runtime.local_stages, self.runtime.replica
+        owners = self.state.owners or [None] * len(stages)
+        for stage, opt, owner in zip(stages, self.state.optimizers, owners):  # every update set and checked first
             grads = stage.take_clipped_sum()
             self.runtime.refuse_unequal_whole(stage, grads)  # tensor parallel: a whole tensor is every rank's alike
-            if self.runtime.replica == 0:  # noise once, before the sum over replicas
-                self._noised(stage, grads, std)
+            # noise once, before the sum over replicas: on replica 0, or on each parameter's owner (sharded)
+            mine = [replica == (0 if owner is None else owner[k]) for k in range(len(grads))]
+            self._noised(stage, grads, std, mine)
             grads = self.runtime.combine_tied(stage, grads)  # a tied embedding / head: both parts, noised once
-            grads = self.runtime.sum_over_replicas(grads)
+            grads = self.runtime.sum_over_replicas(grads, owner)
             grads = self.runtime.broadcast_whole(stage, grads)  # tensor parallel: every rank steps rank 0's
             in_storage = opt is not None and steps_without_temporaries(opt)
             for k, p in enumerate(stage.parameters):
+                if owner is not None and owner[k] != replica:  # another replica steps it: no gradient here
+                    grads[k] = None
+                    continue
                 # in place, and each float32 sum dropped once it is the parameter's gradient: a bf16 model's
                 # float32 sums and bf16 gradients never exist all at once (narrowing.py: which is less)
                 total = grads[k].div_(self.privacy.expected_batch_size)
                 p.grad = narrow_in_storage(total, p.dtype) if in_storage else total.to(p.dtype)
                 grads[k] = total = None
             _check_finite(stage, [p.grad for p in stage.parameters], self.state.step + 1, "noisy clipped gradient")
-        for stage, opt, scheduler in zip(stages, self.state.optimizers, self.state.schedulers):
+        for stage, opt, scheduler, owner in zip(stages, self.state.optimizers, self.state.schedulers, owners):
             if opt is None:  # nothing to train on this stage
                 continue
             opt.step()
             opt.zero_grad(set_to_none=True)
             if scheduler is not None:
                 scheduler.step()
+            if owner is not None:  # sharded: each parameter as its owner stepped it
+                self.runtime.share_owned(stage.parameters, owner)
             _check_finite(stage, list(stage.parameters), self.state.step + 1, "value after the optimizer step")
 
-    def _noised(self, stage: Any, grads: List[torch.Tensor], std: float) -> None:
-        """Add the stage's noise to its clipped sums in place, except where another stage adds it
-        (a tied head's copy); each parameter's noise is drawn from its own (step, name) stream."""
+    def _noised(self, stage: Any, grads: List[torch.Tensor], std: float, mine: List[bool]) -> None:
+        """Add the stage's noise to the clipped sums this rank noises (``mine``) in place, except where another
+        stage adds it (a tied head's copy); each parameter's noise is drawn from its own (step, name) stream, so
+        who draws it does not change it."""
         names = stage.parameter_names()
-        keep = [k for k in range(len(grads)) if k not in stage.noised_elsewhere]
+        keep = [k for k in range(len(grads)) if mine[k] and k not in stage.noised_elsewhere]
         slices = stage.tensor_parallel.shards  # a split parameter: its slice of the whole one's noise
         add_noise(
             [grads[k] for k in keep],

@@ -697,3 +697,45 @@ def moe_step(rank, options):
     trainer = PipelineDPTrainer(model, token_loss, lambda p: torch.optim.SGD(p, lr=0.5), **args)
     trainer.step(*tensor_parallel_batch(seed=2))
     return trainer.state_dict()
+
+
+def sharded_fit(rank, options, steps, checkpoint_dir=None, resume=False):
+    """Noisy Poisson-sampled training with AdamW (two param groups: weight decay on matrices only) and an LR
+    schedule under ``options`` (stages, replicas, shard_optimizer); the final state dict (rank 0), epsilon, and the
+    bytes of this rank's optimizer state after the first step (by a hook, before any checkpoint reload)."""
+    x, y = make_batch(120, seed=42)
+
+    def adamw(params):
+        decay = [p for p in params if p.dim() > 1]
+        rest = [p for p in params if p.dim() <= 1]
+        return torch.optim.AdamW([{"params": decay}, {"params": rest, "weight_decay": 0.0}], lr=0.05, weight_decay=0.1)
+
+    trainer = PipelineDPTrainer(
+        make_model(),
+        token_loss,
+        adamw,
+        scheduler=lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1 + s)),
+        microbatches=2,
+        noise_multiplier=1.0,
+        max_grad_norm=CLIP,
+        sample_rate=0.08,
+        expected_batch_size=10,
+        accountant="rdp",
+        seed=0,
+        **options,
+    )
+    held = {}
+
+    def measure(step, loss, t):
+        if "bytes" not in held:
+            held["bytes"] = sum(
+                v.numel() * v.element_size()
+                for opt in t.state.optimizers
+                if opt is not None
+                for s in opt.state.values()
+                for v in s.values()
+                if torch.is_tensor(v) and v.dim() > 0
+            )
+
+    trainer.fit((x, y), steps=steps, checkpoint_dir=checkpoint_dir, checkpoint_every=2, resume=resume, callback=measure)
+    return trainer.state_dict(), trainer.epsilon(1e-5), held.get("bytes")

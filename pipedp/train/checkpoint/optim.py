@@ -26,9 +26,13 @@ Source = Tuple[StageRecord, str]  # the saved stage holding a parameter, and the
 
 
 def export(
-    opt: Optional[torch.optim.Optimizer], params: List[torch.nn.Parameter], names: List[str]
+    opt: Optional[torch.optim.Optimizer],
+    params: List[torch.nn.Parameter],
+    names: List[str],
+    elsewhere: Optional[Dict[int, Dict[str, Any]]] = None,
 ) -> Tuple[Optional[List[Dict[str, Any]]], Dict[str, ParamState], List[Tuple[str, torch.Tensor]]]:
-    """(group hyperparameters, each parameter's state, the state's tensors keyed for the stage file)."""
+    """(group hyperparameters, each parameter's state, the state's tensors keyed for the stage file).
+    ``elsewhere``: the state of parameters another replica steps (a sharded optimizer), by id."""
     if opt is None:
         return None, {}, []
     name_of = {id(p): n for p, n in zip(params, names)}
@@ -43,7 +47,7 @@ def export(
                     "from the parameters pipedp passes to the optimizer factory"
                 )
             keys, values = {}, {}
-            for k, v in opt.state.get(p, {}).items():
+            for k, v in (opt.state.get(p) or (elsewhere or {}).get(id(p), {})).items():
                 if isinstance(v, torch.Tensor):
                     keys[str(k)] = f"o/{name}/{k}"
                     tensors.append((keys[str(k)], v))

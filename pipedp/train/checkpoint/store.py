@@ -97,7 +97,10 @@ def save(
 
     this_job, name, temporary = _from_rank0(runtime, prepare)
     try:
-        mine = _together(runtime, lambda: _write_stages(temporary, state, runtime) if runtime.replica == 0 else {})
+        elsewhere = _sharded_state(state, runtime)  # (every replica: the owners send theirs to replica 0)
+        mine = _together(
+            runtime, lambda: _write_stages(temporary, state, runtime, elsewhere) if runtime.replica == 0 else {}
+        )
         merged: Dict[int, StageRecord] = {}
         for part in runtime.all_gather(mine):  # also the barrier: every stage file is complete
             merged.update(part)
@@ -147,15 +150,35 @@ def _whole(runtime: Runtime, stage: Any, named: List[Tuple[str, torch.Tensor, Op
     return None if whole is None else [(name, t) for (name, _, _), t in zip(named, whole)]
 
 
-def _write_stages(temporary: str, state: TrainingState, runtime: Runtime) -> Dict[int, StageRecord]:
+def _sharded_state(state: TrainingState, runtime: Runtime) -> List[Dict[int, Dict[str, Any]]]:
+    """Per local stage, under a sharded optimizer: the optimizer state of the parameters other replicas own, by
+    parameter id, gathered onto replica 0 (which writes the stage's file: the one an unsharded run writes, so it
+    resumes on any replica count, sharded or not); empty elsewhere."""
+    out: List[Dict[int, Dict[str, Any]]] = []
+    for stage, opt, owners in zip(
+        runtime.local_stages, state.optimizers, state.owners or [None] * len(state.optimizers)
+    ):
+        if owners is None or opt is None:
+            out.append({})
+            continue
+        own = [dict(opt.state.get(p) or {}) if o == runtime.replica else None for p, o in zip(stage.parameters, owners)]
+        gathered = runtime.gather_owned(own, owners)
+        theirs = zip(stage.parameters, gathered, owners)
+        out.append({id(p): g for p, g, o in theirs if o != runtime.replica and g} if runtime.replica == 0 else {})
+    return out
+
+
+def _write_stages(
+    temporary: str, state: TrainingState, runtime: Runtime, elsewhere: List[Dict[int, Dict[str, Any]]]
+) -> Dict[int, StageRecord]:
     trainable = _trainable(runtime)
     schedulers = list(state.schedulers) or [None] * len(state.optimizers)
     out = {}
-    for stage, opt, scheduler in zip(runtime.local_stages, state.optimizers, schedulers):
+    for stage, opt, scheduler, theirs in zip(runtime.local_stages, state.optimizers, schedulers, elsewhere):
         names = stage.parameter_names()
         if opt is None and names:
             raise CheckpointError(f"stage {stage.index} trains {names[0]} but has no optimizer")
-        groups, states, optimizer_tensors = optim.export(opt, stage.parameters, names)
+        groups, states, optimizer_tensors = optim.export(opt, stage.parameters, names, theirs)
         split = stage.tensor_parallel.by_name(stage.names())
         aliases, untrained = {}, []
         for tensor_name, t in stage.named_state().items():
@@ -220,7 +243,7 @@ def load(
     files: Dict[str, tensorfile.TensorFile] = {}
     try:
         plans = _together(runtime, lambda: _naming(base, lambda: _plan(manifest, base, state, runtime, files)))
-        _together(runtime, lambda: _apply(plans, state, files))
+        _together(runtime, lambda: _apply(plans, state, files, runtime))
     finally:
         for f in files.values():
             f.close()
@@ -358,15 +381,22 @@ class _Deferred:
         return value
 
 
-def _apply(plans: List[_StagePlan], state: TrainingState, files: Dict[str, tensorfile.TensorFile]) -> None:
+def _apply(
+    plans: List[_StagePlan], state: TrainingState, files: Dict[str, tensorfile.TensorFile], runtime: Runtime
+) -> None:
     schedulers = list(state.schedulers) or [None] * len(state.optimizers)
-    for plan, opt, scheduler in zip(plans, state.optimizers, schedulers):
+    owners = state.owners or [None] * len(state.optimizers)
+    for plan, opt, scheduler, stage, owner in zip(plans, state.optimizers, schedulers, runtime.local_stages, owners):
         with torch.no_grad():
             for p, record, key, shard in plan.params:
                 value = files[record.file].read(key)
                 p.copy_(shard.of(value) if shard is not None else value)
         if opt is not None:
             optimizer = plan.optimizer
+            if owner is not None:  # a sharded optimizer: the state of the parameters this replica owns, no other
+                mine = {id(p) for p, o in zip(stage.parameters, owner) if o == runtime.replica}
+                order = [p for group in opt.param_groups for p in group["params"]]
+                optimizer["state"] = {i: v for i, v in optimizer["state"].items() if id(order[i]) in mine}
             for values in optimizer["state"].values():
                 for k, v in values.items():
                     if isinstance(v, _Deferred):
