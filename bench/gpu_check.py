@@ -25,7 +25,7 @@ Without CUDA (and without --device) it prints that it skipped and exits 0. With 
    must end in pipedp's named error ("stopped answering") within the 10 s timeout (plus the start).
 6. Peak GPU memory of one stage (torch.cuda.max_memory_allocated over the first step and two more, the
    model's weights included) against the planner's tensor bytes (0.8-1.25), and the planner's GPU estimate
-   (context, allocator slack, NCCL: split/plan.py's constants) beside the allocator's reserved peak.
+   (context, allocator slack, NCCL: planner/report.py's constants) beside the allocator's reserved peak.
 7. The harness at realistic sizes on one GPU (one process, CUDA-synchronised timing, contenders
    interleaved in rounds as in bench.questions): non-private training of the whole model (on one GPU
    torch's 1F1B of one stage is that), Opacus ghost clipping, pipedp on one stage (ghost, keep), and the
@@ -418,9 +418,9 @@ def memory_vs_planner(device: str, quick: bool, deadline: float) -> None:
     """One stage in one process (the planner's stage, self-check on): the allocator's peak over the first step
     and two more, against the planner's tensor bytes (and its GPU estimate against the reserved peak)."""
     from pipedp import PipelineDPTrainer
-    from pipedp.cli.plan import estimate
     from pipedp.config import PipelineConfig
     from pipedp.models import token_loss
+    from pipedp.planner import estimate
 
     from .memory import PeakMemory
 

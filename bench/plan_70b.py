@@ -1,8 +1,9 @@
 """Which splits of a Llama-2-70B-shaped model fit 2 nodes x 8 devices of 80 GB, for DP full fine-tuning and DP LoRA:
-``pipedp plan``'s estimate (pipedp.cli.plan.estimate) for each candidate mesh, one after the other.
+``pipedp plan``'s estimate (pipedp.planner.estimate) for each candidate mesh, one after the other.
 
     python -m bench.plan_70b                       # every candidate (~5 min each on one core)
     python -m bench.plan_70b --only full:8x2x1     # one
+    python -m bench.plan_70b --measure /tmp/l70    # a 1-layer slice trained here, beside the planner's prediction
 
 The config is Llama-2-70B's (80 layers, width 8192, FFN 28672, 64 heads, 8 KV heads, vocab 32000, bf16), written
 as a config.json only: the planner builds it on meta and reads no weight. A mesh is stages x tensor-parallel x
@@ -17,6 +18,8 @@ largest micro-batch size whose predicted peak fits 80 GB on every stage (with th
 from __future__ import annotations
 
 import argparse
+import ctypes
+import gc
 import tempfile
 import time
 import warnings
@@ -66,7 +69,7 @@ def write_config(folder: str) -> None:
 
 def plan(folder: str, mode: str, mesh: tuple) -> Row:
     from pipedp import PipelineConfig
-    from pipedp.cli.plan import estimate
+    from pipedp.planner import estimate
 
     stages, t, replicas = mesh
     pipeline = PipelineConfig(
@@ -87,10 +90,111 @@ def plan(folder: str, mode: str, mesh: tuple) -> Row:
     return Row(mode, mesh, result.largest_fit or 0, time.monotonic() - start, note)
 
 
+# ---- a slice of the model trained here, beside its plan -------------------------------------------------------
+SLICE = dict(layers=1, batch=2, seq_len=128, microbatches=2, lora_r=8)
+TARGETS = ("q_proj", "v_proj")
+
+
+def _status(field: str) -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError(field)
+
+
+def _pipeline():
+    from pipedp import PipelineConfig
+
+    return PipelineConfig(stages=2, microbatches=SLICE["microbatches"], microbatch_size=SLICE["batch"])
+
+
+def measure_stage(rank: int, folder: str) -> List[int]:
+    """One rank of the slice's run (as pipedp train runs it: its stage loaded alone, LoRA on it, AdamW): the kernel's
+    peak resident set (VmHWM, reset before each step) above the process before its stage was loaded, per step."""
+    import warnings
+
+    import torch
+
+    from pipedp import PipelineDPTrainer, PrivacyConfig
+    from pipedp.cli.build import with_lora
+    from pipedp.models import token_loss
+    from pipedp.split.hf_loading import load_pipeline_stage
+
+    warnings.filterwarnings("ignore")
+    libc = ctypes.CDLL("libc.so.6")
+    libc.mallopt(-3, 128 << 10)  # M_MMAP_THRESHOLD fixed: a freed tensor leaves the resident set at once
+    gc.collect()
+    libc.malloc_trim(0)
+    base = _status("VmRSS")
+    model = with_lora(load_pipeline_stage(folder, 2, rank), SLICE["lora_r"], TARGETS, 0)
+    rows = SLICE["microbatches"] * SLICE["batch"]
+    trainer = PipelineDPTrainer(
+        model,
+        token_loss,
+        lambda params: torch.optim.AdamW(params, lr=1e-4),
+        pipeline=_pipeline(),
+        privacy=PrivacyConfig(expected_batch_size=rows, sample_rate=0.01, sampling="poisson"),
+    )
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, 32000, (rows, SLICE["seq_len"]), generator=g)
+    peaks = []
+    for _ in range(2):
+        gc.collect()
+        libc.malloc_trim(0)
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")  # reset VmHWM
+        trainer.step({"input_ids": ids, "attention_mask": torch.ones_like(ids)}, ids)
+        peaks.append(_status("VmHWM") - base)
+    trainer.close()
+    return peaks
+
+
+def measure(folder: str) -> None:
+    """Write the slice (float32: bf16 products are 40-500x slower on CPUs without AVX-512), plan it, train it."""
+    import os
+
+    import torch
+    from transformers import LlamaForCausalLM
+
+    from pipedp.planner import estimate
+    from pipedp.runtime.launch import launch
+
+    if not os.path.exists(os.path.join(folder, "config.json")):
+        write_config(folder)
+        from transformers import AutoConfig
+
+        config = AutoConfig.from_pretrained(folder)
+        config.num_hidden_layers, config.torch_dtype = SLICE["layers"], "float32"
+        torch.manual_seed(0)
+        LlamaForCausalLM(config).save_pretrained(folder)
+    start = time.monotonic()
+    plan = estimate(folder, 2, SLICE["batch"], SLICE["seq_len"], lora_r=SLICE["lora_r"], pipeline=_pipeline())
+    planned = time.monotonic() - start
+    start = time.monotonic()
+    measured = launch(measure_stage, 2, (folder,), timeout_s=3600)
+    trained = time.monotonic() - start
+    print(
+        f"Llama-2-70B-shaped slice ({SLICE}), float32, 2 stages over gloo (plan {planned:.0f} s, run {trained:.0f} s)"
+    )
+    print("| stage | blocks | first step: predicted / measured GiB | later step: predicted / measured GiB |")
+    print("|---|---|---|---|")
+    for s, peaks in zip(plan.stages, measured):
+        first, later = max(s.first_step, s.at_step), max(s.steady, s.at_step)
+        print(
+            f"| {s.index} | {s.blocks} | {first / 2**30:.2f} / {peaks[0] / 2**30:.2f} ({first / peaks[0]:.2f}) | "
+            f"{later / 2**30:.2f} / {peaks[1] / 2**30:.2f} ({later / peaks[1]:.2f}) |"
+        )
+
+
 def main(argv: Optional[List[str]] = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--only", default=None, help="MODE:SxTxR, e.g. full:8x2x1")
+    parser.add_argument("--measure", default=None, help="a folder for the 1-layer slice: write, plan and train it")
     args = parser.parse_args(argv)
+    if args.measure:
+        measure(args.measure)
+        return
     candidates: List[Tuple[str, Mesh]] = [("full", m) for m in FULL] + [("lora", m) for m in LORA]
     if args.only:
         mode, mesh = args.only.split(":")

@@ -95,7 +95,7 @@ def test_a_missing_folder_is_one_error_line(tmp_path, capsys):
 # ---- the printed plan ------------------------------------------------------------------------------------
 def test_plan_prints_every_stage_and_the_largest_fitting_size(tmp_path, capsys):
     from pipedp import PipelineConfig
-    from pipedp.cli.plan import estimate
+    from pipedp.planner import estimate
 
     folder = _folder(tmp_path / "model")
     out_json = str(tmp_path / "plan.json")
@@ -123,7 +123,7 @@ def test_plan_prints_every_stage_and_the_largest_fitting_size(tmp_path, capsys):
 
 
 def test_the_first_step_s_self_check_holds_about_one_row_s_gradient_not_a_few(tmp_path):
-    from pipedp.cli.plan import estimate
+    from pipedp.planner import estimate
 
     stages = estimate(_folder(tmp_path), 2, 4, 16).stages
     extra = [s.first_pass_peak - s.pass_peak for s in stages if s.first_pass_peak is not None]
@@ -134,7 +134,7 @@ def test_the_first_step_s_self_check_holds_about_one_row_s_gradient_not_a_few(tm
 
 def test_lora_trains_the_adapters_only_and_splits_where_the_base_model_splits(tmp_path):
     from pipedp import PipelineConfig
-    from pipedp.cli.plan import estimate
+    from pipedp.planner import estimate
 
     folder, pipeline = _folder(tmp_path), PipelineConfig(self_check=False)
     full, lora = estimate(folder, 2, 2, 16, pipeline=pipeline), estimate(folder, 2, 2, 16, lora_r=4, pipeline=pipeline)
@@ -146,7 +146,7 @@ def test_lora_trains_the_adapters_only_and_splits_where_the_base_model_splits(tm
 
 def test_more_micro_batches_in_flight_hold_more_and_checkpointing_less(tmp_path):
     from pipedp import PipelineConfig
-    from pipedp.cli.plan import estimate
+    from pipedp.planner import estimate
 
     folder = _folder(tmp_path)
 
@@ -162,18 +162,18 @@ def test_more_micro_batches_in_flight_hold_more_and_checkpointing_less(tmp_path)
 def test_a_7b_model_is_planned_from_its_config_alone(tmp_path):
     """The static parts of a Llama-2-7B config (float16) on 4 stages: no weights read, nothing simulated."""
     from pipedp import PipelineConfig, PrivacyConfig
-    from pipedp.cli.plan import _Setup
+    from pipedp.planner import Setup
 
     folder = _llama_7b(tmp_path)
     pipeline = PipelineConfig(stages=4)
-    setup = _Setup(folder, pipeline, PrivacyConfig(), 4096, 8, ("q_proj", "v_proj"), 0, "adamw", 0.0)
+    setup = Setup(folder, pipeline, PrivacyConfig(), 4096, 8, ("q_proj", "v_proj"), 0, "adamw", 0.0)
     static = setup.static
     params = sum(s.params for s in static)
     assert 6.7e9 < params < 6.8e9
     assert sum(s.frozen_bytes for s in static) == 2 * (params - sum(s.trainable for s in static))  # float16
     assert sum(s.trainable for s in static) == 32 * 2 * 8 * (4096 + 4096)  # LoRA r=8 on q, v: 4.19 M
     assert all(s.frozen_bytes < 0.3 * 2 * params for s in static)  # each stage holds only its share
-    full = _Setup(folder, replace_stages(pipeline, 2), PrivacyConfig(), 4096, None, (), 0, "adamw", 0.0).static
+    full = Setup(folder, replace_stages(pipeline, 2), PrivacyConfig(), 4096, None, (), 0, "adamw", 0.0).static
     for s in full:  # full fine-tuning of float16 weights: float32 clipped sums, float16 Adam state (as torch's)
         assert s.grads == 4 * s.trainable and s.optimizer == 2 * 2 * s.trainable
 
@@ -182,13 +182,13 @@ def test_a_sharded_optimizer_is_planned_as_the_replica_that_owns_the_most(tmp_pa
     """Full fine-tuning of the 7B config on 2 stages x 4 replicas: each replica's Adam state is its owned share (at
     most one tensor over a quarter), the clipped sums are every parameter's still."""
     from pipedp import PipelineConfig, PrivacyConfig
-    from pipedp.cli.plan import _Setup
+    from pipedp.planner import Setup
 
     folder = _llama_7b(tmp_path)
 
     def static(**options):
         pipeline = PipelineConfig(stages=2, replicas=4, **options)
-        return _Setup(folder, pipeline, PrivacyConfig(), 4096, None, (), 0, "adamw", 0.0).static
+        return Setup(folder, pipeline, PrivacyConfig(), 4096, None, (), 0, "adamw", 0.0).static
 
     for whole, shard in zip(static(), static(shard_optimizer=True)):
         largest = 2 * 2 * 32000 * 4096  # the embedding's (or head's) float16 moments
@@ -211,7 +211,7 @@ def replace_stages(pipeline, stages):
 
 # ---- the pieces ------------------------------------------------------------------------------------------
 def test_the_tracker_counts_each_storage_once_until_torch_frees_it():
-    from pipedp.split.plan import MemoryTracker
+    from pipedp.planner.tracker import MemoryTracker
 
     existing = torch.ones(1000)
     with MemoryTracker(1, answer_reads=False) as tracker:
@@ -228,7 +228,7 @@ def test_the_tracker_counts_each_storage_once_until_torch_frees_it():
 
 def test_compose_follows_a_stage_s_actions():
     import schedules
-    from pipedp.split.plan import Profile, compose
+    from pipedp.planner.report import Profile, compose
 
     def profile(w_delta):
         return Profile({"F": (10, 12), "I": (-4, 1), "W": (w_delta, 1), "SEND_F": (0, 0), "RECV_B": (0, 0)})
@@ -242,7 +242,7 @@ def test_compose_follows_a_stage_s_actions():
 
 
 def test_largest_fit_searches_a_monotone_rule():
-    from pipedp.split.plan import largest_fit
+    from pipedp.planner import largest_fit
 
     assert largest_fit(lambda b: 100 + 7 * b <= 1000) == 128
     assert largest_fit(lambda b: b <= 1) == 1

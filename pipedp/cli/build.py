@@ -18,18 +18,10 @@ import torch
 import torch.nn as nn
 
 from ..config import OptimizerConfig
+from ..train.lora import with_lora
 from .spec import TINY_GPT, TINY_GPT_SEQ_LEN, TINY_GPT_SHAPE, Job
 
 LOADING_HEARTBEAT_S = 15.0
-
-
-def with_lora(model: nn.Module, r: int, targets: Sequence[str], seed: int) -> nn.Module:
-    """The model with PEFT LoRA adapters on ``targets`` (the base frozen), seeded alike on every rank."""
-    from peft import LoraConfig, get_peft_model
-
-    torch.manual_seed(seed)
-    config = LoraConfig(r=r, lora_alpha=2 * r, lora_dropout=0.0, target_modules=list(targets))
-    return get_peft_model(model, config)
 
 
 @contextmanager

@@ -242,7 +242,7 @@ def check_model(args, pipeline: PipelineConfig) -> Model:
         )
     partition(blocks, pipeline.stages, "compute", block_costs(blocks, "compute"))
     if args.lora_r is not None:
-        from .build import with_lora
+        from ..train.lora import with_lora
 
         try:
             lora = with_lora(model, args.lora_r, tuple(t for t in args.lora_targets.split(",") if t), seed=0)

@@ -6,9 +6,8 @@ from dataclasses import dataclass
 from typing import Optional, Tuple
 
 from ..config import DataConfig, FitConfig, OptimizerConfig, PipelineConfig, PrivacyConfig
+from ..models import TINY_GPT, TINY_GPT_SHAPE  # noqa: F401 - the CLI's names for them
 
-TINY_GPT = "tiny-gpt"  # the built-in model: a GPT of this shape over UTF-8 bytes (vocabulary 256)
-TINY_GPT_SHAPE = dict(d_model=64, n_heads=4, n_layers=4)
 TINY_GPT_SEQ_LEN = 36  # its --seq-len default (a Hugging Face model's comes from the data)
 
 

@@ -9,9 +9,10 @@ another stage progress.
 
 from __future__ import annotations
 
+import contextlib
 import math
 from dataclasses import dataclass, field
-from typing import Callable, Dict, List, Optional, Tuple
+from typing import Any, Callable, ContextManager, Dict, List, Optional, Tuple
 
 import torch
 
@@ -88,6 +89,8 @@ class Executor:
             Kind.RECV_B: self._recv_backward,
             Kind.NORM_REDUCE: self._norm_reduce,
         }
+        # observer(executor, action): a context manager entered around every action (observe())
+        self.observers: List[Callable[["Executor", Action], ContextManager[Any]]] = []
         self.position = 0  # index of the next action to run
         self.pass_actions = actions  # this pass's list: the schedule's, or evaluation's forward-only one
         self.state: Optional[PassState] = None  # None between passes
@@ -137,12 +140,24 @@ class Executor:
             raise RuntimeError("the executor has no pass: call start_pass first")
         return self.state
 
+    def observe(self, observer: Callable[["Executor", Action], ContextManager[Any]]) -> None:
+        """Enter ``observer(self, action)``, a context manager, around every action this executor runs from now on
+        (the memory planner counts each action's bytes with it: pipedp/planner/simulate.py). An action that would
+        block leaves it with WouldBlock, before it changed anything."""
+        self.observers.append(observer)
+
     def run(self) -> bool:
         """Run actions until the end (True) or until one would block (False)."""
         while not self.done:
             action = self.pass_actions[self.position]
             try:
-                self.handlers[action.kind](action.microbatch)
+                if self.observers:
+                    with contextlib.ExitStack() as around:
+                        for observer in self.observers:
+                            around.enter_context(observer(self, action))
+                        self.handlers[action.kind](action.microbatch)
+                else:
+                    self.handlers[action.kind](action.microbatch)
             except WouldBlock:
                 return False
             self.position += 1

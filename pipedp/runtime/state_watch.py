@@ -18,11 +18,15 @@ from typing import Dict, Iterable, List, Tuple
 import torch
 
 from ..errors import UnsupportedModelError
-from ..split.plan import is_fake
 
 Named = Iterable[Tuple[str, bool, torch.Tensor]]  # (qualified name, is a parameter, tensor)
 VERSION = " (version)"  # the key of a tensor's version view beside its digest (Stage.watch_values)
 PIECE = 1 << 22  # 16-bit words summed at a time: each piece's weighted sum stays below 2**53
+
+
+def is_fake(t: torch.Tensor) -> bool:
+    """A meta or fake tensor: it holds no values (the memory planner's simulation runs on them)."""
+    return t.is_meta or type(t).__name__ == "FakeTensor"
 
 
 def versions(named: Named) -> Dict[str, Tuple[bool, int, int, int]]:

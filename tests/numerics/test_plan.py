@@ -116,8 +116,8 @@ def measure_stage(rank: int, folder: str) -> dict:
     """One stage's peaks over two steps: resident (above the process before the model) and tensors."""
     import warnings
 
+    from pipedp.planner.tracker import MemoryTracker
     from pipedp.split.hf_loading import load_pipeline_stage, resident_parameter_bytes
-    from pipedp.split.plan import MemoryTracker
 
     warnings.filterwarnings("ignore")
     ctypes.CDLL("libc.so.6").mallopt(-3, 128 << 10)  # M_MMAP_THRESHOLD, fixed: freed tensors leave the RSS
@@ -144,7 +144,7 @@ def measure_stage(rank: int, folder: str) -> dict:
 def measured(tmp_path_factory):
     from transformers import LlamaForCausalLM
 
-    from pipedp.cli.plan import estimate
+    from pipedp.planner import estimate
     from pipedp.runtime.launch import launch
 
     folder = str(tmp_path_factory.mktemp("llama-plan"))
@@ -196,7 +196,7 @@ if __name__ == "__main__":  # the numbers, for bench/RESULTS.md
 
     from transformers import LlamaForCausalLM
 
-    from pipedp.cli.plan import estimate
+    from pipedp.planner import estimate
     from pipedp.runtime.launch import launch
 
     with tempfile.TemporaryDirectory() as folder:

@@ -23,6 +23,7 @@ LAYERS = {
     "pipedp.runtime": 3,
     "pipedp.train": 4,
     "pipedp.audit": 5,
+    "pipedp.planner": 5,  # the memory planner: above the trainer and the runtime, which it prepares and runs
     "pipedp.cli": 6,
     "pipedp": 7,  # the package's __init__ / __main__ (the public surface)
 }

@@ -335,7 +335,7 @@ def test_the_norm_computations_run_in_full_precision(monkeypatch, precision_rest
 
 # ---- 5. the planner's CUDA allowance --------------------------------------------------------------------------
 def test_the_planner_adds_the_cuda_allowance():
-    from pipedp.split import plan
+    from pipedp.planner import report as plan
 
     assert plan.cuda_allowance(0) == plan.CUDA_CONTEXT_BYTES + plan.NCCL_BUFFER_BYTES
     gib = 1 << 30

@@ -125,3 +125,38 @@ def test_without_a_probe_nothing_travels_behind_the_gradient():
     executor.start_pass(make_pass(torch.zeros(2, 1), torch.zeros(2), microbatches=1, size=2))
     assert executor.run()
     assert len([s for s in transport.sent if s[0] is Kind.SEND_B]) == 1
+
+
+def test_an_observer_sees_every_action_that_runs_and_none_that_would_block():
+    """Executor.observe (the memory planner's hook): entered around each action, left by WouldBlock before it ran."""
+    from contextlib import contextmanager
+
+    from pipedp.runtime.protocols import WouldBlock
+
+    class Blocking(FakeTransport):
+        def recv(self, kind, mb):
+            if not self.inbox[(kind, mb)]:
+                raise WouldBlock()
+            return super().recv(kind, mb)
+
+    seen = []
+
+    @contextmanager
+    def observer(executor, action):
+        seen.append(("enter", action.kind))
+        yield
+        seen.append(("done", action.kind))
+
+    stage = FakeStage()
+    inbox = {(Kind.RECV_F, 0): [torch.ones(2, 1)], (Kind.RECV_B, 0): []}
+    executor = Executor(stage, Blocking(inbox), actions(0))
+    executor.observe(observer)
+    executor.start_pass(make_pass(torch.zeros(2, 1), torch.zeros(2), microbatches=1, size=2))
+    assert not executor.run()  # RECV_B would block: the gradient has not come
+    assert seen == [(e, k) for k in (Kind.RECV_F, Kind.F, Kind.SEND_F) for e in ("enter", "done")] + [
+        ("enter", Kind.RECV_B)
+    ]
+    inbox[(Kind.RECV_B, 0)].append(torch.ones(2, 1))
+    seen.clear()
+    assert executor.run()
+    assert [k for e, k in seen if e == "done"] == [Kind.RECV_B, Kind.I, Kind.SEND_B, Kind.NORM_REDUCE, Kind.W]

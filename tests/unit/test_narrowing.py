@@ -126,12 +126,12 @@ def test_which_optimizers_step_without_temporaries():
     "optimizer, weight_decay", [("sgd", 0.0), ("sgd", 0.1), ("adamw", 0.0), ("adamw", 0.1), ("adam", 0.1)]
 )
 def test_the_planner_counts_a_copy_exactly_where_the_trainer_makes_one(optimizer, weight_decay):
-    """The planner's model of the update (split/plan.py) and the trainer's choice (steps_without_temporaries on
+    """The planner's model of the update (planner/static.py) and the trainer's choice (steps_without_temporaries on
     the optimizer the CLI builds) agree: narrowed in place, or a bf16 copy beside the sums."""
     from pipedp.cli.build import optimizer_factory
     from pipedp.config import OptimizerConfig
+    from pipedp.planner.static import static_bytes
     from pipedp.split.adapters import model_blocks
-    from pipedp.split.plan import static_bytes
 
     model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 4)).to(torch.bfloat16)
     optim = OptimizerConfig(optimizer=optimizer, weight_decay=weight_decay)

@@ -94,8 +94,8 @@ def test_tensor_parallel_in_one_process_is_refused_with_the_launch_line():
 
 def test_the_planner_counts_each_ranks_slices_and_the_whole_tensors_once():
     """pipedp plan --tensor-parallel 2: every stage as its rank 0 holds it, simulated with its slices."""
-    from pipedp.cli.plan import estimate
     from pipedp.config import PipelineConfig
+    from pipedp.planner import estimate
 
     config = tiny_llama_config(num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False)
     whole, split = (
