@@ -645,12 +645,11 @@ class DistributedRuntime:
             if shard is None:
                 out.append(value)
                 continue
-            parts = [torch.empty_like(value) for _ in range(self.mesh.tensor_parallel)] if mine else None
-            self._collective(
-                "tensor-parallel gather",
-                functools.partial(dist.gather, value.detach().contiguous(), parts, root, self.tp_group),
-            )
-            out.append(torch.cat(parts, dim=shard.dim) if parts is not None else value)
+            # on this rank's device for the collective (NCCL): a sharded optimizer's gathered state is on the CPU
+            sent = value.detach().to(self.device).contiguous()
+            parts = [torch.empty_like(sent) for _ in range(self.mesh.tensor_parallel)] if mine else None
+            self._collective("tensor-parallel gather", functools.partial(dist.gather, sent, parts, root, self.tp_group))
+            out.append(torch.cat(parts, dim=shard.dim).to(value.device) if parts is not None else value)
         return out if mine else None
 
     def abort_step(self, error: BaseException) -> None:

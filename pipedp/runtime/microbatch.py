@@ -138,3 +138,11 @@ def make_pass(inputs: Inputs, targets: torch.Tensor, microbatches: int, size: in
     else:
         parts = list(_padded(inputs, pad).split(size))
     return PassBatch(parts, list(targets.split(size)), list(mask.split(size)))
+
+
+def padding_pass(inputs: Inputs, targets: torch.Tensor, microbatches: int, size: int) -> PassBatch:
+    """A pass with no real row, made of copies of the first rows of ``inputs`` (``size`` of them, one privacy
+    unit's), every one masked out: a replica whose share of the logical batch ran out while the others still run
+    passes (the passes' collectives span every replica, so every replica runs as many)."""
+    batch = make_pass(take(inputs, slice(0, size)), targets[:size], microbatches, size)
+    return PassBatch(batch.inputs, batch.targets, [torch.zeros_like(m) for m in batch.masks])

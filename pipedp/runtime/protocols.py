@@ -83,7 +83,8 @@ class Runtime(Protocol):
 
     def sum_over_replicas(self, grads: List[torch.Tensor], owners: Optional[List[int]] = None) -> List[torch.Tensor]:
         """Each clipped sum added over the data-parallel replicas, in place: on every replica, or (a sharded
-        optimizer's ``owners``: the replica of each) on its owner only, the others' left as they were."""
+        optimizer's ``owners``: the replica of each) on its owner only; the others' are then scratch (a backend's
+        reduce may write into them): they are dropped, never read."""
         ...
 
     def share_owned(self, parameters: List[torch.nn.Parameter], owners: List[int]) -> None:

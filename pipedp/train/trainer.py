@@ -37,6 +37,7 @@ from ..runtime.microbatch import (
     check_batch,
     make_pass,
     microbatch_size_for,
+    padding_pass,
     plan_passes,
     replica_rows,
     take,
@@ -344,12 +345,18 @@ class PipelineDPTrainer:
         n = self.units.count(batch_rows(inputs))
         mine = replica_rows(n, pipeline.replicas, self.runtime.replica)  # in units
         rows = slice(mine.start * size_of, mine.stop * size_of)
-        inputs, targets = take(inputs, rows), targets[rows]
+        own_inputs, own_targets = take(inputs, rows), targets[rows]
         static = pipeline.microbatch_size // size_of if pipeline.microbatch_size is not None else None
-        for part in plan_passes(mine.stop - mine.start, pipeline.microbatches, static):
+        parts = plan_passes(mine.stop - mine.start, pipeline.microbatches, static)
+        for part in parts:
             size = microbatch_size_for(part.stop - part.start, pipeline.microbatches, static) * size_of
             span = slice(part.start * size_of, part.stop * size_of)
-            yield make_pass(take(inputs, span), targets[span], pipeline.microbatches, size)
+            yield make_pass(take(own_inputs, span), own_targets[span], pipeline.microbatches, size)
+        # every replica runs as many passes as replica 0 (the largest share): a pass's collectives span the replicas
+        most = replica_rows(n, pipeline.replicas, 0)
+        for _ in range(len(plan_passes(most.stop - most.start, pipeline.microbatches, static)) - len(parts)):
+            size = microbatch_size_for(1, pipeline.microbatches, static) * size_of
+            yield padding_pass(inputs, targets, pipeline.microbatches, size)
 
     def _charge(self, sampling: Optional[str], n: Optional[int] = None) -> Optional[Tuple[float, float]]:
         """(noise multiplier, sample rate) the accountant records for the next step (of ``n`` units), or None."""

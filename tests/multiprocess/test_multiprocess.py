@@ -68,6 +68,23 @@ def test_noisy_runs_reproduce_and_equal_in_process():
     assert max_relative_error(first, make_model().state_dict()) > 1e-3  # noise really moved them
 
 
+def test_replicas_whose_share_of_a_batch_runs_out_still_run_every_pass():
+    """A 1-row batch over 2 replicas (replica 1 gets none) and, with 1-row passes, 3 rows (2 passes against 1): the
+    short replica runs padding passes, so every pass's collectives meet (this hung before), and the update is the
+    one-replica run's."""
+    from workers import uneven_replicas
+
+    sizes = [1, 3, 2]
+    for options in (
+        {"stages": 1, "replicas": 2},
+        {"stages": 1, "replicas": 2, "microbatches": 1, "microbatch_size": 1},
+    ):
+        got = launch(uneven_replicas, 2, (options, sizes), timeout_s=120)[0]
+        want = uneven_replicas(0, {"stages": 1, "transport": "inprocess"}, sizes)
+        assert max_relative_error(got, want) < 1e-12, options
+        assert max_relative_error(got, make_model().state_dict()) > 1e-5  # the steps moved the weights
+
+
 def test_a_failing_rank_stops_every_rank_and_is_named():
     from workers import failing
 

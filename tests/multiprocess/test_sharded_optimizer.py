@@ -4,6 +4,7 @@ epsilon are the unsharded run's, and each rank holds about 1/replicas of the opt
 import shutil
 
 import pytest
+import torch
 from oracles import max_relative_error
 from workers import make_model, sharded_fit
 
@@ -14,12 +15,14 @@ MESH = {"stages": 2, "replicas": 2}
 
 
 def test_sharded_adamw_equals_the_unsharded_run_and_holds_half_the_state(tmp_path):
-    plain_state, plain_eps, plain_bytes = zip(*launch(sharded_fit, 4, (MESH, 3), timeout_s=300))
+    plain_state, plain_eps, plain_bytes, _ = zip(*launch(sharded_fit, 4, (MESH, 3), timeout_s=300))
     runs = launch(sharded_fit, 4, (dict(MESH, shard_optimizer=True), 3, str(tmp_path)), timeout_s=300)
-    state, eps, held = zip(*runs)
+    state, eps, held, local = zip(*runs)
     assert max_relative_error(state[0], plain_state[0]) < 1e-12
     assert max_relative_error(state[0], make_model().state_dict()) > 1e-3  # the steps really moved the weights
     assert eps == plain_eps
+    for stage in (0, 1):  # replica 1 holds what replica 0 holds, bit for bit (each owner's broadcast)
+        assert all(torch.equal(a, b) for a, b in zip(local[stage], local[2 + stage])) and local[stage]
     # ranks (replica, stage): 0 = (0, 0), 1 = (0, 1), 2 = (1, 0), 3 = (1, 1); each stage's state split in two
     for stage in (0, 1):
         mine, theirs = held[stage], held[2 + stage]

@@ -738,4 +738,14 @@ def sharded_fit(rank, options, steps, checkpoint_dir=None, resume=False):
             )
 
     trainer.fit((x, y), steps=steps, checkpoint_dir=checkpoint_dir, checkpoint_every=2, resume=resume, callback=measure)
-    return trainer.state_dict(), trainer.epsilon(1e-5), held.get("bytes")
+    local = [p.detach().clone() for stage in trainer.runtime.local_stages for p in stage.parameters]
+    return trainer.state_dict(), trainer.epsilon(1e-5), held.get("bytes"), local
+
+
+def uneven_replicas(rank, options, sizes):
+    """DP steps (noise 0) on logical batches of ``sizes`` rows, some smaller than the replica count or splitting into
+    unequal pass counts; the final state dict (rank 0)."""
+    trainer = make_trainer(make_model(), **options)
+    for step, n in enumerate(sizes):
+        trainer.step(*make_batch(n, seed=step))
+    return trainer.state_dict()
