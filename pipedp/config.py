@@ -25,6 +25,8 @@ ACCOUNTANTS = ("prv", "rdp", "gdp")
 TRANSPORTS = ("auto", "inprocess", "distributed")
 PRECISIONS = ("32", "bf16-mixed", "bf16-true")
 SAMPLINGS = ("poisson", "shuffle")
+TINY_GPT = "tiny-gpt"  # the built-in model's name (pipedp train and plan): a GPT of this shape over UTF-8 bytes
+TINY_GPT_SHAPE = dict(d_model=64, n_heads=4, n_layers=4)
 MAX_TARGET_EPSILON = 100.0  # calibrating beyond it is meaningless, and prv's search slows to minutes
 
 # "params", "uniform", a list of per-block costs, or a function of the blocks returning one

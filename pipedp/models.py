@@ -83,10 +83,6 @@ class LMHead(nn.Module):
         return self.head(self.ln(x))
 
 
-TINY_GPT = "tiny-gpt"  # the built-in model's name (pipedp train and plan): a GPT of this shape over UTF-8 bytes
-TINY_GPT_SHAPE = dict(d_model=64, n_heads=4, n_layers=4)
-
-
 def tiny_gpt(cfg: GPTConfig = GPTConfig()) -> nn.Sequential:
     blocks = [Embeddings(cfg)] + [TransformerBlock(cfg) for _ in range(cfg.n_layers)] + [LMHead(cfg)]
     return nn.Sequential(*blocks)

@@ -5,8 +5,15 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional, Tuple
 
-from ..config import DataConfig, FitConfig, OptimizerConfig, PipelineConfig, PrivacyConfig
-from ..models import TINY_GPT, TINY_GPT_SHAPE  # noqa: F401 - the CLI's names for them
+from ..config import (  # noqa: F401 - the built-in model's name and shape, as the CLI's modules import them
+    TINY_GPT,
+    TINY_GPT_SHAPE,
+    DataConfig,
+    FitConfig,
+    OptimizerConfig,
+    PipelineConfig,
+    PrivacyConfig,
+)
 
 TINY_GPT_SEQ_LEN = 36  # its --seq-len default (a Hugging Face model's comes from the data)
 

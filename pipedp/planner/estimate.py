@@ -18,9 +18,9 @@ import torch
 import schedules
 from schedules import Kind
 
-from ..config import PipelineConfig, PrivacyConfig
+from ..config import TINY_GPT, TINY_GPT_SHAPE, PipelineConfig, PrivacyConfig
 from ..errors import PipeDPError
-from ..models import TINY_GPT, TINY_GPT_SHAPE, GPTConfig, tiny_gpt, token_loss
+from ..models import GPTConfig, tiny_gpt, token_loss
 from ..parallel.layers import Group
 from ..parallel.plan import split_stage
 from ..runtime.microbatch import PassBatch
@@ -55,7 +55,6 @@ def estimate(
     or "tiny-gpt" — on ``stages`` stages with micro-batches of ``microbatch_size`` rows of ``seq_len`` tokens.
     ``pipeline`` gives the schedule, micro-batches, grad mode, precision, checkpointing, balance (its
     ``stages`` is replaced by ``stages``)."""
-
     pipeline = replace(pipeline or PipelineConfig(), stages=stages).validate()
     privacy = privacy or PrivacyConfig()
     with warnings.catch_warnings():
@@ -109,7 +108,6 @@ class Setup:
     """The model on meta, split and prepared as the trainer prepares it, and its fake twin for the passes."""
 
     def __init__(self, name, pipeline, privacy, seq_len, lora_r, targets, seed, optimizer, momentum, weight_decay=0.0):
-
         self.pipeline, self.seq_len, self.lora_r, self.targets = pipeline, seq_len, lora_r, targets
         self.model, self.name, base_costs = _planned_model(
             name, seq_len, pipeline.untie_weights, pipeline.balance, lora_r, targets, seed
@@ -157,7 +155,6 @@ class Setup:
     def plans(self, b: int, simulated: bool = True):
         """The stages' plans at micro-batch size ``b``: from passes simulated at ``b`` (``simulated``), or
         from the profiles interpolated between the two sizes simulated nearest to it."""
-
         p = self.pipeline
         costs = None if p.schedule_costs is None else dict(zip((Kind.F, Kind.I, Kind.W), p.schedule_costs))
         schedule = schedules.build(p.schedule, p.stages, p.microbatches, costs)
@@ -227,7 +224,6 @@ class Setup:
         return profiles
 
     def _inputs(self, rows: int):
-
         ids = torch.zeros(rows, self.seq_len, dtype=torch.long)
         if not self.hf:
             return ids
@@ -243,7 +239,6 @@ class Setup:
 def _planned_model(name, seq_len: int, untie: bool, balance, lora_r, targets, seed) -> Tuple[Any, str, Optional[list]]:
     """(the model on meta as pipedp train builds it, its name, the block costs to split by: with LoRA, the
     base model's by ``balance``, since training splits where the stage loader split the base model)."""
-
     if name == TINY_GPT:
         with torch.device("meta"):
             model = tiny_gpt(GPTConfig(vocab_size=256, seq_len=seq_len, **TINY_GPT_SHAPE))
@@ -263,7 +258,6 @@ def _planned_model(name, seq_len: int, untie: bool, balance, lora_r, targets, se
 
 def _held_between_i_and_w(actions) -> int:
     """The most micro-batches of this stage's action list between their I and their W."""
-
     held = peak = 0
     for a in actions:
         if a.kind is Kind.I:
@@ -314,7 +308,6 @@ def _count(n: int) -> str:
 def _refuse_experts(model, name: str) -> None:
     """A mixture of experts routes by value, so the shapes of its experts' products are not known on fake
     tensors (transformers' eager loop asks which experts a token went to, its grouped kernel wants bf16)."""
-
     found = moe_parts(model)
     if found:
         raise PipeDPError(

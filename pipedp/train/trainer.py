@@ -98,14 +98,24 @@ def _check_elementwise(optimizers: List[Optional[torch.optim.Optimizer]], tensor
     """Under tensor parallelism each rank steps its slices: an optimizer that factors or normalises a whole tensor
     (Adafactor's row and column moments, LAMB's trust ratio, Muon) would step each slice as if it were the whole."""
     for opt in optimizers:
-        if tensor_parallel > 1 and opt is not None and type(opt) not in ELEMENTWISE:
-            names = ", ".join(t.__name__ for t in ELEMENTWISE)
-            raise ConfigError(
-                f"tensor_parallel={tensor_parallel} with {type(opt).__name__}: each rank steps its slices of the split "
-                f"layers, which is the whole tensor's step only for optimizers that treat every coordinate alone "
-                f"({names}); use one of them, or tensor_parallel=1",
-                "tensor_parallel",
+        if tensor_parallel > 1:
+            _refuse_unless(
+                opt,
+                ELEMENTWISE,
+                f"tensor_parallel={tensor_parallel}",
+                "each rank steps its slices of the split layers, which is the whole tensor's step only for "
+                "optimizers that treat every coordinate alone",
+                "tensor_parallel=1",
             )
+
+
+def _refuse_unless(opt: Optional[torch.optim.Optimizer], allowed: tuple, option: str, why: str, off: str) -> None:
+    """Refuse an optimizer whose type is not one of ``allowed`` under ``option``, saying why and the way out."""
+    if opt is not None and type(opt) not in allowed:
+        names = ", ".join(t.__name__ for t in allowed)
+        raise ConfigError(
+            f"{option} with {type(opt).__name__}: {why} ({names}); use one of them, or {off}", option.split("=")[0]
+        )
 
 
 # optimizers whose step of a parameter reads that parameter's gradient and state alone: under a sharded optimizer
@@ -129,14 +139,14 @@ def _shard_optimizers(
     optimizers make no state for it; state made eagerly (Adagrad's) is dropped here."""
     out: List[Optional[List[int]]] = []
     for stage, opt in zip(stages, optimizers):
-        if opt is not None and type(opt) not in PER_TENSOR:
-            names = ", ".join(t.__name__ for t in PER_TENSOR)
-            raise ConfigError(
-                f"shard_optimizer with {type(opt).__name__}: each replica steps only the parameters it owns, which is "
-                f"the whole step only for optimizers whose step of a parameter reads its own gradient and state "
-                f"alone ({names}); use one of them, or shard_optimizer=False",
-                "shard_optimizer",
-            )
+        _refuse_unless(
+            opt,
+            PER_TENSOR,
+            "shard_optimizer",
+            "each replica steps only the parameters it owns, which is the whole step only for optimizers whose step "
+            "of a parameter reads its own gradient and state alone",
+            "shard_optimizer=False",
+        )
         owners = shards.owners([p.numel() * p.element_size() for p in stage.parameters], replicas)
         for p, owner in zip(stage.parameters, owners):
             if opt is not None and owner != replica:
