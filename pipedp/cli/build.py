@@ -57,10 +57,15 @@ def build_model(job: Job, rank: int) -> nn.Module:
     if job.inprocess:
         with loading(0, f"the whole model from {job.model.name}"):
             return load_local_model(job.model.name)
-    # each rank reads only its own stage's tensors from the checkpoint
+    # each rank reads only its own stage's tensors from the checkpoint; under tensor parallelism the split layers'
+    # slices are read when the trainer cuts them (each rank its own)
+    tp = job.pipeline.tensor_parallel
     with loading(stage, f"its weights from {job.model.name}"):
-        model = load_pipeline_stage(job.model.name, stages, stage, untie_weights=job.pipeline.untie_weights)
-    print(f"stage {stage}: {resident_parameter_bytes(model) / 1e6:.1f} MB of parameters resident", flush=True)
+        model = load_pipeline_stage(
+            job.model.name, stages, stage, untie_weights=job.pipeline.untie_weights, tensor_parallel=tp
+        )
+    later = " (the tensor-parallel slices are read when the layers are split)" if tp > 1 else ""
+    print(f"stage {stage}: {resident_parameter_bytes(model) / 1e6:.1f} MB of parameters resident{later}", flush=True)
     return model
 
 

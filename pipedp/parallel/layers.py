@@ -21,6 +21,9 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
+from ..shards import Shard
+from ..split.safetensors_read import stored_of
+
 
 @dataclass(frozen=True)
 class Group:
@@ -92,10 +95,16 @@ def gather(x: torch.Tensor, group: Group) -> torch.Tensor:
     return _Gather.apply(x, group)
 
 
-def _keep(p: nn.Parameter, part: torch.Tensor) -> None:
+def _keep(p: nn.Parameter, dim: int, start: int, width: int) -> None:
     """The parameter object stays (optimizers, weight-decay groups and hooks know it by identity); its values
-    become this rank's slice, a copy, so the whole tensor is freed."""
-    p.data = part.detach().clone().contiguous()
+    become this rank's slice [start, start + width) of ``dim``: a copy of the whole tensor's, so the whole is freed,
+    or, for a parameter the loader left on the meta device, read from its file alone (split/safetensors_read.py)."""
+    stored = stored_of(p)
+    if stored is None:
+        p.data = p.detach().narrow(dim, start, width).clone().contiguous()
+        return
+    part = stored.read(Shard(tuple(p.shape), dim, start, start + width), p.dtype)
+    torch.utils.swap_tensors(p, nn.Parameter(part, requires_grad=p.requires_grad))  # meta -> CPU, the same object
 
 
 class ColumnParallelLinear(nn.Linear):
@@ -111,9 +120,9 @@ class ColumnParallelLinear(nn.Linear):
         width = layer.out_features // group.size
         layer.__class__ = cls
         layer.group, layer.start, layer.out_features = group, group.rank * width, width
-        _keep(layer.weight, layer.weight[layer.start : layer.start + width])
+        _keep(layer.weight, 0, layer.start, width)
         if layer.bias is not None:
-            _keep(layer.bias, layer.bias[layer.start : layer.start + width])
+            _keep(layer.bias, 0, layer.start, width)
         return layer
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -140,7 +149,7 @@ class RowParallelLinear(nn.Linear):
         width = layer.in_features // group.size
         layer.__class__ = cls
         layer.group, layer.start, layer.in_features = group, group.rank * width, width
-        _keep(layer.weight, layer.weight[:, layer.start : layer.start + width])
+        _keep(layer.weight, 1, layer.start, width)
         return layer
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -162,7 +171,7 @@ class VocabParallelEmbedding(nn.Embedding):
         layer.__class__ = cls
         layer.group, layer.start, layer.num_embeddings = group, start, width
         layer.padding_idx = pad - start if pad is not None and start <= pad < start + width else None
-        _keep(layer.weight, layer.weight[start : start + width])
+        _keep(layer.weight, 0, start, width)
         return layer
 
     def local_ids(self, ids: torch.Tensor):

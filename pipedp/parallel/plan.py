@@ -38,6 +38,32 @@ def tensor_parallel_plan(
     a loss on vocabulary-split logits (loss.py)."""
     if size == 1:
         return {}
+    _patterns(model, size)
+    _refuse_model(model, size)
+    plan = _layer_plan(model, blocks, size, gather_logits)
+    _refuse_whole_beside_split(blocks, plan, size)
+    return plan
+
+
+def sliced_parameters(model: nn.Module, blocks: Sequence[Block], size: int) -> Dict[str, int]:
+    """{qualified name: the dimension it is cut along} of every parameter ``split_stage`` slices, from the layers'
+    plan alone (what the loader reads slice by slice; the model-wide refusals wait for the trainer, since the
+    caller may still change the model: its dropout, what it trains)."""
+    plan = _layer_plan(model, blocks, size)
+    out: Dict[str, int] = {}
+    for b in blocks:
+        for name, module in b.module.named_modules():
+            style = plan.get(b.qualified(name) if name else b.name)
+            if style is None:
+                continue
+            for n, p in module.named_parameters():
+                dim = _cut(style, n, p)
+                if dim is not None:
+                    out[b.qualified(f"{name}.{n}" if name else n)] = dim
+    return out
+
+
+def _patterns(model: nn.Module, size: int) -> Dict[str, str]:
     config = getattr(model, "config", None)
     patterns = getattr(config, "base_model_tp_plan", None) if config is not None else None
     if not patterns or not hasattr(model, "get_input_embeddings"):
@@ -46,8 +72,11 @@ def tensor_parallel_plan(
             f"transformers' tensor-parallel plan (base_model_tp_plan), the only models pipedp splits across ranks; "
             f"{_WAY_OUT}"
         )
-    _refuse_model(model, size)
-    compiled = [(_regex(p), style) for p, style in patterns.items()]
+    return patterns
+
+
+def _layer_plan(model: nn.Module, blocks: Sequence[Block], size: int, gather_logits: bool = True) -> Dict[str, str]:
+    compiled = [(_regex(p), style) for p, style in _patterns(model, size).items()]
     embedding, head = model.get_input_embeddings(), model.get_output_embeddings()
     plan: Dict[str, str] = {}
     for b in blocks:
@@ -61,7 +90,6 @@ def tensor_parallel_plan(
             if style is None or qualified in plan:
                 continue
             plan[qualified] = _checked(qualified, module, style, size)
-    _refuse_whole_beside_split(blocks, plan, size)
     return plan
 
 
@@ -171,6 +199,14 @@ def split_stage(blocks: Sequence[Block], plan: Dict[str, str], group: Group) -> 
             whole_shapes = {n: tuple(p.shape) for n, p in module.named_parameters()}
             layer = _BUILD[style].split(module, group)
             for n, p in layer.named_parameters():
-                if p.dim() > _DIM[style] and not (style == ROW and n == "bias"):
-                    part.shards[id(p)] = Shard.even(whole_shapes[n], _DIM[style], group.rank, group.size)
+                dim = _cut(style, n, p)
+                if dim is not None:
+                    part.shards[id(p)] = Shard.even(whole_shapes[n], dim, group.rank, group.size)
     return part
+
+
+def _cut(style: str, name: str, p: nn.Parameter) -> "int | None":
+    """The dimension a layer of ``style`` cuts its parameter ``name`` along; None: held whole (a row-parallel
+    layer's bias, added once after the sum)."""
+    dim = _DIM[style]
+    return dim if p.dim() > dim and not (style == ROW and name == "bias") else None

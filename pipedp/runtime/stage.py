@@ -24,7 +24,7 @@ import torch
 import torch.nn as nn
 
 from ..config import GRAD_MODES
-from ..errors import BatchError, TransportError, UnsupportedModelError
+from ..errors import BatchError, ConfigMismatchError, TransportError, UnsupportedModelError
 from ..privacy.clipping import ClipRule, StageClip
 from ..privacy.per_sample import (
     KEEP_MEMORY_RATIO,
@@ -40,6 +40,7 @@ from ..privacy.units import Units
 from ..shards import TensorParallelPart
 from ..split.blocks import Block
 from ..split.hf_drive import rng_kept
+from ..split.safetensors_read import stored_of
 from . import grad_modes, self_check, state_watch
 from .capture import ActivationCapture, LayerCall, block_layers
 from .layer_errors import named_layer_errors
@@ -140,6 +141,7 @@ class Stage:
         self.index, self.options = index, options
         self.is_first, self.is_last = index == 0, index == num_stages - 1
         self.blocks = list(blocks)
+        _refuse_unread(self.blocks, self.tensor_parallel.size)
         self.loss_fn = loss_fn
         self.grad_mode, self.precision, self.units = options.grad_mode, options.precision, options.units
         self.layers = block_layers(self.blocks)
@@ -548,3 +550,16 @@ def _params_in_several_layers(layers: Dict[str, nn.Module]) -> set:
         for _, p in layer_parameters(m):
             count[id(p)] = count.get(id(p), 0) + 1
     return {k for k, v in count.items() if v > 1}
+
+
+def _refuse_unread(blocks: Sequence[Block], tensor_parallel: int) -> None:
+    """A parameter the loader left on the meta device for the tensor-parallel split to read slice by slice
+    (load_pipeline_stage(..., tensor_parallel=T)) that this stage did not split: it has no values."""
+    for b in blocks:
+        for name, p in b.module.named_parameters():
+            if stored_of(p) is not None:
+                raise ConfigMismatchError(
+                    f"parameter {b.qualified(name)!r} was left unread by load_pipeline_stage(..., tensor_parallel=T), "
+                    f"for the tensor-parallel split to read its slice, but this run (tensor_parallel={tensor_parallel}) "
+                    "does not cut it: pass the loader's tensor_parallel to the trainer"
+                )

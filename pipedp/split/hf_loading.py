@@ -8,13 +8,15 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping
-from typing import Dict, Iterator, List, Tuple
+from typing import Dict, Iterator, List, Set, Tuple
 
 import torch
 import torch.nn as nn
 
 from ..errors import CheckpointError
+from .adapters import model_blocks
 from .hf_buffers import compute_buffers
+from .safetensors_read import Stored
 from .stage_loading import load_stage, resident_parameter_bytes, weight_map  # noqa: F401 (re-exported)
 
 
@@ -79,15 +81,19 @@ def load_pipeline_stage(
     untie_weights: bool = False,
     attn_implementation: str = "sdpa",
     device="cpu",
+    tensor_parallel: int = 1,
 ) -> nn.Module:
     """The model built on the meta device with only ``stage``'s parameters materialized and loaded.
 
-    Hand the result to PipelineDPTrainer with the same ``stages``, ``balance`` and
-    ``untie_weights`` on the rank that runs that stage: each rank reads only its own
+    Hand the result to PipelineDPTrainer with the same ``stages``, ``balance``,
+    ``untie_weights`` and ``tensor_parallel`` on the rank that runs that stage: each rank reads only its own
     tensors from the (possibly sharded) safetensors checkpoint, so no rank ever holds the
-    whole model.
+    whole model. With ``tensor_parallel`` > 1 the layers transformers' plan splits are left on the meta device
+    and the trainer's split reads each rank's slice of them alone (a checkpoint that transformers converts on
+    loading is read whole, then split).
     """
     model = build_on_meta(folder, attn_implementation, device)
+    later = _split_later(model, tensor_parallel, untie_weights)
     if converted_on_loading(model, folder):  # (a mixture of experts' per-expert tensors, merged into banks)
         if not _splits_on_loading(model):  # each tensor converted from its own sources: read only the stage's
             converted = _Converted(folder, attn_implementation)
@@ -101,7 +107,16 @@ def load_pipeline_stage(
         tensors = {k: v.detach() for k, v in whole.state_dict().items()}
         del whole
         return load_stage(model, tensors, stages, stage, balance, device, untie_weights)
-    return load_stage(model, checkpoint_tensors(model, folder), stages, stage, balance, device, untie_weights)
+    return load_stage(model, checkpoint_tensors(model, folder), stages, stage, balance, device, untie_weights, later)
+
+
+def _split_later(model: nn.Module, tensor_parallel: int, untie_weights: bool) -> Set[str]:
+    """The parameters the tensor-parallel split will cut (parallel/plan.py), to be read slice by slice."""
+    if tensor_parallel == 1:
+        return set()
+    from ..parallel.plan import sliced_parameters
+
+    return set(sliced_parameters(model, model_blocks(model, untie_weights), tensor_parallel))
 
 
 def _transforms(model: nn.Module) -> Tuple[list, list, list]:
@@ -186,6 +201,10 @@ class _Renamed(Mapping):
 
     def __init__(self, stored: Dict[str, str], names: Dict[str, str]):
         self.stored, self.names = stored, names  # model name -> checkpoint name; checkpoint name -> file
+
+    def location(self, name: str) -> Stored:
+        """Where the tensor ``name`` lies (for a slice-by-slice read: stage_loading.materialize_stage)."""
+        return Stored(self.names[self.stored[name]], self.stored[name])
 
     def __getitem__(self, name: str) -> torch.Tensor:
         from safetensors import safe_open

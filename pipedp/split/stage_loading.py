@@ -5,13 +5,16 @@ A weight source is a safetensors file, a folder of safetensors shards (``model.s
 or ``model.safetensors.index.json``: the weight map), or a mapping name -> tensor (e.g. a state
 dict from ``torch.load(path, mmap=True)``, which reads lazily). Hugging Face models use the same
 machinery through ``hf_loading.load_pipeline_stage``.
+
+Tensors split across tensor-parallel ranks may be left on the meta device, each marked with where it is
+stored (``later``), so that the split reads only each rank's slice (parallel/layers.py).
 """
 
 from __future__ import annotations
 
 import json
 import os
-from typing import Dict, List, Mapping, Optional, Tuple, Union
+from typing import Collection, Dict, List, Mapping, Optional, Tuple, Union
 
 import torch
 import torch.nn as nn
@@ -21,7 +24,7 @@ from ..errors import CheckpointError, PartitionError
 from .adapters import model_blocks
 from .blocks import Block
 from .partition import partition
-from .safetensors_read import check_shape, read_into
+from .safetensors_read import Stored, check_shape, leave_stored, read_into
 
 WeightSource = Union[str, "os.PathLike[str]", Mapping[str, torch.Tensor]]
 
@@ -103,7 +106,7 @@ def load_into(
                 continue
             for name, stored in pairs:  # a mapping: one tensor at a time
                 value = source[stored]
-                check_shape(stored, tuple(value.shape), targets[name])
+                check_shape(stored, value.shape, targets[name].shape)
                 targets[name].copy_(value)
 
 
@@ -112,10 +115,15 @@ def _describe(source: WeightSource) -> str:
 
 
 def materialize_stage(
-    source: WeightSource, stage_blocks: List[Block], twins: Optional[Dict[str, List[str]]] = None, device="cpu"
+    source: WeightSource,
+    stage_blocks: List[Block],
+    twins: Optional[Dict[str, List[str]]] = None,
+    device="cpu",
+    later: Collection[str] = (),
 ) -> None:
     """Give this stage's blocks real memory and load their tensors from ``source`` (this breaks
-    every parameter sharing: ``load_stage`` restores it)."""
+    every parameter sharing: ``load_stage`` restores it). The parameters named in ``later`` that ``source``
+    stores as they are stay on the meta device, marked with where they lie (read slice by slice when split)."""
     for block in stage_blocks:
         own = {k: block.qualified(k) for k in block.module.state_dict().keys()}
         missing = _non_persistent_buffers(block.module)
@@ -125,12 +133,48 @@ def materialize_stage(
                 "(register_buffer(..., persistent=False)) and were built on the meta device have no value; make "
                 "them persistent, compute them in forward, or build the model on the CPU"
             )
+        held = _held_back(block, source, set(later), twins)
+        orders = {id(m): (m, list(m._parameters)) for m, _, _, _ in held}
+        for module, name, _p, _ in held:  # out of the module while the rest gets memory
+            del module._parameters[name]
         block.module.to_empty(device=device)
+        for module, name, p, stored in held:
+            module._parameters[name] = p
+            leave_stored(p, stored)
+        for module, order in orders.values():  # in their places again (the model's signature lists them in order)
+            for name in order:
+                module._parameters[name] = module._parameters.pop(name)
         allocated = block.module.state_dict(keep_vars=True)
-        load_into(source, {q: allocated[k] for k, q in own.items()}, twins)
+        skipped = {id(p) for _, _, p, _ in held}
+        load_into(source, {q: allocated[k] for k, q in own.items() if id(allocated[k]) not in skipped}, twins)
         for module in block.module.modules():  # Hugging Face: non-persistent buffers (rotary frequencies)
             if hasattr(module, "reset_buffers"):
                 module.reset_buffers(device)
+
+
+def _held_back(
+    block: Block, source: WeightSource, later: set, twins: Optional[Dict[str, List[str]]]
+) -> List[Tuple[nn.Module, str, nn.Parameter, Stored]]:
+    """(module, attribute, parameter, where it is stored) of each parameter of ``block`` named in ``later``
+    that ``source`` holds in a safetensors file under some name (a mapping's tensors are loaded whole)."""
+    out = []
+    for prefix, module in block.module.named_modules():
+        for name, p in module._parameters.items():
+            qualified = block.qualified(f"{prefix}.{name}" if prefix else name)
+            if p is None or qualified not in later:
+                continue
+            stored = _stored(source, qualified, twins)
+            if stored is not None:
+                out.append((module, name, p, stored))
+    return out
+
+
+def _stored(source: WeightSource, name: str, twins: Optional[Dict[str, List[str]]]) -> Optional[Stored]:
+    if isinstance(source, Mapping):
+        where = getattr(source, "location", None)  # a mapping that reads safetensors files (hf_loading._Renamed)
+        return where(name) if callable(where) else None
+    ((path, pairs),) = _locate(source, [name], twins).items()
+    return Stored(path, pairs[0][1])
 
 
 def _non_persistent_buffers(module: nn.Module) -> List[str]:
@@ -153,13 +197,16 @@ def load_stage(
     balance: Balance = "compute",
     device="cpu",
     untie_weights: bool = False,
+    later: Collection[str] = (),
 ) -> nn.Module:
     """``model`` built on the meta device (``with torch.device("meta"): model = Net()``), with only
     ``stage``'s parameters given memory and loaded from ``weights``. Hand the result to
     PipelineDPTrainer with the same ``stages``, ``balance`` and ``untie_weights`` on the rank that
     runs that stage. Tied parameters stay tied: giving a module memory replaces its parameters, so
     every sharer is pointed back at the one real tensor afterwards (pipedp then trains an
-    embedding tied to the head exactly across stages, and refuses any other sharing across stages)."""
+    embedding tied to the head exactly across stages, and refuses any other sharing across stages).
+    ``later``: parameters (qualified names) left on the meta device, to be read slice by slice by the
+    tensor-parallel split (``materialize_stage``)."""
     if not 0 <= stage < stages:
         raise ValueError(f"stage must be in 0..{stages - 1}, got {stage}")
     if callable(balance):
@@ -171,7 +218,7 @@ def load_stage(
     blocks = model_blocks(model, untie_weights)
     shared = _sharing(model)  # the ties that remain
     stage_blocks = partition(blocks, stages, balance)
-    materialize_stage(weights, stage_blocks[stage], twins, device)
+    materialize_stage(weights, stage_blocks[stage], twins, device, later)
     _write_back(model, stage_blocks[stage])
     _load_orphans(model, stage_blocks, weights, twins, device)
     for uses in shared:

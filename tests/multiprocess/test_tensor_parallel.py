@@ -71,9 +71,19 @@ def test_a_planted_norm_bug_is_caught_by_the_oracle(plant):
     assert max_relative_error(results[0][0], oracle(1)) > 1e-6
 
 
-def test_two_stages_by_two_tensor_parallel_ranks_equal_the_loop_oracle():
-    results = run(1, {"stages": 2, "tensor_parallel": 2, "schedule": "gpipe"})
+def test_two_stages_by_two_tensor_parallel_ranks_read_slice_by_slice_from_a_folder_equal_the_loop_oracle(tmp_path):
+    """Each of the 4 ranks loads its stage from the saved folder (load_pipeline_stage(tensor_parallel=2)): the
+    split layers stay unread until the split reads the rank's slice of each from the file."""
+    from workers import tensor_parallel_llama
+
+    tensor_parallel_llama().save_pretrained(str(tmp_path))
+    results = run(1, {"stages": 2, "tensor_parallel": 2, "schedule": "gpipe", "folder": str(tmp_path)})
     assert max_relative_error(results[0][0], oracle(1)) < 1e-12
+    unread = results[1][3]  # stage 0's second rank, as loaded: its split layers left to the split
+    assert {"model.embed_tokens.weight", "model.layers.0.self_attn.o_proj.weight"} <= unread
+    assert (
+        "model.layers.0.input_layernorm.weight" not in unread and "model.layers.0.self_attn.o_proj.bias" not in unread
+    )
 
 
 def test_per_layer_clipping_over_two_stages_by_two_ranks_equals_the_grouped_loop_oracle():

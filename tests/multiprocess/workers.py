@@ -599,9 +599,16 @@ def tensor_parallel_steps(rank, steps, options, plant=None, checkpoint=None, fir
     ``first_step``: the first step's batch."""
     if plant is not None:
         _plant(plant)
-    model = tensor_parallel_llama()
     args = dict(noise_multiplier=0.0, max_grad_norm=0.05, expected_batch_size=6, seed=0, microbatches=2)
     args.update(options)
+    folder, unread = args.pop("folder", None), None
+    model = tensor_parallel_llama()
+    if folder is not None:  # this rank's stage from the saved model, its split layers read slice by slice
+        from pipedp.split.hf_loading import load_pipeline_stage
+
+        stages, tp = args.get("stages", 1), args["tensor_parallel"]
+        model = load_pipeline_stage(folder, stages, (rank // tp) % stages, tensor_parallel=tp).double()
+        unread = {n for n, p in model.named_parameters() if p.is_meta}
     momentum = 0.9 if checkpoint is not None else 0.0
     optimizer = args.pop("optimizer", lambda p: torch.optim.SGD(p, lr=0.5, momentum=momentum))
     # pipedp's token_loss: on the head's vocabulary slices; the user's own loss: on the gathered logits
@@ -617,6 +624,8 @@ def tensor_parallel_steps(rank, steps, options, plant=None, checkpoint=None, fir
     names = stage.names()
     whole = {names[id(p)]: p.detach().clone() for p in stage.parameters if id(p) not in stage.tensor_parallel.shards}
     shapes = {names[id(p)]: tuple(p.shape) for p in stage.parameters}
+    if folder is not None:
+        return trainer.state_dict(), whole, shapes, unread
     return trainer.state_dict(), whole, shapes
 
 

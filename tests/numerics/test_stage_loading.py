@@ -73,3 +73,33 @@ def test_a_tied_model_stays_tied_on_every_stage(tmp_path):
         load_stage(model, str(tmp_path / "tied.safetensors"), 2, stage)
         assert model.head.weight is model.embed.weight  # one tensor again, as in the model built
         assert not model.embed.weight.is_meta and torch.equal(model.embed.weight, whole.embed.weight)
+
+
+def test_tensor_parallel_loading_leaves_the_split_layers_unread_and_a_run_that_does_not_cut_them_is_refused(
+    tmp_path,
+):
+    """load_pipeline_stage(tensor_parallel=2) reads every tensor of its stage but those the split cuts, which stay
+    on the meta device until each rank reads its slice (their values are checked against the loop oracle in
+    tests/multiprocess/test_tensor_parallel.py); a trainer that does not cut them refuses by name."""
+    transformers = pytest.importorskip("transformers")
+    from steps import tiny_llama_config
+
+    from pipedp import PipelineDPTrainer
+    from pipedp.errors import ConfigMismatchError
+    from pipedp.models import token_loss
+    from pipedp.split.hf_loading import load_pipeline_stage
+
+    torch.manual_seed(0)
+    config = tiny_llama_config(num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False)
+    whole = transformers.LlamaForCausalLM(config)
+    whole.save_pretrained(str(tmp_path))
+    model = load_pipeline_stage(str(tmp_path), 1, 0, tensor_parallel=2)
+    unread = {n for n, p in model.named_parameters() if p.is_meta}
+    split = {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"}
+    want = {f"model.layers.{i}.{part}.{m}.weight" for i in (0, 1) for m in split for part in ("self_attn", "mlp")}
+    want = {n for n in want if n in dict(whole.named_parameters())} | {"model.embed_tokens.weight", "lm_head.weight"}
+    assert unread == want
+    saved = dict(whole.named_parameters())
+    assert all(torch.equal(p, saved[n]) for n, p in model.named_parameters() if n not in unread)
+    with pytest.raises(ConfigMismatchError, match="'model.embed_tokens.weight' was left unread"):
+        PipelineDPTrainer(model, token_loss, lambda p: torch.optim.SGD(p, lr=0.1), stages=1, expected_batch_size=2)

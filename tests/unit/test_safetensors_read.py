@@ -57,3 +57,24 @@ def test_a_truncated_file_is_refused(stored, tmp_path):
         g.write(f.read()[:-8])  # the bytes of the tensor stored last end early
     with pytest.raises(CheckpointError, match="ends early"):
         read_into(cut, [(torch.empty_like(v), k) for k, v in TENSORS.items()])
+
+
+@pytest.mark.parametrize(
+    "name,dim,start,stop", [("bf16", 0, 2, 5), ("bf16", 1, 1, 4), ("f32", 1, 1, 3), ("f32", 2, 1, 2)]
+)
+def test_a_stored_slice_equals_the_whole_tensor_s_slice(stored, name, dim, start, stop):
+    from pipedp.shards import Shard
+    from pipedp.split.safetensors_read import Stored
+
+    whole = load_file(stored)[name]
+    part = Stored(stored, name).read(Shard(tuple(whole.shape), dim, start, stop), torch.float64)
+    assert part.dtype == torch.float64 and part.is_contiguous()
+    assert torch.equal(part, whole.narrow(dim, start, stop - start).double())
+
+
+def test_a_stored_slice_of_another_shape_is_refused_by_name(stored):
+    from pipedp.shards import Shard
+    from pipedp.split.safetensors_read import Stored
+
+    with pytest.raises(CheckpointError, match="'bf16': the weights hold shape"):
+        Stored(stored, "bf16").read(Shard((8, 5), 0, 0, 4), torch.bfloat16)
