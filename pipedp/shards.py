@@ -48,10 +48,6 @@ class TensorParallelPart:
     size: int = 1
     shards: Dict[int, Shard] = field(default_factory=dict)  # id(parameter) -> its slice
 
-    def by_name(self, names: Dict[int, str]) -> Dict[str, Shard]:
-        """{the model's name of each split parameter: its slice}, from ``names`` (id -> name: Stage.names())."""
-        return {names[pid]: shard for pid, shard in self.shards.items() if pid in names}
-
     def of(self, parameter: torch.Tensor) -> Optional[Shard]:
         return self.shards.get(id(parameter))
 

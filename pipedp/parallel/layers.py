@@ -99,6 +99,8 @@ def _keep(p: nn.Parameter, dim: int, start: int, width: int) -> None:
     """The parameter object stays (optimizers, weight-decay groups and hooks know it by identity); its values
     become this rank's slice [start, start + width) of ``dim``: a copy of the whole tensor's, so the whole is freed,
     or, for a parameter the loader left on the meta device, read from its file alone (split/safetensors_read.py)."""
+    if p.shape[dim] == width:  # cut already: an embedding's weight tied to the head, cut by the other layer
+        return
     stored = stored_of(p)
     if stored is None:
         p.data = p.detach().narrow(dim, start, width).clone().contiguous()

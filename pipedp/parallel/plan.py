@@ -6,8 +6,8 @@ column-parallel: its logits gathered for the user's own loss (which then sees ev
 pipedp's token loss on vocabulary slices (loss.py). Every other
 parameter is held whole by each rank of the stage (norms, a row-parallel layer's bias) and counted once.
 What pipedp cannot split exactly is refused here, by name: head counts or widths T does not divide, a plan style
-it does not implement (sequence parallelism, packed projections), dropout, a tie between embedding and head,
-PEFT adapters, models without a plan.
+it does not implement (sequence parallelism, packed projections), dropout, PEFT adapters, models without a plan.
+An embedding tied to the head is cut once, along the vocabulary, the same rows on both.
 """
 
 from __future__ import annotations
@@ -132,10 +132,11 @@ def _refuse_model(model: nn.Module, size: int) -> None:
                 f"whole attention heads; choose a tensor_parallel that divides it"
             )
     head, embedding = model.get_output_embeddings(), model.get_input_embeddings()
-    if head is not None and getattr(head, "weight", None) is getattr(embedding, "weight", False):
+    tied = head is not None and getattr(head, "weight", None) is getattr(embedding, "weight", False)
+    if tied and type(embedding) is not nn.Embedding:
         raise UnsupportedModelError(
-            f"tensor_parallel={size}: the head is tied to the input embedding, which is not split per vocabulary "
-            "slice yet: give the head its own copy (untie_weights=True)"
+            f"tensor_parallel={size}: the head is tied to a {type(embedding).__name__}, which pipedp does not split "
+            "per vocabulary slice (only a plain nn.Embedding): give the head its own copy (untie_weights=True)"
         )
     dropping = [n for n, m in model.named_modules() if isinstance(m, nn.Dropout) and m.p > 0 and m.training]
     rates = [k for k in vars(config) if "dropout" in k or k.endswith("pdrop")]  # functional dropout reads these
@@ -196,12 +197,12 @@ def split_stage(blocks: Sequence[Block], plan: Dict[str, str], group: Group) -> 
             style = plan.get(b.qualified(name) if name else b.name)
             if style is None or isinstance(module, _BUILT):
                 continue
-            whole_shapes = {n: tuple(p.shape) for n, p in module.named_parameters()}
             layer = _BUILD[style].split(module, group)
             for n, p in layer.named_parameters():
                 dim = _cut(style, n, p)
-                if dim is not None:
-                    part.shards[id(p)] = Shard.even(whole_shapes[n], dim, group.rank, group.size)
+                if dim is not None:  # (a weight tied to another layer's, cut by either, is this rank's slice)
+                    whole = tuple(s * group.size if d == dim else s for d, s in enumerate(p.shape))
+                    part.shards[id(p)] = Shard.even(whole, dim, group.rank, group.size)
     return part
 
 

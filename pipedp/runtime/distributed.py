@@ -20,6 +20,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
+import torch.nn as nn
 
 from schedules import Schedule, forward_only
 
@@ -139,7 +140,9 @@ class Groups:
     pipelines: Dict[Tuple[int, int], PipelineGroups]  # per (replica, t): its stages' P2P channels and norm sum
     data_parallel: Dict[Tuple[int, int], Any]  # per (stage, t): it on every replica (sum of clipped gradients)
     world: Any  # every rank: the step's checks and totals
-    ties: List[Any]  # per replica: its first and last stage, when an embedding is tied to the head
+    ties: Dict[
+        Tuple[int, int], Any
+    ]  # per (replica, t): its first and last stage, when an embedding is tied to the head
     tensor_parallel: Dict[Tuple[int, int], Any]  # per (replica, stage): its tensor-parallel ranks
 
 
@@ -183,10 +186,25 @@ def _create_groups(mesh: "Mesh", wait: timedelta, tied: bool, across_stages: boo
             pipelines[(r, t)] = PipelineGroups(activations, gradients, norms)
     data_parallel = {(s, t): group(mesh.data_parallel_ranks(s, t)) for s in range(mesh.stages) for t in range(T)}
     world = group(list(range(mesh.world)))
-    ties = []
-    if tied:
-        ties = [group([mesh.rank_of(r, 0), mesh.rank_of(r, mesh.stages - 1)]) for r in range(mesh.replicas)]
+    ties = {}
+    if tied:  # under tensor parallelism the embedding's and the head's slices of one vocabulary range
+        for r in range(mesh.replicas):
+            for t in range(T):
+                ties[(r, t)] = group([mesh.rank_of(r, 0, t), mesh.rank_of(r, mesh.stages - 1, t)])
     return Groups(pipelines, data_parallel, world, ties, tensor_parallel)
+
+
+def _free(module: nn.Module) -> None:
+    """Another stage's module: each of its tensors replaced by a new one on the meta device. New objects, so that a
+    weight this stage holds too (an embedding tied to the head) stays this stage's, whatever the split does to it
+    (a tensor-parallel split swaps a weight the loader left unread for its slice in place)."""
+    for m in module.modules():
+        for name, p in m._parameters.items():
+            if p is not None:
+                m._parameters[name] = nn.Parameter(torch.empty_like(p, device="meta"), requires_grad=p.requires_grad)
+        for name, b in m._buffers.items():
+            if b is not None:
+                m._buffers[name] = torch.empty_like(b, device="meta")
 
 
 def _check_same_weights(stage: Stage, mesh: "Mesh") -> None:
@@ -328,7 +346,7 @@ class DistributedRuntime:
         for s, blocks in enumerate(stage_blocks):
             if s != mesh.stage:
                 for b in blocks:  # keep only this rank's stage; free the rest
-                    b.module.to("meta")
+                    _free(b.module)
         tp_group = groups.tensor_parallel.get((mesh.replica, mesh.stage))
         part = None
         if tp_group is not None:  # this rank's slices, cut before the stage moves to its device
@@ -353,7 +371,7 @@ class DistributedRuntime:
             device,
         )
         executor = Executor(stage, transport, schedule.for_stage(mesh.stage))
-        tie_group = groups.ties[mesh.replica] if groups.ties else None
+        tie_group = groups.ties.get((mesh.replica, mesh.t))
         dp_group = groups.data_parallel[(mesh.stage, mesh.t)]
         runtime = cls(mesh, stage, executor, dp_group, groups.world, tie_group, device, state_keys)
         runtime.tp_group = tp_group
@@ -628,7 +646,7 @@ class DistributedRuntime:
         """The stage's state dict with every split tensor whole (on its tensor-parallel rank 0; the slices
         elsewhere, which are not used)."""
         state = self.stage.named_state()
-        split = self.stage.tensor_parallel.by_name(self.stage.names())
+        split = self.stage.slices()
         whole = self.gather_slices(self.stage, [(v, split.get(k)) for k, v in state.items()])
         return dict(zip(state, whole)) if whole is not None else state
 

@@ -37,7 +37,7 @@ from ..privacy.per_sample import (
 )
 from ..privacy.rules import layer_parameters
 from ..privacy.units import Units
-from ..shards import TensorParallelPart
+from ..shards import Shard, TensorParallelPart
 from ..split.blocks import Block
 from ..split.hf_drive import rng_kept
 from ..split.safetensors_read import stored_of
@@ -201,6 +201,16 @@ class Stage:
             for n, p in b.module.named_parameters():
                 names.setdefault(id(p), b.qualified(n))
         return names
+
+    def slices(self) -> Dict[str, Shard]:
+        """{each name of every parameter this rank holds a slice of (both names of a tied weight): its slice}."""
+        out: Dict[str, Shard] = {}
+        for b in self.blocks:
+            for n, p in b.module.named_parameters(remove_duplicate=False):
+                shard = self.tensor_parallel.of(p)
+                if shard is not None:
+                    out[b.qualified(n)] = shard
+        return out
 
     def parameter_names(self) -> List[str]:
         """The model's own names of ``self.parameters``, in that order."""

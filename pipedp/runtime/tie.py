@@ -103,7 +103,7 @@ class StageTie:
             raise UnsupportedModelError(f"the tied head {self.layer!r} must run once per micro-batch, ran {len(calls)}")
         n = state.units  # a privacy unit's rows are folded into its positions (privacy/units.py)
         head_in = calls[0].inputs[0].reshape(n, -1, calls[0].inputs[0].shape[-1])
-        grads = state.backprops[self.layer][0]
+        grads, first = self._held_columns(state.backprops[self.layer][0])
         grads = grads.reshape(n, -1, grads.shape[-1])
         ids = ids.reshape(n, -1).to(grads.device)
         if ids.shape[1] != grads.shape[1]:
@@ -111,8 +111,21 @@ class StageTie:
                 f"the tied head sees {grads.shape[1]} positions per sample but the inputs have {ids.shape[1]} ids: "
                 "an embedding tied to the head needs the head applied to every input position"
             )
-        picked = grads.gather(2, ids[:, None, :].expand(n, grads.shape[1], ids.shape[1]))  # [n, s, t] = B[s, x[t]]
+        # a tensor-parallel head holds the rows [first, first + width) of the weight: the ids of other rows add
+        # nothing here (the rank holding them adds their part of the cross term; the parts sum over the ranks)
+        local = ids - first
+        outside = (local < 0) | (local >= grads.shape[-1])
+        index = local.masked_fill(outside, 0)[:, None, :].expand(n, grads.shape[1], ids.shape[1])
+        picked = grads.gather(2, index).masked_fill(outside[:, None, :], 0)  # [n, s, t] = B[s, x[t]]
         return torch.bmm(picked.transpose(1, 2), head_in.to(picked.dtype))
+
+    def _held_columns(self, grads: torch.Tensor) -> Tuple[torch.Tensor, int]:
+        """(the head's output-gradient columns of the weight rows this rank holds, the first row's id): all of
+        them but under tensor parallelism, where the head holds rows [start, start + out_features) and its
+        output-gradient is either that slice or, gathered for the user's loss, the whole vocabulary's."""
+        assert self.module is not None
+        first, width = getattr(self.module, "start", 0), self.module.out_features
+        return (grads.narrow(-1, first, width) if grads.shape[-1] != width else grads), first
 
     def _cross(self, state, message: torch.Tensor, message_ids: torch.Tensor) -> torch.Tensor:
         """<g_emb,i, g_head,i> per privacy unit, [units] float64. ``message_ids``: the ids the partner built the
@@ -127,7 +140,8 @@ class StageTie:
             )
         grads = state.backprops[self.layer][0]
         padding = getattr(self.module, "padding_idx", None)
-        if padding is not None:  # autograd gives the padding row no gradient
+        if padding is not None:  # autograd gives the padding row no gradient (its id: a slice's row + its start)
+            padding += getattr(self.module, "start", 0)
             grads = grads * (ids != padding).unsqueeze(-1).to(grads.dtype)
         g3 = grads.reshape(state.units, -1, grads.shape[-1]).double()
         scale = float(getattr(self.module, "embed_scale", 1.0))  # a scaled embedding (Gemma): d out / d weight row

@@ -16,12 +16,12 @@ pytestmark = pytest.mark.dist
 LR, CLIP, N = 0.5, 0.05, 6
 
 
-def oracle(steps, per_layer=False):
+def oracle(steps, per_layer=False, **model_fields):
     """``steps`` DP-SGD steps (noise 0) of the same model, each sample's gradient from its own backward pass
     (``per_layer``: each layer's part clipped to C / sqrt(layers) on its own)."""
     from workers import tensor_parallel_batch, tensor_parallel_llama
 
-    model = tensor_parallel_llama()
+    model = tensor_parallel_llama(**model_fields)
     groups = None
     if per_layer:
         layers = [n for n, m in model.named_modules() if any(True for _ in m.parameters(recurse=False))]
@@ -73,17 +73,29 @@ def test_a_planted_norm_bug_is_caught_by_the_oracle(plant):
 
 def test_two_stages_by_two_tensor_parallel_ranks_read_slice_by_slice_from_a_folder_equal_the_loop_oracle(tmp_path):
     """Each of the 4 ranks loads its stage from the saved folder (load_pipeline_stage(tensor_parallel=2)): the
-    split layers stay unread until the split reads the rank's slice of each from the file."""
+    split layers stay unread until the split reads the rank's slice of each from the file; the head, tied to the
+    embedding, is stored once, under the embedding's name."""
     from workers import tensor_parallel_llama
 
-    tensor_parallel_llama().save_pretrained(str(tmp_path))
+    tied = {"tie_word_embeddings": True}
+    tensor_parallel_llama(**tied).save_pretrained(str(tmp_path))
     results = run(1, {"stages": 2, "tensor_parallel": 2, "schedule": "gpipe", "folder": str(tmp_path)})
-    assert max_relative_error(results[0][0], oracle(1)) < 1e-12
+    assert max_relative_error(results[0][0], oracle(1, **tied)) < 1e-12
     unread = results[1][3]  # stage 0's second rank, as loaded: its split layers left to the split
     assert {"model.embed_tokens.weight", "model.layers.0.self_attn.o_proj.weight"} <= unread
     assert (
         "model.layers.0.input_layernorm.weight" not in unread and "model.layers.0.self_attn.o_proj.bias" not in unread
     )
+
+
+@pytest.mark.parametrize("stages", [1, 2])
+def test_an_embedding_tied_to_the_head_cut_along_the_vocabulary_equals_the_loop_oracle(stages):
+    """One weight for the embedding and the head, each rank holding the same vocabulary rows of it: in one stage
+    the two layers' per-sample gradients of the slice are summed; across stages the head's ranks send each their
+    slice's part of the tie's cross term back to the embedding's rank of the same slice."""
+    tied = {"tie_word_embeddings": True}
+    results = run(2, {"stages": stages, "tensor_parallel": 2, "model": tied})
+    assert max_relative_error(results[0][0], oracle(2, **tied)) < 1e-12
 
 
 def test_per_layer_clipping_over_two_stages_by_two_ranks_equals_the_grouped_loop_oracle():

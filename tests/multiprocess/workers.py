@@ -602,7 +602,7 @@ def tensor_parallel_steps(rank, steps, options, plant=None, checkpoint=None, fir
     args = dict(noise_multiplier=0.0, max_grad_norm=0.05, expected_batch_size=6, seed=0, microbatches=2)
     args.update(options)
     folder, unread = args.pop("folder", None), None
-    model = tensor_parallel_llama()
+    model = tensor_parallel_llama(**args.pop("model", {}))
     if folder is not None:  # this rank's stage from the saved model, its split layers read slice by slice
         from pipedp.split.hf_loading import load_pipeline_stage
 

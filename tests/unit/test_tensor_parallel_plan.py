@@ -28,6 +28,17 @@ def phi(**overrides):
     return transformers.PhiForCausalLM(transformers.PhiConfig(**fields)).eval()
 
 
+def scaled_tied_llama():
+    """A head tied to an embedding that is not a plain nn.Embedding (as Gemma's scaled one)."""
+
+    class Scaled(torch.nn.Embedding):
+        pass
+
+    model = llama(tie_word_embeddings=True)
+    model.model.embed_tokens.__class__ = Scaled
+    return model
+
+
 def plan_of(model, size=2):
     return tensor_parallel_plan(model, model_blocks(model), size)
 
@@ -48,6 +59,8 @@ def test_a_llama_is_split_by_transformers_own_plan_with_a_vocabulary_parallel_em
     assert not any("norm" in k for k in plan)  # held whole by every rank, counted once
     assert plan_of(llama(), size=1) == {}
     assert plan_of(phi())["model.layers.0.self_attn.dense"] == ROW  # Phi without its per-head norms: accepted
+    tied = plan_of(llama(tie_word_embeddings=True))  # one weight, cut along the vocabulary for both
+    assert tied["model.embed_tokens"] == VOCAB and tied["lm_head"] == HEAD
 
 
 @pytest.mark.parametrize(
@@ -56,7 +69,7 @@ def test_a_llama_is_split_by_transformers_own_plan_with_a_vocabulary_parallel_em
         (lambda: llama(num_key_value_heads=1), 2, "num_key_value_heads=1"),
         (lambda: llama(), 3, "num_attention_heads=4"),
         (lambda: llama(vocab_size=41), 2, "num_embeddings=41"),
-        (lambda: llama(tie_word_embeddings=True), 2, "untie_weights=True"),
+        (lambda: scaled_tied_llama(), 2, "tied to a Scaled, which pipedp does not split"),
         (lambda: llama(attention_dropout=0.1).train(), 2, "attention_dropout"),
         (lambda: phi(qk_layernorm=True), 2, r"q_layernorm\.weight' is held whole by every rank but lives in"),
         (

@@ -179,7 +179,7 @@ def _write_stages(
         if opt is None and names:
             raise CheckpointError(f"stage {stage.index} trains {names[0]} but has no optimizer")
         groups, states, optimizer_tensors = optim.export(opt, stage.parameters, names, theirs)
-        split = stage.tensor_parallel.by_name(stage.names())
+        split = stage.slices()
         aliases, untrained = {}, []
         for tensor_name, t in stage.named_state().items():
             owner = trainable.get(_identity(t))
@@ -313,7 +313,7 @@ def _plan(
         names = stage.parameter_names()
         sources: Dict[str, Tuple[StageRecord, str]] = {}
         params = []
-        split = stage.tensor_parallel.by_name(stage.names())
+        split = stage.slices()
         for p, name in zip(stage.parameters, names):
             if name not in where:
                 was = "frozen in the checkpoint, trainable now" if name in frozen else "not in the checkpoint"
