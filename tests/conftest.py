@@ -1,8 +1,9 @@
-"""Test tiers. ``python -m pytest -q`` (the README's command, as CI) runs everything. The fast tier,
-``-m "not slow and not dist"``, is the unit tests, the documentation's command lines, bad-input
-errors and the pairwise subset of the Opacus parity grid — under a minute on 2 cores; ``dist`` tests
-start processes (gloo on loopback); ``slow`` is the rest: whole grids, every model family, the CLI's
-jobs, the audit, the benchmarks' smoke runs."""
+"""Test tiers. ``python -m pytest -q -m "not exhaustive"`` (the README's command, as CI) runs every test but the
+rest of the grids beyond their pairwise covering subsets (``-m exhaustive``: every pair of settings still meets in
+CI; ``python -m pytest -q`` runs both). The fast tier, ``-m "not slow and not dist"``, is the unit tests, the
+documentation's command lines, bad-input errors and the pairwise subset of the Opacus parity grid — under a minute
+on 2 cores; ``dist`` tests start processes (gloo on loopback); ``slow`` is the rest: whole grids, every model
+family, the CLI's jobs, the audit, the benchmarks' smoke runs."""
 
 import pathlib
 import types

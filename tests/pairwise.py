@@ -1,5 +1,6 @@
 """A pairwise covering subset of a Cartesian grid: every pair of values of any two factors appears in
-some chosen case (greedy, deterministic). The fast tier runs those; the slow marker runs the rest."""
+some chosen case (greedy, deterministic). The fast tier and CI run those; the rest is marked slow and exhaustive
+(``python -m pytest -q -m exhaustive`` runs them)."""
 
 import itertools
 from typing import List, Sequence, Tuple
@@ -23,6 +24,7 @@ def pairwise(factors: Sequence[Sequence]) -> List[Tuple]:
 
 
 def grid_with_slow_marks(pytest, factors: Sequence[Sequence]):
-    """Every case of the grid as a pytest param, marked slow unless it is in the pairwise subset."""
+    """Every case of the grid as a pytest param, marked slow and exhaustive unless it is in the pairwise subset."""
     fast = set(pairwise(factors))
-    return [pytest.param(*case, marks=() if case in fast else pytest.mark.slow) for case in itertools.product(*factors)]
+    rest = (pytest.mark.slow, pytest.mark.exhaustive)
+    return [pytest.param(*case, marks=() if case in fast else rest) for case in itertools.product(*factors)]

@@ -56,7 +56,9 @@ def opacus_epsilon(sigma, rate, steps, delta=1e-5):
 
 def test_weak_privacy_is_warned_before_the_run_and_in_its_summary(cli):
     weak = ("--noise-multiplier", "0.5", "--max-grad-norm", "0.8", "--sample-rate", "0.2")
-    out = cli(*BASE, "--checkpoint-dir", "runs/weak", *weak)
+    with open("records.txt", "w") as f:  # 60 records: batches of about 12 (the generated corpus's 4000: 800)
+        f.write("".join(f"record number {i} of a small file\n" for i in range(60)))
+    out = cli(*BASE, "--checkpoint-dir", "runs/weak", "--data", "records.txt", *weak)
     assert out.returncode == 0, out.stderr
     planned = opacus_epsilon(0.5, 0.2, 2)
     assert planned > 10  # the independent accountant agrees the run is weak: the warning below must fire

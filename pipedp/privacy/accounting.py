@@ -208,16 +208,19 @@ def calibrate_noise(
             )
         return value
 
+    unreachable = PipeDPError(
+        f"target epsilon {target_epsilon} at delta {delta} cannot be met with sample rate {sample_rate} over "
+        f"{steps} steps (no noise multiplier up to {MAX_SIGMA:g} reaches it with the {accountant} accountant): "
+        "raise the target epsilon or delta, lower the sample rate, or train fewer steps"
+    )
+    if accountant == "rdp" and target_epsilon <= _rdp_floor(delta):
+        raise unreachable  # said at once: the search would ask for ever slower epsilons up to MAX_SIGMA
     guess = _gaussian_dp_guess(target_epsilon, delta, sample_rate, steps)
     low, high = guess / 2, guess * 2
     while eps(high) > target_epsilon:  # widen up
         low, high = high, high * 2
         if high > MAX_SIGMA:
-            raise PipeDPError(
-                f"target epsilon {target_epsilon} at delta {delta} cannot be met with sample rate {sample_rate} over "
-                f"{steps} steps (no noise multiplier up to {MAX_SIGMA:g} reaches it with the {accountant} accountant): "
-                "raise the target epsilon or delta, lower the sample rate, or train fewer steps"
-            )
+            raise unreachable
     while low > 1e-3 and eps(low) <= target_epsilon:  # widen down
         high, low = low, low / 2
     eps_high = eps(high)
@@ -229,6 +232,18 @@ def calibrate_noise(
         else:
             low = mid
     return high
+
+
+def _rdp_floor(delta: float) -> float:
+    """The rdp accountant's epsilon with no privacy loss at all (every order's RDP 0): its conversion to (epsilon,
+    delta) alone, which no noise multiplier goes below (Opacus's own conversion and orders)."""
+    from opacus.accountants import RDPAccountant
+    from opacus.accountants.analysis.rdp import get_privacy_spent
+
+    orders = RDPAccountant.DEFAULT_ALPHAS
+    with warnings.catch_warnings():  # "the optimal order is the largest": it is, with no loss at all
+        warnings.simplefilter("ignore")
+        return max(0.0, float(get_privacy_spent(orders=orders, rdp=[0.0] * len(orders), delta=delta)[0]))
 
 
 def planned_charges(privacy: PrivacyConfig, fit: FitConfig) -> Tuple[float, int]:

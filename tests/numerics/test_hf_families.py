@@ -122,6 +122,7 @@ def test_causal_lm_step_matches_the_loop_oracle(family, stages, mode, tied, side
 
 
 @pytest.mark.slow
+@pytest.mark.exhaustive
 @pytest.mark.parametrize("stages, mode, tied, side", OTHER_RUNS)
 @pytest.mark.parametrize("family", EXACT, ids=lambda f: f.name)
 def test_causal_lm_other_combinations(family, stages, mode, tied, side):
