@@ -140,9 +140,8 @@ class Groups:
     pipelines: Dict[Tuple[int, int], PipelineGroups]  # per (replica, t): its stages' P2P channels and norm sum
     data_parallel: Dict[Tuple[int, int], Any]  # per (stage, t): it on every replica (sum of clipped gradients)
     world: Any  # every rank: the step's checks and totals
-    ties: Dict[
-        Tuple[int, int], Any
-    ]  # per (replica, t): its first and last stage, when an embedding is tied to the head
+    # per (replica, t): its first and last stage, when an embedding is tied to the head
+    ties: Dict[Tuple[int, int], Any]
     tensor_parallel: Dict[Tuple[int, int], Any]  # per (replica, stage): its tensor-parallel ranks
 
 
