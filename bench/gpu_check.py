@@ -20,7 +20,9 @@ Without CUDA (and without --device) it prints that it skipped and exits 0. With 
    the loop on cuda:0 (float64); skipped with the reason otherwise.
 4. Two processes: on one GPU (skipped: NCCL cannot, and the pinned-host staging transport is not built);
    with two GPUs, a 2-stage run over NCCL (pipedp.runtime.launch, inputs on each rank's device) against
-   the float64 loop.
+   the float64 loop; with two GPUs, 2 tensor-parallel ranks of the small Llama over NCCL (one DP-SGD step,
+   SGD, noise 0; the slices joined by state_dict) against the loop's step (float64, 1e-9; on the CPU with
+   --tensor-parallel).
 5. A stalled rank under NCCL (two GPUs; rank 1 stops answering after building its trainer): rank 0's step
    must end in pipedp's named error ("stopped answering") within the 10 s timeout (plus the start).
 6. Peak GPU memory of one stage (torch.cuda.max_memory_allocated over the first step and two more, the
@@ -353,7 +355,61 @@ def _stalling_rank(rank: int, timeout_s: float) -> None:
     trainer.step(*_batch(64, 7, 16, "cpu"))
 
 
-def processes(device: str, deadline: float) -> None:
+def _rank_tensor_parallel(rank: int, device_type: str, clip: float, lr: float) -> Optional[Dict[str, torch.Tensor]]:
+    """One of 2 tensor-parallel ranks of a 1-stage run of the small Llama (noise 0, SGD): the state dict after one
+    step on rank 0 (the slices joined), None elsewhere. Module level: spawned."""
+    from pipedp import PipelineDPTrainer
+    from pipedp.models import token_loss
+
+    device = f"cuda:{torch.cuda.current_device()}" if device_type == "cuda" else "cpu"
+    x, y = _batch(64, 6, 16, device)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        trainer = PipelineDPTrainer(
+            small_llama().double(),
+            token_loss,
+            lambda params: torch.optim.SGD(params, lr=lr),
+            noise_multiplier=0.0,
+            max_grad_norm=clip,
+            expected_batch_size=len(y),
+            stages=1,
+            tensor_parallel=2,
+            microbatches=2,
+            transport="distributed",
+        )
+        trainer.step(x, y)
+        state = trainer.state_dict()
+        trainer.close()
+    return {k: v.cpu() for k, v in state.items()} if rank == 0 else None
+
+
+def tensor_parallel(device: str, backend: str, where: str, deadline: float) -> None:
+    """2 tensor-parallel ranks of the small Llama against the loop oracle's DP-SGD step (float64, noise 0)."""
+    import copy
+
+    from pipedp.models import token_loss
+    from pipedp.runtime.launch import launch
+
+    label = f"tensor parallel llama: 2 ranks over {backend}, 1 stage"
+    if time.monotonic() > deadline:
+        row(label, where, "float64", "skip", "time budget spent")
+        return
+    start, clip, lr = time.monotonic(), 0.05, 0.5
+    try:
+        got = launch(_rank_tensor_parallel, 2, ("cuda" if device.startswith("cuda") else "cpu", clip, lr), timeout_s=180,
+                     backend=backend)[0]  # fmt: skip
+        base = small_llama().double().to(device)
+        x, y = _batch(64, 6, 16, device)
+        total = loop_clipped_sum(copy.deepcopy(base), token_loss, x, y, clip)
+        want = {k: (v - lr * total[k] / len(y) if k in total else v).cpu() for k, v in base.state_dict().items()}
+        err = relative_error(got, want)
+        row(label, where, "float64", "pass" if err < 1e-9 else "FAIL", f"{err:.1e}", "< 1e-9", time.monotonic() - start)
+    except Exception as exc:  # noqa: BLE001 - reported in the table
+        row(label, where, "float64", "FAIL", f"{type(exc).__name__}: {str(exc)[:120]}", "", time.monotonic() - start)
+        traceback.print_exc()
+
+
+def processes(device: str, deadline: float, with_tensor_parallel: bool = False) -> None:
     """2 ranks: on one GPU (needs a staging transport), over NCCL on 2 GPUs (or gloo on the CPU), and a stall."""
     import copy
 
@@ -390,6 +446,10 @@ def processes(device: str, deadline: float) -> None:
     except Exception as exc:  # noqa: BLE001 - reported in the table
         row(label, where, "float64", "FAIL", f"{type(exc).__name__}: {str(exc)[:120]}", "", time.monotonic() - start)
         traceback.print_exc()
+    if cuda or with_tensor_parallel:
+        tensor_parallel(device, backend, where, deadline)
+    else:
+        row("tensor parallel llama: 2 ranks", where, "float64", "skip", "on 2 GPUs, or --tensor-parallel on the CPU")
     label, timeout_s = f"stalled rank over {backend}: named error within the timeout", 10.0
     if time.monotonic() > deadline:
         row(label, where, "float32", "skip", "time budget spent")
@@ -689,6 +749,11 @@ def main(argv=None) -> int:
     )
     p.add_argument("--device", default=None, help="run on this device instead of cuda:0 (cpu: a self-test)")
     p.add_argument("--quick", action="store_true", help="a few parity cases and the tiny preset")
+    p.add_argument(
+        "--tensor-parallel",
+        action="store_true",
+        help="on the CPU too: the tensor-parallel row (on GPUs it runs always)",
+    )
     args = p.parse_args(argv)
     ROWS.clear()
     if args.device is None and not torch.cuda.is_available():
@@ -711,7 +776,7 @@ def main(argv=None) -> int:
     else:
         row("two devices in one process", device, "float64", "skip", f"{torch.cuda.device_count()} GPU(s) here")
     print("4-5. processes", flush=True)
-    processes(device, deadline)
+    processes(device, deadline, args.tensor_parallel)
     print("6. peak memory vs the planner", flush=True)
     memory_vs_planner(device, args.quick, deadline)
     print("7. harness", flush=True)

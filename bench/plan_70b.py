@@ -26,6 +26,8 @@ import warnings
 from dataclasses import dataclass
 from typing import List, Optional, Tuple
 
+from .memory import _status_kib
+
 Mesh = Tuple[int, ...]  # stages x tensor-parallel x replicas
 FULL: List[Mesh] = [(16, 1, 1), (8, 2, 1), (4, 4, 1), (2, 8, 1), (4, 2, 2), (2, 4, 2)]  # stages x T x replicas
 LORA: List[Mesh] = [(16, 1, 1), (8, 1, 2), (4, 1, 4), (2, 1, 8)]
@@ -96,11 +98,7 @@ TARGETS = ("q_proj", "v_proj")
 
 
 def _status(field: str) -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1]) * 1024
-    raise RuntimeError(field)
+    return _status_kib(field) * 1024
 
 
 def _pipeline():

@@ -508,19 +508,12 @@ class DistributedRuntime:
         if self.replicas == 1 or not grads:
             return grads
         for owner, part in _by_owner(grads, owners, self.replicas):
-            # in place, a bucket at a time: one flat copy of every sum would hold them all twice
-            for bucket in _buckets(part):
-                alone = len(bucket) == 1 and bucket[0].is_contiguous()
-                flat = bucket[0].view(-1) if alone else torch.cat([g.reshape(-1) for g in bucket])
-                if owner is None:
-                    start = functools.partial(dist.all_reduce, flat, dist.ReduceOp.SUM, self.dp_group, async_op=True)
-                else:  # a sharded optimizer: the sum is needed on its owner only
-                    dst = self.mesh.rank_of(owner, self.mesh.stage, self.mesh.t)
-                    start = functools.partial(dist.reduce, flat, dst, dist.ReduceOp.SUM, self.dp_group, async_op=True)
-                self._polled("sum over replicas", start)
-                if not alone and owner in (None, self.replica):
-                    for g, chunk in zip(bucket, flat.split([g.numel() for g in bucket])):
-                        g.copy_(chunk.view_as(g))
+            if owner is None:
+                op = functools.partial(dist.all_reduce, op=dist.ReduceOp.SUM, group=self.dp_group, async_op=True)
+            else:  # a sharded optimizer: the sum is needed on its owner only
+                dst = self.mesh.rank_of(owner, self.mesh.stage, self.mesh.t)
+                op = functools.partial(dist.reduce, dst=dst, op=dist.ReduceOp.SUM, group=self.dp_group, async_op=True)
+            self._bucketed("sum over replicas", part, op, keep=owner in (None, self.replica))
         return grads
 
     def share_owned(self, parameters: List[torch.nn.Parameter], owners: List[int]) -> None:
@@ -531,16 +524,19 @@ class DistributedRuntime:
             for owner in range(self.replicas):
                 part = [p.detach() for p, o in zip(parameters, owners) if o == owner]
                 src = self.mesh.rank_of(owner, self.mesh.stage, self.mesh.t)
-                for bucket in _buckets(part):
-                    alone = len(bucket) == 1 and bucket[0].is_contiguous()
-                    flat = bucket[0].view(-1) if alone else torch.cat([p.reshape(-1) for p in bucket])
-                    self._polled(
-                        "parameter broadcast",
-                        functools.partial(dist.broadcast, flat, src, self.dp_group, async_op=True),
-                    )
-                    if not alone and owner != self.replica:
-                        for p, chunk in zip(bucket, flat.split([p.numel() for p in bucket])):
-                            p.copy_(chunk.view_as(p))
+                op = functools.partial(dist.broadcast, src=src, group=self.dp_group, async_op=True)
+                self._bucketed("parameter broadcast", part, op, keep=owner != self.replica)
+
+    def _bucketed(self, what: str, tensors: List[torch.Tensor], op: Callable, keep: bool) -> None:
+        """``op(flat)`` (an asynchronous collective) on ``tensors``, a bucket at a time, in place: one flat copy of
+        them all would hold them twice. ``keep``: copy its result back into a bucket of several tensors."""
+        for bucket in _buckets(tensors):
+            alone = len(bucket) == 1 and bucket[0].is_contiguous()
+            flat = bucket[0].view(-1) if alone else torch.cat([t.reshape(-1) for t in bucket])
+            self._polled(what, functools.partial(op, flat))
+            if not alone and keep:
+                for t, chunk in zip(bucket, flat.split([t.numel() for t in bucket])):
+                    t.copy_(chunk.view_as(t))
 
     def gather_owned(self, states: List[Optional[Dict[str, Any]]], owners: List[int]) -> List[Optional[Dict[str, Any]]]:
         """A sharded optimizer's state on replica 0 (which writes the stage's checkpoint file): each parameter's
