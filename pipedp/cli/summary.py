@@ -32,7 +32,9 @@ def describe_job(job: Job) -> str:
         [
             f"model: {job.model.name} ({job.model.blocks} blocks"
             + (f", LoRA r={job.lora_r} on {','.join(job.lora_targets)}" if job.lora_r else "")
-            + f") | {p.stages} stages x {p.replicas} replica(s), {p.schedule}, {p.microbatches} micro-batches, "
+            + f") | {p.stages} stages x {p.replicas} replica(s)"
+            + (f" x {p.tensor_parallel} tensor-parallel" if p.tensor_parallel > 1 else "")
+            + f", {p.schedule}, {p.microbatches} micro-batches, "
             f"grad mode {p.grad_mode}, precision {p.precision}",
             _privacy_line(job, unit, sampling),
             f"optimizer: {o.optimizer}, lr {o.lr:g} ({schedule}), {decay}",
