@@ -162,6 +162,15 @@ def llama_config(layers: int, vocab: int = 32000, **overrides):
     return LlamaConfig(num_hidden_layers=layers, **widths)
 
 
+def llama_of_width(width: int, layers: int, vocab: int, head_dim: int = 128):
+    """Llama-2's shape at another width: its MLP ratio (11/4), heads of ``head_dim``, an untied head."""
+    heads = width // head_dim
+    return llama_config(
+        layers, vocab, hidden_size=width, intermediate_size=width * 11 // 4, num_attention_heads=heads,
+        num_key_value_heads=heads,
+    )  # fmt: skip
+
+
 def mixtral_config(layers: int, vocab: int = 32000, **overrides):
     """Mixtral-8x7B's routing (8 experts, top 2) at a quarter of its widths (d=1024, experts 3584 wide),
     ``layers`` decoder layers; transformers' default experts kernel (grouped products)."""

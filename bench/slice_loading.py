@@ -27,17 +27,10 @@ from .memory import PeakMemory
 def write_folder(folder: str, width: int, layers: int, vocab: int) -> None:
     import transformers
 
-    config = transformers.LlamaConfig(
-        vocab_size=vocab,
-        hidden_size=width,
-        intermediate_size=width * 11 // 4,
-        num_hidden_layers=layers,
-        num_attention_heads=width // 128,
-        num_key_value_heads=width // 128,
-        tie_word_embeddings=False,
-    )
+    from .presets import llama_of_width
+
     torch.manual_seed(0)
-    transformers.LlamaForCausalLM(config).to(torch.bfloat16).save_pretrained(folder)
+    transformers.LlamaForCausalLM(llama_of_width(width, layers, vocab)).to(torch.bfloat16).save_pretrained(folder)
 
 
 def measure(folder: str, tensor_parallel: int, slices: bool) -> dict:

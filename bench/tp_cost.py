@@ -23,18 +23,9 @@ from typing import Dict, List
 
 
 def _config(width: int, layers: int, vocab: int):
-    import transformers
+    from .presets import llama_of_width
 
-    return transformers.LlamaConfig(
-        vocab_size=vocab,
-        hidden_size=width,
-        intermediate_size=width * 11 // 4,
-        num_hidden_layers=layers,
-        num_attention_heads=width // 64,
-        num_key_value_heads=width // 64,
-        max_position_embeddings=1024,
-        tie_word_embeddings=False,
-    )
+    return llama_of_width(width, layers, vocab, head_dim=64)
 
 
 def _model(config):
