@@ -93,7 +93,6 @@ def load_pipeline_stage(
     loading is read whole, then split).
     """
     model = build_on_meta(folder, attn_implementation, device)
-    later = _split_later(model, tensor_parallel, untie_weights)
     if converted_on_loading(model, folder):  # (a mixture of experts' per-expert tensors, merged into banks)
         if not _splits_on_loading(model):  # each tensor converted from its own sources: read only the stage's
             converted = _Converted(folder, attn_implementation)
@@ -107,6 +106,7 @@ def load_pipeline_stage(
         tensors = {k: v.detach() for k, v in whole.state_dict().items()}
         del whole
         return load_stage(model, tensors, stages, stage, balance, device, untie_weights)
+    later = _split_later(model, tensor_parallel, untie_weights)  # (a converted checkpoint above is cut after)
     return load_stage(model, checkpoint_tensors(model, folder), stages, stage, balance, device, untie_weights, later)
 
 

@@ -134,16 +134,12 @@ def materialize_stage(
                 "them persistent, compute them in forward, or build the model on the CPU"
             )
         held = _held_back(block, source, set(later), twins)
-        orders = {id(m): (m, list(m._parameters)) for m, _, _, _ in held}
-        for module, name, _p, _ in held:  # out of the module while the rest gets memory
-            del module._parameters[name]
+        for module, name, _p, _ in held:  # an empty slot while the rest gets memory (it keeps its place in order)
+            module._parameters[name] = None
         block.module.to_empty(device=device)
         for module, name, p, stored in held:
             module._parameters[name] = p
             leave_stored(p, stored)
-        for module, order in orders.values():  # in their places again (the model's signature lists them in order)
-            for name in order:
-                module._parameters[name] = module._parameters.pop(name)
         allocated = block.module.state_dict(keep_vars=True)
         skipped = {id(p) for _, _, p, _ in held}
         load_into(source, {q: allocated[k] for k, q in own.items() if id(allocated[k]) not in skipped}, twins)
