@@ -41,6 +41,7 @@ ADAPTERS: Tuple[Tuple[str, str], ...] = (
     ("PEFT LoRA on embeddings", r"lora.*embedding"),
     ("PEFT IA3", r"ia3"),
     ("PEFT DoRA", r"dora"),
+    ("PEFT LoRA on tensor-parallel split layers", r"lora.*(split_projection|cannot_split)"),
 )
 
 

@@ -281,6 +281,52 @@ def test_lora_on_a_local_llama_on_chat_records_with_a_schedule(tmp_path, cli):
     assert not torch.allclose(adapted(x).logits, base(x).logits)  # the trained adapter changes the model
 
 
+@pytest.mark.dist
+def test_lora_under_tensor_parallelism_reads_each_ranks_slices_and_exports_the_whole_adapter(tmp_path, cli):
+    """--tensor-parallel 2 --lora-r: each rank reads its slices of the split projections, its adapters split with
+    them (exactness: tests/multiprocess/test_tensor_parallel.py); the export joins them into one whole adapter."""
+    transformers = pytest.importorskip("transformers")
+    peft = pytest.importorskip("peft")
+    from test_cli_finetune import chats, tiny_chat_llama
+
+    folder = tiny_chat_llama(transformers, tmp_path / "llama")
+    out = cli(
+        "train",
+        "--model",
+        str(folder),
+        "--data",
+        str(chats(tmp_path / "chat.jsonl", 40)),
+        "--tensor-parallel",
+        "2",
+        "--steps",
+        "2",
+        "--seq-len",
+        "40",
+        "--batch-size",
+        "8",
+        "--lora-r",
+        "4",
+        "--lora-targets",
+        "q_proj,o_proj",
+        "--checkpoint-dir",
+        str(tmp_path / "ck"),
+        "--no-progress",
+        "--export",
+        str(tmp_path / "adapter"),
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "1 replica(s) x 2 tensor-parallel" in out.stdout
+    base = transformers.AutoModelForCausalLM.from_pretrained(folder)
+    adapted = peft.PeftModel.from_pretrained(
+        transformers.AutoModelForCausalLM.from_pretrained(folder), tmp_path / "adapter"
+    )
+    attention = adapted.base_model.model.model.layers[0].self_attn
+    assert attention.q_proj.lora_B["default"].weight.shape == (32, 4)  # whole: both ranks' rows
+    assert attention.o_proj.lora_A["default"].weight.shape == (4, 32)  # whole: both ranks' columns
+    x = torch.randint(0, base.config.vocab_size, (2, 12))
+    assert not torch.allclose(adapted(x).logits, base(x).logits)  # trained
+
+
 def test_non_finite_losses_are_reported_and_fail_the_run(tmp_path, cli):
     with pytest.warns(UserWarning) as warned:
         out = cli(

@@ -104,7 +104,8 @@ def optimizer_factory(optim: OptimizerConfig, no_decay: Set[int], keep: List[nn.
         cls = torch.optim.AdamW if optim.optimizer == "adamw" else torch.optim.Adam
         # torch's fused kernel makes no temporaries (the others: two per tensor), so the gradients may live in
         # the float32 sums' storage (train/narrowing.py); it exists for CPU and CUDA tensors
-        fused = all(p.device.type in ("cpu", "cuda") and p.is_floating_point() for p in params)
+        # (a parameter on the meta device is one the tensor-parallel split will read, onto the CPU)
+        fused = all(p.device.type in ("cpu", "cuda", "meta") and p.is_floating_point() for p in params)
         betas = (optim.adam_beta1, optim.adam_beta2)
         return cls(groups, lr=optim.lr, betas=betas, eps=optim.adam_epsilon, fused=fused or None)
 

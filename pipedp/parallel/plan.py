@@ -5,8 +5,11 @@ column-parallel, o and down row-parallel), the input embedding vocabulary-parall
 column-parallel: its logits gathered for the user's own loss (which then sees every logit), or left split for
 pipedp's token loss on vocabulary slices (loss.py). Every other
 parameter is held whole by each rank of the stage (norms, a row-parallel layer's bias) and counted once.
-What pipedp cannot split exactly is refused here, by name: head counts or widths T does not divide, a plan style
-it does not implement (sequence parallelism, packed projections), dropout, PEFT adapters, models without a plan.
+A PEFT LoRA on a split projection is split with it: on a column-parallel layer its B is column-parallel (A, which
+reads the whole input, held whole); on a row-parallel layer its A is row-parallel (B, which reads the summed
+product, held whole). What pipedp cannot split exactly is refused here, by name: head counts or widths T does not
+divide, a plan style it does not implement (sequence parallelism, packed projections), dropout, other PEFT adapters
+on a split layer, LoRA variants (DoRA), models without a plan.
 An embedding tied to the head is cut once, along the vocabulary, the same rows on both.
 """
 
@@ -25,6 +28,7 @@ from .layers import ColumnParallelLinear, GatheredColumnLinear, Group, RowParall
 
 COLUMN, ROW = "colwise", "rowwise"  # transformers' names of the two styles pipedp implements
 HEAD, VOCAB = "pipedp:head", "pipedp:vocab"  # pipedp's own: the head and the input embedding
+WHOLE = "pipedp:whole"  # a LoRA factor beside a split one, held whole by every rank (it reads whole activations)
 _WAY_OUT = "use tensor_parallel=1 (pipeline stages and replicas only)"
 
 
@@ -89,8 +93,49 @@ def _layer_plan(model: nn.Module, blocks: Sequence[Block], size: int, gather_log
                 style = HEAD if gather_logits else COLUMN
             if style is None or qualified in plan:
                 continue
-            plan[qualified] = _checked(qualified, module, style, size)
+            if _is_lora(module):
+                plan.update(_lora_plan(qualified, module, style, size))
+            else:
+                plan[qualified] = _checked(qualified, module, style, size)
     return plan
+
+
+def _is_lora(module: nn.Module) -> bool:
+    """A PEFT LoRA layer: its ``base_layer`` and, per adapter, the Linears ``lora_A`` and ``lora_B``."""
+    return type(module).__module__.startswith("peft.tuners.lora") and isinstance(
+        getattr(module, "lora_A", None), nn.ModuleDict
+    )
+
+
+def _lora_plan(name: str, layer: nn.Module, style: str, size: int) -> Dict[str, str]:
+    """A LoRA layer on a projection planned ``style``: its base split so; per adapter, the factor on the split
+    side split so too (B's output rows under a column-parallel base, whose output slice it adds to; A's input
+    columns under a row-parallel one, whose input slice it reads: its product then summed over the ranks like the
+    base's) and the other factor held whole, its gradient then the whole one on every rank."""
+    variants = sorted(getattr(layer, "lora_variant", None) or {})
+    if style not in (COLUMN, ROW) or variants or getattr(layer, "lora_embedding_A", None):
+        what = f"a LoRA variant ({variants[0]!r} adapter)" if variants else "a LoRA on a head or an embedding"
+        raise UnsupportedModelError(
+            f"tensor_parallel={size}: layer {name!r} carries {what}, which pipedp does not split across ranks (it "
+            f"splits plain LoRA on the attention and MLP projections); leave this layer out of the LoRA targets, "
+            f"or {_WAY_OUT}"
+        )
+    plan = {f"{name}.base_layer": _checked(f"{name}.base_layer", layer.base_layer, style, size)}
+    for adapter in layer.lora_A:
+        a, b = f"{name}.lora_A.{adapter}", f"{name}.lora_B.{adapter}"
+        split, whole = (b, a) if style == COLUMN else (a, b)
+        plan[split] = _checked(split, _lora_factor(layer, split), style, size)
+        plan[whole] = _checked(whole, _lora_factor(layer, whole), WHOLE, size)
+    return plan
+
+
+def _lora_factor(layer: nn.Module, name: str) -> nn.Module:
+    factors, adapter = name.rsplit(".", 2)[-2:]
+    return getattr(layer, factors)[adapter]
+
+
+# a PEFT LoRA layer's parts, named under the layer the model's plan names
+_LORA_PART = re.compile(r"\.(?:base_layer|lora_[AB]\.[^.]+)$")
 
 
 def _refuse_whole_beside_split(blocks: Sequence[Block], plan: Dict[str, str], size: int) -> None:
@@ -98,7 +143,8 @@ def _refuse_whole_beside_split(blocks: Sequence[Block], plan: Dict[str, str], si
     may read a rank's own heads or features (Phi's q_layernorm, Cohere's q_norm): each rank would then hold only
     its part of its gradient, and counting it once would drop the rest. Refused; the norms and biases outside those
     modules read the whole activations."""
-    parents = {name.rsplit(".", 1)[0] for name, style in plan.items() if style in (COLUMN, ROW) and "." in name}
+    layers = {_LORA_PART.sub("", name) for name, style in plan.items() if style in (COLUMN, ROW)}
+    parents = {name.rsplit(".", 1)[0] for name in layers if "." in name}
     for b in blocks:
         for name, p in b.module.named_parameters():
             qualified = b.qualified(name)
@@ -119,11 +165,6 @@ def _regex(pattern: str) -> "re.Pattern[str]":
 
 def _refuse_model(model: nn.Module, size: int) -> None:
     config = model.config
-    if type(model).__module__.startswith("peft.") or getattr(model, "peft_config", None):
-        raise UnsupportedModelError(
-            f"tensor_parallel={size} with PEFT adapters: a LoRA on a split layer needs its own split (not built "
-            f"yet); {_WAY_OUT}, or train the whole model"
-        )
     for field in ("num_attention_heads", "num_key_value_heads"):
         heads = getattr(config, field, None)
         if isinstance(heads, int) and heads % size:
@@ -154,7 +195,7 @@ def _positive(value) -> bool:
 
 
 def _checked(name: str, module: nn.Module, style: str, size: int) -> str:
-    kinds = {COLUMN: nn.Linear, ROW: nn.Linear, HEAD: nn.Linear, VOCAB: nn.Embedding}
+    kinds = {COLUMN: nn.Linear, ROW: nn.Linear, HEAD: nn.Linear, VOCAB: nn.Embedding, WHOLE: nn.Linear}
     if style not in kinds:
         raise UnsupportedModelError(
             f"tensor_parallel={size}: layer {name!r} is planned {style!r} by transformers, a split pipedp does not "
@@ -162,9 +203,13 @@ def _checked(name: str, module: nn.Module, style: str, size: int) -> str:
         )
     if type(module) is not kinds[style]:
         raise UnsupportedModelError(
-            f"tensor_parallel={size}: layer {name!r} is a {type(module).__name__}, not a plain "
-            f"{kinds[style].__name__} (an adapter or a quantised layer?), so pipedp cannot split it; {_WAY_OUT}"
+            f"tensor_parallel={size}: layer {name!r} is a {type(module).__module__}.{type(module).__qualname__}, not a "
+            f"plain torch "
+            f"{kinds[style].__name__} (a quantised layer, or a PEFT adapter other than LoRA?), so pipedp cannot split "
+            f"it; {_WAY_OUT}"
         )
+    if style == WHOLE:
+        return style
     width = {COLUMN: "out_features", HEAD: "out_features", ROW: "in_features", VOCAB: "num_embeddings"}[style]
     value = getattr(module, width)
     if value % size:
@@ -195,7 +240,7 @@ def split_stage(blocks: Sequence[Block], plan: Dict[str, str], group: Group) -> 
     for b in blocks:
         for name, module in b.module.named_modules():
             style = plan.get(b.qualified(name) if name else b.name)
-            if style is None or isinstance(module, _BUILT):
+            if style is None or style == WHOLE or isinstance(module, _BUILT):
                 continue
             layer = _BUILD[style].split(module, group)
             for n, p in layer.named_parameters():
@@ -209,5 +254,5 @@ def split_stage(blocks: Sequence[Block], plan: Dict[str, str], group: Group) -> 
 def _cut(style: str, name: str, p: nn.Parameter) -> "int | None":
     """The dimension a layer of ``style`` cuts its parameter ``name`` along; None: held whole (a row-parallel
     layer's bias, added once after the sum)."""
-    dim = _DIM[style]
-    return dim if p.dim() > dim and not (style == ROW and name == "bias") else None
+    dim = _DIM.get(style)
+    return dim if dim is not None and p.dim() > dim and not (style == ROW and name == "bias") else None

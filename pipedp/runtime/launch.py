@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import io
+import multiprocessing.forkserver
 import os
 import queue
 import re
@@ -122,6 +123,7 @@ def init_from_env(backend: Optional[str] = None, timeout_s: float = 300.0, store
 
 
 RENDEZVOUS = "PIPEDP_RENDEZVOUS"  # a launched rank's FileStore: the file its ranks rendezvous through
+LAUNCHER = "PIPEDP_LAUNCHER"  # a launched rank's launcher's pid (its parent is the fork server under gloo)
 
 
 @contextlib.contextmanager
@@ -151,27 +153,59 @@ def _encode(value: Any) -> bytes:
     return buf.getvalue()
 
 
-def _die_with_parent(parent: int) -> None:
-    """Ask the kernel to SIGKILL this process when its parent dies (Linux); exit if it already has."""
+def _die_with_parent(launcher: int) -> None:
+    """Ask the kernel to SIGKILL this process when its parent dies (Linux); exit if the launcher already has.
+    The parent is the launcher (spawn) or the fork server, which exits when the launcher does (its pipe from
+    the launcher closes), so either way the rank dies with the launcher."""
     try:
         libc = ctypes.CDLL(None, use_errno=True)
         libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
     except (OSError, AttributeError):  # not Linux: the launcher's own cleanup still stops ranks
         pass
-    if os.getppid() != parent:  # the parent died before prctl took effect
+    if os.getppid() == launcher:
+        return
+    _release_fork_server()
+    try:  # forked by the fork server, or orphaned before prctl took effect: is the launcher still there?
+        os.kill(launcher, 0)
+    except ProcessLookupError:
         os._exit(1)
 
 
-def _worker(rank, world, rendezvous, fn, args, results, threads, op_timeout_s, backend, parent):
-    _die_with_parent(parent)
+def _release_fork_server() -> None:
+    """A process the fork server forks inherits the write end of the pipe through which the server learns that
+    the launcher has gone (so that it could ask the same server for processes of its own): the server would then
+    outlive a killed launcher while its ranks hold that end, and they it. Closed here: the server ends with the
+    launcher, and the ranks with the server."""
+    server = getattr(multiprocessing.forkserver, "_forkserver", None)
+    alive = getattr(server, "_forkserver_alive_fd", None)
+    if alive is not None:
+        os.close(alive)
+        server._forkserver_alive_fd = None  # type: ignore[union-attr]
+
+
+def _start_method(fn: Callable, backend: str) -> str:
+    """How ranks start. Under gloo, from a fork server that has imported pipedp and ``fn``'s module once: a
+    rank then starts in milliseconds instead of importing torch again (seconds each; the fork server is a
+    fresh interpreter, not a copy of the launcher's state, and lives as long as the launcher). Under NCCL,
+    each rank is spawned: a rank must not inherit anything that touched CUDA before it forked."""
+    if backend != "gloo" or "forkserver" not in mp.get_all_start_methods():
+        return "spawn"
+    mp.set_forkserver_preload(["pipedp.runtime.launch", fn.__module__])  # read only when the server starts
+    return "forkserver"
+
+
+def _worker(rank, world, rendezvous, fn, args, results, threads, op_timeout_s, backend, launcher, environ):
+    _die_with_parent(launcher)
     torch.set_num_threads(threads)
+    os.environ.clear()  # the launcher's environment now, not the fork server's when it started
+    os.environ.update(environ)
     os.environ.update(
         RANK=str(rank),
         WORLD_SIZE=str(world),
         LOCAL_RANK=str(rank),
         LOCAL_WORLD_SIZE=str(world),
         MASTER_ADDR="127.0.0.1",
-        **{RENDEZVOUS: rendezvous},
+        **{RENDEZVOUS: rendezvous, LAUNCHER: str(launcher)},
     )
     loopback = _loopback_interface()
     if loopback is not None:  # gloo's pairs listen on loopback, whatever the host name resolves to
@@ -206,7 +240,7 @@ def launch(
 
     ``timeout_s`` bounds the whole run; ``op_timeout_s`` bounds any one collective or receive.
     """
-    ctx = mp.get_context("spawn")
+    ctx = mp.get_context(_start_method(fn, backend))
     results = ctx.Queue()
     with _private_rendezvous() as rendezvous:
         procs = [
@@ -224,6 +258,7 @@ def launch(
                     min(timeout_s, op_timeout_s),
                     backend,
                     os.getpid(),
+                    dict(os.environ),
                 ),
             )
             for r in range(nprocs)

@@ -98,6 +98,29 @@ def test_an_embedding_tied_to_the_head_cut_along_the_vocabulary_equals_the_loop_
     assert max_relative_error(results[0][0], oracle(2, **tied)) < 1e-12
 
 
+def test_lora_on_the_split_projections_of_two_stages_by_two_ranks_equals_the_loop_oracle():
+    """PEFT LoRA on every projection, the base frozen: a column-parallel layer's B and a row-parallel layer's A are
+    split with their base, the other factor held whole (its gradient the same on every rank, counted once)."""
+    lora = {"lora": True}
+    results = run(2, {"stages": 2, "tensor_parallel": 2, "model": lora})
+    assert max_relative_error(results[0][0], oracle(2, **lora)) < 1e-12
+    shapes, layer = results[1][2], "base_model.model.model.layers.0."
+    assert shapes[layer + "self_attn.q_proj.lora_B.default.weight"] == (8, 3)  # this rank's 2 heads' rows
+    assert shapes[layer + "self_attn.q_proj.lora_A.default.weight"] == (3, 16)  # whole
+    assert shapes[layer + "mlp.down_proj.lora_A.default.weight"] == (3, 16)  # this rank's half of 32 columns
+    assert shapes[layer + "mlp.down_proj.lora_B.default.weight"] == (16, 3)  # whole
+    whole = results[0][1]  # the whole factors step alike on both ranks
+    assert layer + "self_attn.q_proj.lora_A.default.weight" in whole
+    assert all(torch.equal(whole[k], results[1][1][k]) for k in whole)
+
+
+def test_a_lora_b_without_its_copy_is_caught_as_a_whole_factor_that_differs_between_ranks():
+    """Planted: a column-parallel B without the all-reduce of its input's gradient leaves each rank only its part
+    of A's gradient; the check of the whole tensors' sums names A."""
+    with pytest.raises(RankFailedError, match=r"clipped sum of \S+lora_A\.default\.weight, held whole"):
+        run(1, {"stages": 1, "tensor_parallel": 2, "model": {"lora": True}}, "a LoRA B without its copy")
+
+
 def test_per_layer_clipping_over_two_stages_by_two_ranks_equals_the_grouped_loop_oracle():
     results = run(1, {"stages": 2, "tensor_parallel": 2, "clipping": "per_layer"})
     assert max_relative_error(results[0][0], oracle(1, per_layer=True)) < 1e-12

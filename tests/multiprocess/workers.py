@@ -561,9 +561,10 @@ def time_first_rank(rank):
     trainer.step(torch.randn(4, 4, 8, generator=g, dtype=torch.float64), torch.randint(0, 5, (4, 4), generator=g))
 
 
-def tensor_parallel_llama(**overrides):
+def tensor_parallel_llama(lora=False, **overrides):
     """The tensor-parallel tests' tiny Llama: 4 heads over 2 key-value heads (grouped), biased attention (a
-    row-parallel bias), untied head, float64."""
+    row-parallel bias), untied head, float64. ``lora``: PEFT LoRA (rank 3) on every projection, the base frozen,
+    both factors random (PEFT starts B at zero, which would leave A's first gradient zero)."""
     import transformers
     from steps import tiny_llama_config  # here: some launches put only this folder on the path
 
@@ -575,6 +576,15 @@ def tensor_parallel_llama(**overrides):
         for name, p in model.named_parameters():
             if "norm" in name or name.endswith("bias"):
                 p.add_(0.1 * torch.randn_like(p))
+    if lora:
+        import peft
+
+        projections = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+        model = peft.get_peft_model(model, peft.LoraConfig(r=3, lora_alpha=6, target_modules=projections))
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if "lora_B" in name:
+                    p.copy_(0.3 * torch.randn_like(p))
     return model
 
 
@@ -651,6 +661,20 @@ def _plant(bug):
             return grads
 
         stage_module.Stage.take_clipped_sum = skewed
+    elif bug == "a LoRA B without its copy":  # A's gradient then each rank's part of it
+        import torch.nn.functional as F
+
+        from pipedp.parallel.layers import ColumnParallelLinear
+
+        split = ColumnParallelLinear.split.__func__
+
+        def uncopied(cls, layer, group):
+            layer = split(cls, layer, group)
+            if layer.in_features == 3:  # a LoRA B (rank 3)
+                layer.forward = lambda x: F.linear(x, layer.weight, layer.bias)
+            return layer
+
+        ColumnParallelLinear.split = classmethod(uncopied)
     elif bug == "the loss without the -100 mask":
         from pipedp.parallel import loss as loss_module
 

@@ -10,7 +10,7 @@ from steps import tiny_llama_config  # noqa: E402
 from pipedp import PipelineDPTrainer  # noqa: E402
 from pipedp.errors import ConfigError, UnsupportedModelError  # noqa: E402
 from pipedp.models import GPTConfig, tiny_gpt, token_loss  # noqa: E402
-from pipedp.parallel.plan import COLUMN, HEAD, ROW, VOCAB, tensor_parallel_plan  # noqa: E402
+from pipedp.parallel.plan import COLUMN, HEAD, ROW, VOCAB, WHOLE, tensor_parallel_plan  # noqa: E402
 from pipedp.split.adapters import model_blocks  # noqa: E402
 
 
@@ -91,10 +91,45 @@ def test_gpt2_has_no_plan_and_is_refused():
         plan_of(model.eval())
 
 
-def test_peft_adapters_are_refused():
+def test_a_lora_on_a_split_projection_is_split_on_its_side_and_its_other_factor_held_whole():
+    """Under a column-parallel base B gives this rank's output rows (A reads the whole input: whole); under a
+    row-parallel base A reads this rank's input columns (B reads the summed product: whole)."""
     peft = pytest.importorskip("peft")
-    model = peft.get_peft_model(llama(), peft.LoraConfig(r=2, target_modules=["q_proj"]))
-    with pytest.raises(UnsupportedModelError, match="PEFT"):
+    model = peft.get_peft_model(llama(), peft.LoraConfig(r=2, target_modules=["q_proj", "o_proj", "down_proj"]))
+    plan = tensor_parallel_plan(model, model_blocks(model), 2)
+    q, o = "base_model.model.model.layers.0.self_attn.q_proj", "base_model.model.model.layers.0.self_attn.o_proj"
+    assert {k: v for k, v in plan.items() if k.startswith((q, o))} == {
+        q + ".base_layer": COLUMN,
+        q + ".lora_B.default": COLUMN,
+        q + ".lora_A.default": WHOLE,
+        o + ".base_layer": ROW,
+        o + ".lora_A.default": ROW,
+        o + ".lora_B.default": WHOLE,
+    }
+    assert plan["base_model.model.model.layers.0.self_attn.k_proj"] == COLUMN  # no LoRA there: as before
+
+
+@pytest.mark.parametrize(
+    "config, match",
+    [
+        (dict(target_modules=["q_proj"], use_dora=True), r"self_attn\.q_proj\.lora_magnitude_vector"),
+        (dict(target_modules=["q_proj"], lora_dropout=0.1), "dropout"),
+    ],
+)
+def test_a_lora_pipedp_cannot_split_exactly_is_refused_by_name(config, match):
+    peft = pytest.importorskip("peft")
+    model = peft.get_peft_model(llama(), peft.LoraConfig(r=2, **config))
+    with pytest.raises(UnsupportedModelError, match=match):
+        tensor_parallel_plan(model, model_blocks(model), 2)
+
+
+def test_another_peft_adapter_on_a_split_projection_is_refused_by_name():
+    peft = pytest.importorskip("peft")
+    model = peft.get_peft_model(llama(), peft.IA3Config(target_modules=["q_proj"], feedforward_modules=[]))
+    with pytest.raises(
+        UnsupportedModelError,
+        match=r"self_attn\.q_proj' is a peft\.tuners\.ia3\.layer\.Linear, not a plain torch Linear",
+    ):
         tensor_parallel_plan(model, model_blocks(model), 2)
 
 

@@ -8,8 +8,8 @@ opened the file just before the unlink would lock an orphaned inode, so after lo
 that the path still names the inode it locked, and starts again if not.
 
 A job's lead process (``pipedp train``) takes the lock before it writes anything into the folder and
-``hand_down``s it: the fit loop of that process, or of the ranks it starts (its children, which die with
-it), then uses that lock (``acquire(inherit=True)``) instead of taking its own, which would collide.
+``hand_down``s it: the fit loop of that process, or of the ranks it starts (its children, or its fork server's,
+which die with it), then uses that lock (``acquire(inherit=True)``) instead of taking its own, which would collide.
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ import time
 from typing import Optional
 
 from ...errors import CheckpointError
+from ...runtime.launch import LAUNCHER
 from .folder import TMP, remove_temporary
 
 _OPEN = os.O_RDWR | os.O_CREAT | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
@@ -76,13 +77,13 @@ class FolderLock:
         os.environ[HANDED_DOWN] = json.dumps({"path": os.path.realpath(self.path), "pid": os.getpid()})
 
     def _handed_down(self) -> bool:
-        """Whether this process or its parent handed this folder's lock down, and still holds it."""
+        """Whether this process, its parent or its launcher handed this folder's lock down, and still holds it."""
         try:
             given = json.loads(os.environ.get(HANDED_DOWN, "null"))
             path, pid = given["path"], int(given["pid"])
         except (ValueError, TypeError, KeyError):
             return False
-        if path != os.path.realpath(self.path) or pid not in (os.getpid(), os.getppid()):
+        if path != os.path.realpath(self.path) or pid not in (os.getpid(), os.getppid(), _launcher()):
             return False
         try:
             fd = os.open(self.path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0))
@@ -144,6 +145,14 @@ def _holder(fd: int) -> str:
         except (ValueError, KeyError, TypeError, UnicodeDecodeError):
             time.sleep(0.01)
     return "pid unknown: its lock file is not readable"
+
+
+def _launcher() -> int:
+    """The pid of the process that launched this rank (runtime/launch.py), or 0."""
+    try:
+        return int(os.environ.get(LAUNCHER, "0"))
+    except ValueError:
+        return 0
 
 
 __all__ = ["HANDED_DOWN", "FolderLock"]
