@@ -82,3 +82,41 @@ class TiedLM(torch.nn.Module):
         for block in self.blocks:
             h = block(h, mask)
         return self.head(h)
+
+
+class GatedBlock(torch.nn.Module):
+    """A residual MLP written two common ways: GELU between two Linears, and a gated (SwiGLU) one; a ``gate``
+    column scaling the hidden features (``scaled``) mixes them with a value every rank holds whole."""
+
+    def __init__(self, d, hidden, scaled=False):
+        super().__init__()
+        self.ln, self.up, self.down = torch.nn.LayerNorm(d), torch.nn.Linear(d, hidden), torch.nn.Linear(hidden, d)
+        self.w1, self.w3 = torch.nn.Linear(d, hidden, bias=False), torch.nn.Linear(d, hidden, bias=False)
+        self.w2 = torch.nn.Linear(hidden, d, bias=False)
+        self.gate = torch.nn.Linear(d, 1) if scaled else None
+
+    def forward(self, h):
+        x = self.ln(h)
+        hidden = torch.nn.functional.gelu(self.up(x))
+        if self.gate is not None:
+            hidden = hidden * self.gate(x)
+        h = h + self.down(hidden)
+        return h + self.w2(torch.nn.functional.silu(self.w1(h)) * self.w3(h) * 0.5)
+
+
+class GatedNet(torch.nn.Module):
+    """Token ids in, logits out, written the common way (a ModuleList and a loop; traced to split): an embedding,
+    gated residual MLPs, a norm and a head."""
+
+    def __init__(self, vocab=12, d=8, hidden=16, layers=2, scaled=False):
+        super().__init__()
+        self.embed = torch.nn.Embedding(vocab, d)
+        self.blocks = torch.nn.ModuleList([GatedBlock(d, hidden, scaled) for _ in range(layers)])
+        self.norm = torch.nn.LayerNorm(d)
+        self.head = torch.nn.Linear(d, vocab)
+
+    def forward(self, ids):
+        h = self.embed(ids)
+        for block in self.blocks:
+            h = block(h)
+        return self.head(self.norm(h))

@@ -9,8 +9,10 @@ A PEFT LoRA on a split projection is split with it: on a column-parallel layer i
 reads the whole input, held whole); on a row-parallel layer its A is row-parallel (B, which reads the summed
 product, held whole). What pipedp cannot split exactly is refused here, by name: head counts or widths T does not
 divide, a plan style it does not implement (sequence parallelism, packed projections), dropout, other PEFT adapters
-on a split layer, LoRA variants (DoRA), models without a plan.
+on a split layer, LoRA variants (DoRA), Hugging Face models without a plan.
 An embedding tied to the head is cut once, along the vocabulary, the same rows on both.
+Any other model (traced, nn.Sequential, pipeline_blocks()) is placed by a pass over its blocks' fx graphs
+(traced_plan.py).
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from ..shards import Shard, TensorParallelPart
 from ..split.blocks import Block
 from . import rules  # noqa: F401  (registers the parallel layers' rules)
 from .layers import ColumnParallelLinear, GatheredColumnLinear, Group, RowParallelLinear, VocabParallelEmbedding
+from .traced_plan import traced_plan
 
 COLUMN, ROW = "colwise", "rowwise"  # transformers' names of the two styles pipedp implements
 HEAD, VOCAB = "pipedp:head", "pipedp:vocab"  # pipedp's own: the head and the input embedding
@@ -42,6 +45,8 @@ def tensor_parallel_plan(
     a loss on vocabulary-split logits (loss.py)."""
     if size == 1:
         return {}
+    if not type(model).__module__.startswith(("transformers.", "peft.")):  # the pass over its blocks' graphs
+        return traced_plan(model, blocks, size, {"column": COLUMN, "row": ROW, "vocab": VOCAB})
     _patterns(model, size)
     _refuse_model(model, size)
     plan = _layer_plan(model, blocks, size, gather_logits)
@@ -72,9 +77,8 @@ def _patterns(model: nn.Module, size: int) -> Dict[str, str]:
     patterns = getattr(config, "base_model_tp_plan", None) if config is not None else None
     if not patterns or not hasattr(model, "get_input_embeddings"):
         raise UnsupportedModelError(
-            f"tensor_parallel={size}: {type(model).__name__} is not a Hugging Face decoder whose config carries "
-            f"transformers' tensor-parallel plan (base_model_tp_plan), the only models pipedp splits across ranks; "
-            f"{_WAY_OUT}"
+            f"tensor_parallel={size}: {type(model).__name__} is a Hugging Face model whose config carries no "
+            f"tensor-parallel plan (base_model_tp_plan), which pipedp splits Hugging Face models by; {_WAY_OUT}"
         )
     return patterns
 

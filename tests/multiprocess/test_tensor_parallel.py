@@ -240,3 +240,40 @@ def test_torchrun_fine_tunes_a_folder_on_two_stages_by_two_ranks_as_the_loop_ora
     assert max_relative_error(trained.state_dict(), model.state_dict()) < 1e-12
     start = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "llama", dtype=torch.float64)
     assert max_relative_error(start.state_dict(), model.state_dict()) > 1e-4  # the steps moved the weights
+
+
+def traced_oracle(steps, **model_fields):
+    from loop_models import GatedNet
+    from workers import traced_tensor_parallel_batch
+
+    torch.manual_seed(0)
+    model = GatedNet(**model_fields).double()
+    for step in range(steps):
+        x, y = traced_tensor_parallel_batch(seed=2 + step)
+        total = loop_clipped_sum(model, token_loss, x, y, CLIP)
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                p -= LR * total[name] / N
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def test_a_traced_model_split_by_the_pass_over_its_graphs_on_two_stages_by_two_ranks_equals_the_loop_oracle():
+    """A model written the common way (traced into blocks): the pass makes its GELU and gated MLPs column- then
+    row-parallel and its embedding vocabulary-parallel; the head, whose output is the model's, stays whole."""
+    from workers import traced_tensor_parallel_steps
+
+    results = launch(traced_tensor_parallel_steps, 4, (2, {"stages": 2, "tensor_parallel": 2}), timeout_s=600)
+    assert max_relative_error(results[0][0], traced_oracle(2)) < 1e-12
+    assert results[0][2] == ["blocks.0.down.weight", "blocks.0.up.bias", "blocks.0.up.weight", "blocks.0.w1.weight",
+                             "blocks.0.w2.weight", "blocks.0.w3.weight", "embed.weight"]  # fmt: skip
+    assert all(torch.equal(results[0][1][k], results[1][1][k]) for k in results[0][1])
+
+
+def test_a_slice_mixed_with_a_whole_value_is_caught_where_the_pass_would_keep_it_split():
+    """Planted: the pass keeps ``hidden * gate(x)`` a slice; the gradient of gate(x), and of all that feeds it (the
+    block's norm first), is then each rank's part of it, and the check of the whole tensors' sums names the first."""
+    from workers import traced_tensor_parallel_steps
+
+    options = {"stages": 1, "tensor_parallel": 2, "model": {"scaled": True}}
+    with pytest.raises(RankFailedError, match=r"clipped sum of blocks\.0\.ln\.weight, held whole"):
+        launch(traced_tensor_parallel_steps, 2, (1, options, "a whole operand mixed with a slice"), timeout_s=600)

@@ -639,6 +639,37 @@ def tensor_parallel_steps(rank, steps, options, plant=None, checkpoint=None, fir
     return trainer.state_dict(), whole, shapes
 
 
+def traced_tensor_parallel_steps(rank, steps, options, plant=None):
+    """``steps`` DP steps (noise 0) of loop_models.GatedNet, traced, split by the pass over its blocks' graphs;
+    returns the state dict and this rank's whole parameters (for their sameness)."""
+    from loop_models import GatedNet
+
+    if plant == "a whole operand mixed with a slice":  # the pass would keep x * (a whole value) a slice
+        from pipedp.parallel import traced_plan
+
+        traced_plan._only_slices = lambda inputs, from_slices: True
+    torch.manual_seed(0)
+    model = GatedNet(**options.pop("model", {})).double()
+    args = dict(noise_multiplier=0.0, max_grad_norm=0.05, expected_batch_size=6, seed=0, microbatches=2)
+    args.update(options)
+    trainer = PipelineDPTrainer(model, token_loss, lambda p: torch.optim.SGD(p, lr=0.5), **args)
+    for step in range(steps):
+        trainer.step(*traced_tensor_parallel_batch(seed=2 + step))
+    stage = trainer.runtime.local_stages[0]
+    names = stage.names()
+    whole = {names[id(p)]: p.detach().clone() for p in stage.parameters if id(p) not in stage.tensor_parallel.shards}
+    return (
+        trainer.state_dict(),
+        whole,
+        sorted(names[id(p)] for p in stage.parameters if id(p) in stage.tensor_parallel.shards),
+    )
+
+
+def traced_tensor_parallel_batch(n=6, seed=2):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, 12, (n, 5), generator=g), torch.randint(0, 12, (n, 5), generator=g)
+
+
 def _plant(bug):
     """The bugs the tensor-parallel tests must catch."""
     from pipedp.privacy import noise

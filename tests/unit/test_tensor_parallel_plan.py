@@ -5,6 +5,7 @@ import pytest
 import torch
 
 transformers = pytest.importorskip("transformers")
+from loop_models import GatedNet  # noqa: E402
 from steps import tiny_llama_config  # noqa: E402
 
 from pipedp import PipelineDPTrainer  # noqa: E402
@@ -37,6 +38,11 @@ def scaled_tied_llama():
     model = llama(tie_word_embeddings=True)
     model.model.embed_tokens.__class__ = Scaled
     return model
+
+
+class FunctionalDropout(torch.nn.Module):
+    def forward(self, x):
+        return torch.nn.functional.dropout(x, 0.1, self.training)
 
 
 def plan_of(model, size=2):
@@ -72,17 +78,36 @@ def test_a_llama_is_split_by_transformers_own_plan_with_a_vocabulary_parallel_em
         (lambda: scaled_tied_llama(), 2, "tied to a Scaled, which pipedp does not split"),
         (lambda: llama(attention_dropout=0.1).train(), 2, "attention_dropout"),
         (lambda: phi(qk_layernorm=True), 2, r"q_layernorm\.weight' is held whole by every rank but lives in"),
-        (
-            lambda: tiny_gpt(GPTConfig(vocab_size=32, seq_len=8, d_model=16, n_heads=2, n_layers=2)),
-            2,
-            "base_model_tp_plan",
-        ),
+        (lambda: torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Tanh()), 2, "nothing in Sequential can be split"),
+        (lambda: GatedNet(hidden=15, vocab=13), 2, "nothing in GatedNet can be split"),  # widths 2 does not divide
+        (lambda: torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Dropout(0.1)), 2, r"dropout \('1'\)"),
+        (lambda: torch.nn.Sequential(torch.nn.Linear(4, 4), FunctionalDropout()), 2, r"dropout \(dropout in block '1'"),
     ],
 )
 def test_what_cannot_be_split_exactly_is_refused_by_name(model, size, match):
     m = model()
     with pytest.raises(UnsupportedModelError, match=match):
         plan_of(m, size)
+
+
+def test_a_model_without_transformers_plan_is_placed_by_the_pass_over_its_blocks_graphs():
+    """Column- then row-parallel where only elementwise operations lie between two Linears; whole elsewhere: an
+    attention's projections (a reshape into heads), a head whose output is the model's, an MLP whose hidden features
+    are scaled by a value every rank holds whole."""
+    gpt = tiny_gpt(GPTConfig(vocab_size=32, seq_len=8, d_model=16, n_heads=2, n_layers=2))
+    assert plan_of(gpt) == {
+        "0.tok": VOCAB,
+        "0.pos": VOCAB,
+        "1.fc": COLUMN,
+        "1.out": ROW,
+        "2.fc": COLUMN,
+        "2.out": ROW,
+    }
+    split = {"up": COLUMN, "down": ROW, "w1": COLUMN, "w3": COLUMN, "w2": ROW}
+    traced = plan_of(GatedNet())  # traced into blocks: its forward is a loop over a ModuleList
+    assert traced == {"embed": VOCAB, **{f"blocks.{i}.{k}": v for i in (0, 1) for k, v in split.items()}}
+    scaled = plan_of(GatedNet(scaled=True))  # hidden * gate(x): that MLP whole, the gated one still split
+    assert scaled == {"embed": VOCAB, **{f"blocks.{i}.{k}": split[k] for i in (0, 1) for k in ("w1", "w3", "w2")}}
 
 
 def test_gpt2_has_no_plan_and_is_refused():
