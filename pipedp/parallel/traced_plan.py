@@ -75,16 +75,17 @@ def traced_plan(model: nn.Module, blocks: Sequence[Block], size: int, styles: Di
 
 
 def _block_plan(block: Block, graph: fx.Graph, size: int, shared: set, styles: Dict[str, str]) -> Dict[str, str]:
-    modules = dict(block.module.named_modules())
-    calls = Counter(n.target for n in graph.nodes if n.op == "call_module")
+    modules = dict(block.module.named_modules(remove_duplicate=False))
+    # calls counted by module, not by name: one module under two names called twice is called twice
+    calls = Counter(id(modules[str(n.target)]) for n in graph.nodes if n.op == "call_module")
     names = {id(m): block.qualified(n) if n else block.name for n, m in block.module.named_modules()}
 
     def plain(node: fx.Node, kind: type) -> bool:
         """A call of a plain ``kind`` module, its only call, whose parameters no other module shares."""
-        if node.op != "call_module" or calls[node.target] != 1:
+        if node.op != "call_module":
             return False
         module = modules[str(node.target)]
-        return type(module) is kind and id(module) not in shared
+        return type(module) is kind and calls[id(module)] == 1 and id(module) not in shared
 
     linears = [n for n in graph.nodes if plain(n, nn.Linear)]
     columns = {n for n in linears if modules[str(n.target)].out_features % size == 0}

@@ -110,6 +110,22 @@ def test_a_model_without_transformers_plan_is_placed_by_the_pass_over_its_blocks
     assert scaled == {"embed": VOCAB, **{f"blocks.{i}.{k}": split[k] for i in (0, 1) for k in ("w1", "w3", "w2")}}
 
 
+def test_one_linear_under_two_names_called_twice_stays_whole():
+    """``a`` and ``b`` one module: fed a whole value as ``a``, a slice as ``b``; it cannot be both halves."""
+
+    class Twice(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a = torch.nn.Linear(4, 4)
+            self.b = self.a
+            self.c, self.d = torch.nn.Linear(4, 4), torch.nn.Linear(4, 4)
+
+        def forward(self, x):
+            return self.d(torch.relu(self.c(self.b(torch.relu(self.a(x))))))
+
+    assert plan_of(torch.nn.Sequential(Twice())) == {"0.c": COLUMN, "0.d": ROW}
+
+
 def test_gpt2_has_no_plan_and_is_refused():
     model = transformers.GPT2LMHeadModel(transformers.GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=40))
     with pytest.raises(UnsupportedModelError, match="base_model_tp_plan"):
