@@ -4,18 +4,14 @@ import functools
 
 import pytest
 import torch
-import torch.nn.functional as F
 from oracles import max_relative_error, opacus_step
 from pairwise import grid_with_slow_marks
+from steps import class_loss
 
 from pipedp import PipelineDPTrainer
 from pipedp.models import GPTConfig, mlp, tiny_gpt, token_loss
 
 LR, CLIP = 0.5, 0.05  # a small clip so that most samples are really clipped
-
-
-def class_loss(out, y):
-    return F.cross_entropy(out, y, reduction="none")
 
 
 def make_case(model_name, n, dtype):

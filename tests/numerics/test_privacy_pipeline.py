@@ -4,20 +4,16 @@ import os
 
 import pytest
 import torch
-import torch.nn.functional as F
 from opacus.accountants import create_accountant
 from opacus.accountants.utils import get_noise_multiplier
 from oracles import max_relative_error, opacus_step
+from steps import class_loss
 
 from pipedp import CheckpointError, PipeDPError, PipelineDPTrainer
 from pipedp.models import mlp
 from pipedp.privacy.sampling import poisson_indices, truncation_probability
 
 N_DATA = 200
-
-
-def class_loss(out, y):
-    return F.cross_entropy(out, y, reduction="none")
 
 
 def data(n=N_DATA, seed=0):
