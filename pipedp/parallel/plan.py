@@ -21,6 +21,7 @@ import re
 from typing import Any, Dict, Sequence
 
 import torch.nn as nn
+from torch.nn.modules.dropout import _DropoutNd  # every dropout module: Dropout, Dropout1d-3d, AlphaDropout...
 
 from ..errors import UnsupportedModelError
 from ..shards import Shard, TensorParallelPart
@@ -45,7 +46,7 @@ def tensor_parallel_plan(
     a loss on vocabulary-split logits (loss.py)."""
     if size == 1:
         return {}
-    if not type(model).__module__.startswith(("transformers.", "peft.")):  # the pass over its blocks' graphs
+    if not _from_transformers(model):  # the pass over its blocks' graphs
         return traced_plan(model, blocks, size, {"column": COLUMN, "row": ROW, "vocab": VOCAB})
     _patterns(model, size)
     _refuse_model(model, size)
@@ -70,6 +71,13 @@ def sliced_parameters(model: nn.Module, blocks: Sequence[Block], size: int) -> D
                 if dim is not None:
                     out[b.qualified(f"{name}.{n}" if name else n)] = dim
     return out
+
+
+def _from_transformers(model: nn.Module) -> bool:
+    """A transformers model (a subclass of one too), or one that PEFT wraps: split by transformers' plan."""
+    if type(model).__module__.startswith("peft."):
+        model = getattr(getattr(model, "base_model", None), "model", model)
+    return any(cls.__module__.startswith("transformers.") for cls in type(model).__mro__)
 
 
 def _patterns(model: nn.Module, size: int) -> Dict[str, str]:
@@ -183,7 +191,7 @@ def _refuse_model(model: nn.Module, size: int) -> None:
             f"tensor_parallel={size}: the head is tied to a {type(embedding).__name__}, which pipedp does not split "
             "per vocabulary slice (only a plain nn.Embedding): give the head its own copy (untie_weights=True)"
         )
-    dropping = [n for n, m in model.named_modules() if isinstance(m, nn.Dropout) and m.p > 0 and m.training]
+    dropping = [n for n, m in model.named_modules() if isinstance(m, _DropoutNd) and m.p > 0 and m.training]
     rates = [k for k in vars(config) if "dropout" in k or k.endswith("pdrop")]  # functional dropout reads these
     dropping += [f"config.{f}" for f in rates if _positive(getattr(config, f, 0.0)) and model.training]
     if dropping:

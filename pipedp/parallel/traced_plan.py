@@ -21,6 +21,7 @@ import torch
 import torch.fx as fx
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.nn.modules.dropout import _DropoutNd  # every dropout module: Dropout, Dropout1d-3d, AlphaDropout...
 
 from ..errors import UnsupportedModelError
 from ..split.blocks import Block
@@ -52,17 +53,19 @@ def traced_plan(model: nn.Module, blocks: Sequence[Block], size: int, styles: Di
     """{qualified module name: style} for every block; ``styles``: the names of the column, row and vocabulary
     styles (plan.py's). Refused by name when nothing can be split."""
     _refuse_dropout(model, size)
-    shared = _shared_modules(model)
-    plan: Dict[str, str] = {}
+    graphs: Dict[int, fx.Graph] = {}
     untraced: List[str] = []
-    for b in blocks:
+    for k, b in enumerate(blocks):
         try:
-            graph = fx.Tracer().trace(b.module)
+            graphs[k] = fx.Tracer().trace(b.module)
         except Exception:  # control flow on values, an untraceable call: this block runs whole
             untraced.append(b.name)
             continue
-        _refuse_functional_dropout(b, graph, size)
-        plan.update(_block_plan(b, graph, size, shared, styles))
+        _refuse_functional_dropout(b, graphs[k], size)
+    whole = _kept_whole(model, blocks, graphs)
+    plan: Dict[str, str] = {}
+    for k, graph in graphs.items():
+        plan.update(_block_plan(blocks[k], graph, size, whole, styles))
     if not plan:
         skipped = f" (blocks fx could not trace: {untraced})" if untraced else ""
         raise UnsupportedModelError(
@@ -74,18 +77,16 @@ def traced_plan(model: nn.Module, blocks: Sequence[Block], size: int, styles: Di
     return plan
 
 
-def _block_plan(block: Block, graph: fx.Graph, size: int, shared: set, styles: Dict[str, str]) -> Dict[str, str]:
+def _block_plan(block: Block, graph: fx.Graph, size: int, whole: set, styles: Dict[str, str]) -> Dict[str, str]:
     modules = dict(block.module.named_modules(remove_duplicate=False))
-    # calls counted by module, not by name: one module under two names called twice is called twice
-    calls = Counter(id(modules[str(n.target)]) for n in graph.nodes if n.op == "call_module")
     names = {id(m): block.qualified(n) if n else block.name for n, m in block.module.named_modules()}
 
     def plain(node: fx.Node, kind: type) -> bool:
-        """A call of a plain ``kind`` module, its only call, whose parameters no other module shares."""
+        """A call of a plain ``kind`` module that may be split (not one ``_kept_whole`` names)."""
         if node.op != "call_module":
             return False
         module = modules[str(node.target)]
-        return type(module) is kind and calls[id(module)] == 1 and id(module) not in shared
+        return type(module) is kind and id(module) not in whole
 
     linears = [n for n in graph.nodes if plain(n, nn.Linear)]
     columns = {n for n in linears if modules[str(n.target)].out_features % size == 0}
@@ -149,13 +150,34 @@ def _keeps_slice(node: fx.Node, modules: Dict[str, nn.Module]) -> bool:
     return False
 
 
-def _shared_modules(model: nn.Module) -> set:
-    """The ids of the modules holding a parameter another module also holds (a tie): they stay whole."""
-    holders: Dict[int, List[int]] = {}
+def _kept_whole(model: nn.Module, blocks: Sequence[Block], graphs: Dict[int, fx.Graph]) -> set:
+    """The ids of the modules no split may touch: called more than once (under any name, in any block: each
+    call would need its own half), held by more than one block or by a block fx could not trace, holding a
+    parameter another module holds (a tie), or whose parameter a forward reads outside the module's call
+    (``x @ self.up.weight.t()``: that read would get the slice)."""
+    kept: set = set()
+    calls: Counter = Counter()
+    holders: Counter = Counter()
+    for k, b in enumerate(blocks):
+        modules = dict(b.module.named_modules(remove_duplicate=False))
+        ids = {id(m) for m in modules.values()}
+        holders.update(ids)
+        if k not in graphs:
+            kept |= ids
+            continue
+        for n in graphs[k].nodes:
+            if n.op == "call_module":
+                calls[id(modules[str(n.target)])] += 1
+            elif n.op == "get_attr" and "." in str(n.target):
+                owner = modules.get(str(n.target).rsplit(".", 1)[0])
+                if owner is not None:
+                    kept.add(id(owner))
+    kept |= {m for m, count in calls.items() if count > 1} | {m for m, count in holders.items() if count > 1}
+    owners: Dict[int, List[int]] = {}
     for module in model.modules():
         for p in module.parameters(recurse=False):
-            holders.setdefault(id(p), []).append(id(module))
-    return {m for ids in holders.values() if len(ids) > 1 for m in ids}
+            owners.setdefault(id(p), []).append(id(module))
+    return kept | {m for ids in owners.values() if len(ids) > 1 for m in ids}
 
 
 _DROPOUTS = {F.dropout, F.dropout1d, F.dropout2d, F.dropout3d, F.alpha_dropout, F.feature_alpha_dropout, torch.dropout}
@@ -177,7 +199,7 @@ def _refuse_functional_dropout(block: Block, graph: fx.Graph, size: int) -> None
 
 
 def _refuse_dropout(model: nn.Module, size: int) -> None:
-    dropping = [n for n, m in model.named_modules() if isinstance(m, nn.Dropout) and m.p > 0 and m.training]
+    dropping = [n for n, m in model.named_modules() if isinstance(m, _DropoutNd) and m.p > 0 and m.training]
     if dropping:
         raise UnsupportedModelError(
             f"tensor_parallel={size} with dropout ({dropping[0]!r}): each rank would draw its own masks, so the "

@@ -123,7 +123,6 @@ def init_from_env(backend: Optional[str] = None, timeout_s: float = 300.0, store
 
 
 RENDEZVOUS = "PIPEDP_RENDEZVOUS"  # a launched rank's FileStore: the file its ranks rendezvous through
-LAUNCHER = "PIPEDP_LAUNCHER"  # a launched rank's launcher's pid (its parent is the fork server under gloo)
 
 
 @contextlib.contextmanager
@@ -154,21 +153,37 @@ def _encode(value: Any) -> bytes:
 
 
 def _die_with_parent(launcher: int) -> None:
-    """Ask the kernel to SIGKILL this process when its parent dies (Linux); exit if the launcher already has.
-    The parent is the launcher (spawn) or the fork server, which exits when the launcher does (its pipe from
-    the launcher closes), so either way the rank dies with the launcher."""
+    """Ask the kernel to SIGKILL this process when its parent dies (Linux); exit if that parent is already gone.
+    The parent is the launcher (spawn) or its fork server, which exits when the launcher does (its pipe from the
+    launcher closes), so either way the rank dies with the launcher."""
     try:
         libc = ctypes.CDLL(None, use_errno=True)
         libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
     except (OSError, AttributeError):  # not Linux: the launcher's own cleanup still stops ranks
         pass
-    if os.getppid() == launcher:
+    parent = os.getppid()
+    if parent == launcher:
         return
     _release_fork_server()
-    try:  # forked by the fork server, or orphaned before prctl took effect: is the launcher still there?
-        os.kill(launcher, 0)
-    except ProcessLookupError:
-        os._exit(1)
+    grandparent = parent_of(parent)
+    if grandparent == launcher:  # forked by the launcher's fork server
+        return
+    if grandparent is None:  # no /proc (not Linux, no parent-death signal either): is the launcher there?
+        try:
+            os.kill(launcher, 0)
+            return
+        except OSError:
+            pass
+    os._exit(1)  # orphaned before prctl took effect: re-parented, the signal would never come
+
+
+def parent_of(pid: int) -> Optional[int]:
+    """The parent pid of process ``pid`` (Linux's /proc), or None."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return int(f.read().rsplit(")", 1)[1].split()[1])
+    except (OSError, IndexError, ValueError):
+        return None
 
 
 def _release_fork_server() -> None:
@@ -205,7 +220,7 @@ def _worker(rank, world, rendezvous, fn, args, results, threads, op_timeout_s, b
         LOCAL_RANK=str(rank),
         LOCAL_WORLD_SIZE=str(world),
         MASTER_ADDR="127.0.0.1",
-        **{RENDEZVOUS: rendezvous, LAUNCHER: str(launcher)},
+        **{RENDEZVOUS: rendezvous},
     )
     loopback = _loopback_interface()
     if loopback is not None:  # gloo's pairs listen on loopback, whatever the host name resolves to

@@ -2,34 +2,48 @@
 
 from __future__ import annotations
 
+import hashlib
+import math
 from typing import Sequence
 
 import torch
 import torch.nn as nn
 
+from ..split.safetensors_read import stored_of
+
 
 def with_lora(model: nn.Module, r: int, targets: Sequence[str], seed: int) -> nn.Module:
-    """The model with PEFT LoRA adapters on ``targets`` (the base frozen), seeded alike on every rank."""
+    """The model with PEFT LoRA adapters on ``targets`` (the base frozen). Each adapter starts as PEFT starts it
+    (A Kaiming-uniform, B zero), A drawn from a stream of (``seed``, the layer's name): the same on every rank,
+    under any stage split and any tensor-parallel degree."""
     from peft import LoraConfig, get_peft_model  # (here: PEFT is an optional dependency)
 
-    torch.manual_seed(seed)
     config = LoraConfig(r=r, lora_alpha=2 * r, lora_dropout=0.0, target_modules=list(targets))
     model = get_peft_model(model, config)
-    _give_memory(model, config.init_lora_weights)
+    _initialise(model, seed)
     return model
 
 
-def _give_memory(model: nn.Module, init) -> None:
-    """PEFT puts each adapter on its base layer's device: the meta device where the loader left the base weight
-    unread, for the tensor-parallel split to read its slice (load_pipeline_stage(..., tensor_parallel=T)). Such
-    adapters get memory here, on the CPU where that slice will be read, and PEFT's own initialisation."""
-    for layer in model.modules():
+def _initialise(model: nn.Module, seed: int) -> None:
+    """Draw every adapter this process holds. PEFT puts an adapter on its base layer's device: the meta device for
+    another stage's layer (left so: this rank never holds it) and for a layer the loader left unread for the
+    tensor-parallel split to read its slice (load_pipeline_stage(..., tensor_parallel=T)): that one gets memory
+    here, on the CPU where its slice will be read."""
+    for name, layer in model.named_modules():
         adapters = getattr(layer, "lora_A", None)
         if not isinstance(adapters, nn.ModuleDict):
             continue
-        for name in adapters:
-            pair = (layer.lora_A[name], layer.lora_B[name])
-            if any(p.is_meta for factor in pair for p in factor.parameters()):
-                for factor in pair:
+        base = getattr(layer.get_base_layer(), "weight", None)
+        if base is not None and base.is_meta and stored_of(base) is None:
+            continue
+        for adapter in adapters:
+            a, b = layer.lora_A[adapter], layer.lora_B[adapter]
+            for factor in (a, b):
+                if any(p.is_meta for p in factor.parameters()):
                     factor.to_empty(device="cpu")
-                layer.reset_lora_parameters(name, init)
+            digest = hashlib.sha256(f"pipedp lora {seed} {name}.{adapter}".encode()).digest()
+            stream = torch.Generator().manual_seed(int.from_bytes(digest[:8], "little"))
+            with torch.no_grad():
+                nn.init.kaiming_uniform_(a.weight, a=math.sqrt(5), generator=stream)
+                for p in b.parameters():
+                    p.zero_()

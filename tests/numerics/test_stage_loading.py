@@ -105,9 +105,10 @@ def test_tensor_parallel_loading_leaves_the_split_layers_unread_and_a_run_that_d
         PipelineDPTrainer(model, token_loss, lambda p: torch.optim.SGD(p, lr=0.1), stages=1, expected_batch_size=2)
 
 
-def test_lora_on_layers_left_unread_for_the_split_gets_memory_and_peft_s_own_start(tmp_path):
+def test_lora_on_layers_left_unread_for_the_split_gets_memory_and_the_same_start_as_on_one_rank(tmp_path):
     """PEFT puts an adapter on its base weight's device: the meta device where the loader left it for the split.
-    pipedp's LoRA (the CLI's --lora-r) gives such adapters memory and PEFT's initialisation (A random, B zero)."""
+    pipedp's LoRA (the CLI's --lora-r) gives such adapters memory, and every adapter the same start whatever the
+    split: A Kaiming-uniform from a stream of (seed, layer), B zero."""
     transformers = pytest.importorskip("transformers")
     pytest.importorskip("peft")
     from steps import tiny_llama_config
@@ -118,9 +119,16 @@ def test_lora_on_layers_left_unread_for_the_split_gets_memory_and_peft_s_own_sta
     torch.manual_seed(0)
     config = tiny_llama_config(num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False)
     transformers.LlamaForCausalLM(config).save_pretrained(str(tmp_path))
-    model = with_lora(load_pipeline_stage(str(tmp_path), 1, 0, tensor_parallel=2), 2, ("q_proj", "o_proj"), seed=0)
+    targets = ("q_proj", "o_proj")
+    model = with_lora(load_pipeline_stage(str(tmp_path), 1, 0, tensor_parallel=2), 2, targets, seed=0)
     adapters = {n: p for n, p in model.named_parameters() if "lora_" in n}
     assert len(adapters) == 8 and not any(p.is_meta for p in adapters.values())
     assert all(p.abs().sum() > 0 for n, p in adapters.items() if "lora_A" in n)
     assert all(torch.equal(p, torch.zeros_like(p)) for n, p in adapters.items() if "lora_B" in n)
     assert model.base_model.model.model.layers[0].self_attn.q_proj.base_layer.weight.is_meta  # still the split's
+    whole = with_lora(load_pipeline_stage(str(tmp_path), 1, 0), 2, targets, seed=0)  # T = 1: nothing left unread
+    assert all(torch.equal(p, adapters[n]) for n, p in whole.named_parameters() if "lora_" in n)
+    last = with_lora(load_pipeline_stage(str(tmp_path), 2, 1, tensor_parallel=2), 2, targets, seed=0)  # stage 1 of 2
+    held = {n: p for n, p in last.named_parameters() if "lora_" in n and not p.is_meta}
+    assert held and all(torch.equal(p, adapters[n]) for n, p in held.items())
+    assert any(p.is_meta for n, p in last.named_parameters() if "lora_" in n)  # stage 0's: left on meta

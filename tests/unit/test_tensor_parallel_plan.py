@@ -81,6 +81,7 @@ def test_a_llama_is_split_by_transformers_own_plan_with_a_vocabulary_parallel_em
         (lambda: torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Tanh()), 2, "nothing in Sequential can be split"),
         (lambda: GatedNet(hidden=15, vocab=13), 2, "nothing in GatedNet can be split"),  # widths 2 does not divide
         (lambda: torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Dropout(0.1)), 2, r"dropout \('1'\)"),
+        (lambda: torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.AlphaDropout(0.1)), 2, r"dropout \('1'\)"),
         (lambda: torch.nn.Sequential(torch.nn.Linear(4, 4), FunctionalDropout()), 2, r"dropout \(dropout in block '1'"),
     ],
 )
@@ -124,6 +125,51 @@ def test_one_linear_under_two_names_called_twice_stays_whole():
             return self.d(torch.relu(self.c(self.b(torch.relu(self.a(x))))))
 
     assert plan_of(torch.nn.Sequential(Twice())) == {"0.c": COLUMN, "0.d": ROW}
+
+
+def test_a_linear_another_block_calls_or_whose_weight_is_read_directly_stays_whole():
+    """One ``up`` in two blocks (the second averages its output: with a slice it would average a rank's part); a
+    weight read outside its module's call (``x @ w.t()``: that read would get the slice)."""
+    up, down = torch.nn.Linear(4, 8), torch.nn.Linear(8, 4)
+
+    class Pair(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.up, self.down = up, down
+
+        def forward(self, x):
+            return self.down(torch.relu(self.up(x)))
+
+    class Mean(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.up = up
+
+        def forward(self, x):
+            return x + self.up(x).mean(-1, keepdim=True)
+
+    class Direct(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.up, self.down = torch.nn.Linear(4, 8), torch.nn.Linear(8, 4)
+            self.up.weight.requires_grad_(False)
+
+        def forward(self, x):
+            return self.down(torch.relu(self.up(x))) + x @ self.up.weight.t() @ self.down.weight.t()
+
+    with pytest.raises(UnsupportedModelError, match="nothing in Sequential can be split"):
+        plan_of(torch.nn.Sequential(Pair(), Mean()))
+    with pytest.raises(UnsupportedModelError, match="nothing in Sequential can be split"):
+        plan_of(torch.nn.Sequential(Direct()))
+
+
+def test_a_users_subclass_of_a_transformers_model_is_split_by_transformers_plan():
+    """Its config's dropout is still seen (the fx pass, for other models, would not read the config)."""
+    model = llama(attention_dropout=0.1).train()
+    blocks = model_blocks(model)
+    model.__class__ = type("Mine", (type(model),), {"__module__": "my_project"})
+    with pytest.raises(UnsupportedModelError, match="attention_dropout"):
+        tensor_parallel_plan(model, blocks, 2)
 
 
 def test_gpt2_has_no_plan_and_is_refused():

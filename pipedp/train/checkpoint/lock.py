@@ -23,7 +23,7 @@ import time
 from typing import Optional
 
 from ...errors import CheckpointError
-from ...runtime.launch import LAUNCHER
+from ...runtime.launch import parent_of
 from .folder import TMP, remove_temporary
 
 _OPEN = os.O_RDWR | os.O_CREAT | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
@@ -77,13 +77,14 @@ class FolderLock:
         os.environ[HANDED_DOWN] = json.dumps({"path": os.path.realpath(self.path), "pid": os.getpid()})
 
     def _handed_down(self) -> bool:
-        """Whether this process, its parent or its launcher handed this folder's lock down, and still holds it."""
+        """Whether this process or the one that started it handed this folder's lock down, and still holds it."""
         try:
             given = json.loads(os.environ.get(HANDED_DOWN, "null"))
             path, pid = given["path"], int(given["pid"])
         except (ValueError, TypeError, KeyError):
             return False
-        if path != os.path.realpath(self.path) or pid not in (os.getpid(), os.getppid(), _launcher()):
+        # this process, its parent, or its parent's parent (a rank of runtime/launch.py forked by its fork server)
+        if path != os.path.realpath(self.path) or pid not in (os.getpid(), os.getppid(), parent_of(os.getppid())):
             return False
         try:
             fd = os.open(self.path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0))
@@ -145,14 +146,6 @@ def _holder(fd: int) -> str:
         except (ValueError, KeyError, TypeError, UnicodeDecodeError):
             time.sleep(0.01)
     return "pid unknown: its lock file is not readable"
-
-
-def _launcher() -> int:
-    """The pid of the process that launched this rank (runtime/launch.py), or 0."""
-    try:
-        return int(os.environ.get(LAUNCHER, "0"))
-    except ValueError:
-        return 0
 
 
 __all__ = ["HANDED_DOWN", "FolderLock"]
