@@ -641,7 +641,8 @@ def tensor_parallel_steps(rank, steps, options, plant=None, checkpoint=None, fir
 
 def traced_tensor_parallel_steps(rank, steps, options, plant=None):
     """``steps`` DP steps (noise 0) of loop_models.GatedNet, traced, split by the pass over its blocks' graphs;
-    returns the state dict and this rank's whole parameters (for their sameness)."""
+    returns the state dict, this rank's whole parameters (for their sameness) and the names of those it holds a
+    slice of."""
     from loop_models import GatedNet
 
     if plant == "a whole operand mixed with a slice":  # the pass would keep x * (a whole value) a slice
