@@ -18,6 +18,7 @@ def with_lora(model: nn.Module, r: int, targets: Sequence[str], seed: int) -> nn
     under any stage split and any tensor-parallel degree."""
     from peft import LoraConfig, get_peft_model  # (here: PEFT is an optional dependency)
 
+    torch.manual_seed(seed)  # (PEFT's own draws, replaced below: the global generator left as it always was)
     config = LoraConfig(r=r, lora_alpha=2 * r, lora_dropout=0.0, target_modules=list(targets))
     model = get_peft_model(model, config)
     _initialise(model, seed)
@@ -43,7 +44,9 @@ def _initialise(model: nn.Module, seed: int) -> None:
                     factor.to_empty(device="cpu")
             digest = hashlib.sha256(f"pipedp lora {seed} {name}.{adapter}".encode()).digest()
             stream = torch.Generator().manual_seed(int.from_bytes(digest[:8], "little"))
+            drawn = torch.empty(a.weight.shape)  # on the CPU, in float32: the same values on any device and dtype
+            nn.init.kaiming_uniform_(drawn, a=math.sqrt(5), generator=stream)
             with torch.no_grad():
-                nn.init.kaiming_uniform_(a.weight, a=math.sqrt(5), generator=stream)
+                a.weight.copy_(drawn)
                 for p in b.parameters():
                     p.zero_()
