@@ -10,7 +10,8 @@ as a config.json only: the planner builds it on meta and reads no weight. A mesh
 replicas = 16 ranks; torchrun numbers a node's 8 ranks consecutively and pipedp's rank is (replica x stages +
 stage) x T + t, so T <= 8 keeps each stage's tensor-parallel group inside a node. Full fine-tuning: bf16-true,
 AdamW (fused), the optimizer sharded over the replicas where there are several; LoRA: r=8 on q_proj and v_proj
-over a bf16 base (bf16-mixed: float32 adapters), T=1 (PEFT under tensor parallelism is refused). Each row: the
+over a bf16 base (bf16-mixed: float32 adapters), T=1 (the meshes measured before LoRA under tensor parallelism
+was built; its meshes are not in this list yet). Each row: the
 largest micro-batch size whose predicted peak fits 80 GB on every stage (with the first step's self-check off:
 ``--no-self-check``; it is one step), and the tightest stage's peak there.
 """
