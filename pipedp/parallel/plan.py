@@ -21,19 +21,17 @@ import re
 from typing import Any, Dict, Sequence
 
 import torch.nn as nn
-from torch.nn.modules.dropout import _DropoutNd  # every dropout module: Dropout, Dropout1d-3d, AlphaDropout...
 
 from ..errors import UnsupportedModelError
 from ..shards import Shard, TensorParallelPart
 from ..split.blocks import Block
 from . import rules  # noqa: F401  (registers the parallel layers' rules)
 from .layers import ColumnParallelLinear, GatheredColumnLinear, Group, RowParallelLinear, VocabParallelEmbedding
-from .traced_plan import traced_plan
+from .traced_plan import WAY_OUT, dropout_modules, refuse_dropout, traced_plan
 
 COLUMN, ROW = "colwise", "rowwise"  # transformers' names of the two styles pipedp implements
 HEAD, VOCAB = "pipedp:head", "pipedp:vocab"  # pipedp's own: the head and the input embedding
 WHOLE = "pipedp:whole"  # a LoRA factor beside a split one, held whole by every rank (it reads whole activations)
-_WAY_OUT = "use tensor_parallel=1 (pipeline stages and replicas only)"
 
 
 def tensor_parallel_plan(
@@ -86,7 +84,7 @@ def _patterns(model: nn.Module, size: int) -> Dict[str, str]:
     if not patterns or not hasattr(model, "get_input_embeddings"):
         raise UnsupportedModelError(
             f"tensor_parallel={size}: {type(model).__name__} is a Hugging Face model whose config carries no "
-            f"tensor-parallel plan (base_model_tp_plan), which pipedp splits Hugging Face models by; {_WAY_OUT}"
+            f"tensor-parallel plan (base_model_tp_plan), which pipedp splits Hugging Face models by; {WAY_OUT}"
         )
     return patterns
 
@@ -130,7 +128,7 @@ def _lora_plan(name: str, layer: nn.Module, style: str, size: int) -> Dict[str, 
         raise UnsupportedModelError(
             f"tensor_parallel={size}: layer {name!r} carries {what}, which pipedp does not split across ranks (it "
             f"splits plain LoRA on the attention and MLP projections); leave this layer out of the LoRA targets, "
-            f"or {_WAY_OUT}"
+            f"or {WAY_OUT}"
         )
     plan = {f"{name}.base_layer": _checked(f"{name}.base_layer", layer.base_layer, style, size)}
     for adapter in layer.lora_A:
@@ -167,7 +165,7 @@ def _refuse_whole_beside_split(blocks: Sequence[Block], plan: Dict[str, str], si
                     f"tensor_parallel={size}: parameter {qualified!r} is held whole by every rank but lives in "
                     f"{inside!r}, whose projections are split, so it may read only a rank's own heads or features "
                     f"(its gradient would be each rank's part); freeze it ({qualified}.requires_grad_(False)) or "
-                    f"{_WAY_OUT}"
+                    f"{WAY_OUT}"
                 )
 
 
@@ -191,15 +189,11 @@ def _refuse_model(model: nn.Module, size: int) -> None:
             f"tensor_parallel={size}: the head is tied to a {type(embedding).__name__}, which pipedp does not split "
             "per vocabulary slice (only a plain nn.Embedding): give the head its own copy (untie_weights=True)"
         )
-    dropping = [n for n, m in model.named_modules() if isinstance(m, _DropoutNd) and m.p > 0 and m.training]
     rates = [k for k in vars(config) if "dropout" in k or k.endswith("pdrop")]  # functional dropout reads these
+    dropping = dropout_modules(model)
     dropping += [f"config.{f}" for f in rates if _positive(getattr(config, f, 0.0)) and model.training]
     if dropping:
-        raise UnsupportedModelError(
-            f"tensor_parallel={size} with dropout ({dropping[0]}): each rank would draw its own masks, so the "
-            "activations every rank holds whole would differ between them; set the dropout to 0, or the model to "
-            f"eval mode, or {_WAY_OUT}"
-        )
+        refuse_dropout(dropping[0], size)
 
 
 def _positive(value) -> bool:
@@ -211,14 +205,13 @@ def _checked(name: str, module: nn.Module, style: str, size: int) -> str:
     if style not in kinds:
         raise UnsupportedModelError(
             f"tensor_parallel={size}: layer {name!r} is planned {style!r} by transformers, a split pipedp does not "
-            f"implement (it takes colwise and rowwise Linear layers); {_WAY_OUT}"
+            f"implement (it takes colwise and rowwise Linear layers); {WAY_OUT}"
         )
     if type(module) is not kinds[style]:
         raise UnsupportedModelError(
             f"tensor_parallel={size}: layer {name!r} is a {type(module).__module__}.{type(module).__qualname__}, not a "
-            f"plain torch "
-            f"{kinds[style].__name__} (a quantised layer, or a PEFT adapter other than LoRA?), so pipedp cannot split "
-            f"it; {_WAY_OUT}"
+            f"plain torch {kinds[style].__name__} (a quantised layer, or a PEFT adapter other than LoRA?), so pipedp "
+            f"cannot split it; {WAY_OUT}"
         )
     if style == WHOLE:
         return style
@@ -231,7 +224,7 @@ def _checked(name: str, module: nn.Module, style: str, size: int) -> str:
         )
     if style == VOCAB and module.max_norm is not None:
         raise UnsupportedModelError(
-            f"layer {name!r}: an embedding with max_norm renormalises its rows in place; {_WAY_OUT}"
+            f"layer {name!r}: an embedding with max_norm renormalises its rows in place; {WAY_OUT}"
         )
     return style
 

@@ -26,7 +26,7 @@ from torch.nn.modules.dropout import _DropoutNd  # every dropout module: Dropout
 from ..errors import UnsupportedModelError
 from ..split.blocks import Block
 
-_WAY_OUT = "use tensor_parallel=1 (pipeline stages and replicas only)"
+WAY_OUT = "use tensor_parallel=1 (pipeline stages and replicas only)"  # (plan.py's refusals end with it too)
 
 # what keeps a slice a slice: elementwise, the same on every feature
 _SLICE_MODULES = (nn.GELU, nn.ReLU, nn.SiLU, nn.Tanh, nn.Sigmoid, nn.Identity)
@@ -52,7 +52,9 @@ _SLICE_METHODS = {"relu", "tanh", "sigmoid", "add", "sub", "mul", "div", "neg"}
 def traced_plan(model: nn.Module, blocks: Sequence[Block], size: int, styles: Dict[str, str]) -> Dict[str, str]:
     """{qualified module name: style} for every block; ``styles``: the names of the column, row and vocabulary
     styles (plan.py's). Refused by name when nothing can be split."""
-    _refuse_dropout(model, size)
+    dropping = dropout_modules(model)
+    if dropping:
+        refuse_dropout(dropping[0], size)
     graphs: Dict[int, fx.Graph] = {}
     untraced: List[str] = []
     for k, b in enumerate(blocks):
@@ -72,7 +74,7 @@ def traced_plan(model: nn.Module, blocks: Sequence[Block], size: int, styles: Di
             f"tensor_parallel={size}: nothing in {type(model).__name__} can be split across ranks exactly: the pass "
             "over its blocks' graphs found no plain Linear fed by a whole value whose output reaches another Linear "
             f"through elementwise operations only, and no plain Embedding, of widths that {size} divides{skipped}; "
-            f"{_WAY_OUT}"
+            f"{WAY_OUT}"
         )
     return plan
 
@@ -88,10 +90,10 @@ def _block_plan(block: Block, graph: fx.Graph, size: int, whole: set, styles: Di
         module = modules[str(node.target)]
         return type(module) is kind and id(module) not in whole
 
-    linears = [n for n in graph.nodes if plain(n, nn.Linear)]
+    linears = {n for n in graph.nodes if plain(n, nn.Linear)}
     columns = {n for n in linears if modules[str(n.target)].out_features % size == 0}
     while True:
-        sliced, rows, spoiled = _propagate(graph, columns, set(linears), modules, size)
+        rows, spoiled = _propagate(graph, columns, linears, modules, size)
         if not spoiled:
             break
         columns -= spoiled
@@ -107,8 +109,8 @@ def _block_plan(block: Block, graph: fx.Graph, size: int, whole: set, styles: Di
 
 
 def _propagate(graph: fx.Graph, columns: set, linears: set, modules: Dict[str, nn.Module], size: int):
-    """One pass in graph order: (the nodes whose value is a slice, each with the columns it comes from; the
-    row-parallel Linears, with theirs; the columns whose slices reach something that needs the whole value)."""
+    """One pass in graph order, following each slice with the columns it comes from: (the row-parallel Linears,
+    with theirs; the columns whose slices reach something that needs the whole value)."""
     sliced: Dict[fx.Node, FrozenSet[fx.Node]] = {}
     rows: Dict[fx.Node, FrozenSet[fx.Node]] = {}
     spoiled: set = set()
@@ -126,7 +128,7 @@ def _propagate(graph: fx.Graph, columns: set, linears: set, modules: Dict[str, n
             sliced[n] = sources
         else:
             spoiled |= sources
-    return sliced, rows, spoiled
+    return rows, spoiled
 
 
 def _only_slices(inputs: List[fx.Node], from_slices: List[fx.Node]) -> bool:
@@ -191,18 +193,16 @@ def _refuse_functional_dropout(block: Block, graph: fx.Graph, size: int) -> None
             training = n.kwargs.get("training", n.args[2] if len(n.args) > 2 else True)
             if training and (not isinstance(rate, (int, float)) or rate > 0):
                 where = f"block {block.name!r}" if block.name else "the model's forward"
-                raise UnsupportedModelError(
-                    f"tensor_parallel={size} with dropout ({n.target.__name__} in {where}, at {n.name!r}): each rank "
-                    f"would draw its own masks, so the activations every rank holds whole would differ between "
-                    f"them; set its rate to 0, put the model in eval mode, or {_WAY_OUT}"
-                )
+                refuse_dropout(f"{n.target.__name__} in {where}, at {n.name!r}", size)
 
 
-def _refuse_dropout(model: nn.Module, size: int) -> None:
-    dropping = [n for n, m in model.named_modules() if isinstance(m, _DropoutNd) and m.p > 0 and m.training]
-    if dropping:
-        raise UnsupportedModelError(
-            f"tensor_parallel={size} with dropout ({dropping[0]!r}): each rank would draw its own masks, so the "
-            f"activations every rank holds whole would differ between them; set its p to 0, put the model in eval "
-            f"mode, or {_WAY_OUT}"
-        )
+def dropout_modules(model: nn.Module) -> List[str]:
+    """The names of the dropout modules (any class: Dropout, Dropout1d-3d, AlphaDropout...) that draw masks."""
+    return [repr(n) for n, m in model.named_modules() if isinstance(m, _DropoutNd) and m.p > 0 and m.training]
+
+
+def refuse_dropout(what: str, size: int) -> None:
+    raise UnsupportedModelError(
+        f"tensor_parallel={size} with dropout ({what}): each rank would draw its own masks, so the activations every "
+        f"rank holds whole would differ between them; set its rate to 0, put the model in eval mode, or {WAY_OUT}"
+    )

@@ -177,13 +177,19 @@ def _die_with_parent(launcher: int) -> None:
     os._exit(1)  # orphaned before prctl took effect: re-parented, the signal would never come
 
 
-def parent_of(pid: int) -> Optional[int]:
-    """The parent pid of process ``pid`` (Linux's /proc), or None."""
+def _stat(pid: int) -> List[str]:
+    """The fields of Linux's /proc/PID/stat after the command name (state, parent pid, ...); [] where unreadable."""
     try:
         with open(f"/proc/{pid}/stat") as f:
-            return int(f.read().rsplit(")", 1)[1].split()[1])
-    except (OSError, IndexError, ValueError):
-        return None
+            return f.read().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return []
+
+
+def parent_of(pid: int) -> Optional[int]:
+    """The parent pid of process ``pid`` (Linux's /proc), or None."""
+    fields = _stat(pid)
+    return int(fields[1]) if len(fields) > 1 else None
 
 
 def _release_fork_server() -> None:
@@ -336,12 +342,8 @@ def _state(p) -> str:
         if p.exitcode < 0:
             return f"killed by {signal.Signals(-p.exitcode).name}"
         return f"exited with code {p.exitcode}"
-    try:
-        with open(f"/proc/{p.pid}/stat") as f:
-            state = f.read().rsplit(")", 1)[1].split()[0]
-    except (OSError, IndexError):
-        return "running"
-    return "stopped (SIGSTOP)" if state in ("T", "t") else "running"
+    fields = _stat(p.pid)
+    return "stopped (SIGSTOP)" if fields and fields[0] in ("T", "t") else "running"
 
 
 def _at_fault(procs, reporter: int, report: str, finished: dict, settle_s: float = 1.0):
