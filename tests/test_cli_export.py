@@ -94,3 +94,31 @@ def test_a_merged_export_computes_what_the_adapter_on_its_base_computes(tmp_path
     assert rerun.returncode == 0, rerun.stderr[-3000:]
     resolved = [json.load(open(f"{run}/config.json"))["resolved"] for run in ("run", "again")]
     assert resolved[0]["privacy"] == resolved[1]["privacy"] and resolved[0]["model_files"] == resolved[1]["model_files"]
+
+
+def test_lora_on_the_expert_weights_of_a_mixtral_folder_trains_and_exports_an_adapter_peft_loads(tmp_path, cli):
+    transformers = pytest.importorskip("transformers")
+    peft = pytest.importorskip("peft")
+    import torch
+
+    gpt2, vocab = tiny_gpt2_folder(transformers, tmp_path)  # (its tokenizer)
+    config = transformers.MixtralConfig(
+        vocab_size=vocab, hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2,
+        num_key_value_heads=1, num_local_experts=4, num_experts_per_tok=2, bos_token_id=0, eos_token_id=0,
+    )  # fmt: skip
+    folder = tmp_path / "tiny-mixtral"
+    transformers.MixtralForCausalLM(config).save_pretrained(folder)
+    transformers.AutoTokenizer.from_pretrained(gpt2).save_pretrained(folder)
+    targets = "q_proj,experts.gate_up_proj,experts.down_proj"  # the bank's weights: PEFT's target_parameters
+    out = cli("train", "--inprocess", "--model", str(folder), "--lora-r", "2", "--lora-targets", targets,
+              "--steps", "1", "--batch-size", "4", "--seq-len", "8", "--no-progress",
+              "--checkpoint-dir", str(tmp_path / "run"), "--export", str(tmp_path / "adapter"))  # fmt: skip
+    assert out.returncode == 0, out.stderr[-3000:]
+    saved = json.load(open(tmp_path / "adapter" / "adapter_config.json"))
+    assert saved["target_modules"] == ["q_proj"]
+    assert sorted(saved["target_parameters"]) == ["experts.down_proj", "experts.gate_up_proj"]
+    base = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float64)
+    adapted = peft.PeftModel.from_pretrained(base, str(tmp_path / "adapter"))
+    outer = adapted.base_model.model.model.layers[0].mlp.experts
+    assert type(outer).__name__ == "ParamWrapper"
+    assert float(outer.lora_B["default"].weight.abs().max()) > 0  # started at zero: one noisy step moved it

@@ -109,7 +109,10 @@ def add_train_flags(t: argparse.ArgumentParser) -> None:
         help="train PEFT LoRA adapters of this rank (base weights frozen); needs a Hugging Face --model",
     )
     model.add_argument(
-        "--lora-targets", default="q_proj,v_proj", help="comma-separated module names LoRA adapts (GPT-2: c_attn)"
+        "--lora-targets",
+        default="q_proj,v_proj",
+        help="comma-separated module names LoRA adapts (GPT-2: c_attn), or an expert bank's weights "
+        "(experts.gate_up_proj, experts.down_proj)",
     )
     model.add_argument(
         "--export",

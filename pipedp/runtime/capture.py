@@ -18,7 +18,7 @@ import torch
 import torch.nn as nn
 
 from ..errors import UnsupportedModelError
-from ..privacy.rules import layer_parameters, rule_for
+from ..privacy.rules import holds_below, layer_parameters, rule_for
 from ..split.blocks import Block
 
 
@@ -36,13 +36,16 @@ class LayerCall:
 
 def find_layers(named_modules: Iterator[Tuple[str, nn.Module]]) -> Dict[str, nn.Module]:
     """Each module owning trainable parameters (privacy.rules.layer_parameters) once, under its first name
-    (a module two blocks hold is one layer: hooked twice, its every call would be captured twice)."""
+    (a module two blocks hold is one layer: hooked twice, its every call would be captured twice); the
+    modules below a layer that holds them all (privacy.rules.holds_below) are part of it, not layers."""
     layers: Dict[str, nn.Module] = {}
     seen = set()
-    for name, module in named_modules:
+    for name, module in named_modules:  # (parents come before their children)
         if id(module) in seen or not layer_parameters(module):
             continue
         seen.add(id(module))
+        if holds_below(module):
+            seen.update(id(m) for m in module.modules())
         _refuse_sequence_first(name, module)
         layers[name if name not in layers else f"{name}#{len(layers)}"] = module
     return layers

@@ -3,7 +3,9 @@ of the private batch, un-noised, that state_dict(), checkpoints and exports woul
 
 Two views of a tensor, compared before and after:
 - ``versions``: its identity, storage and version counter, free to read, taken around every micro-batch's
-  forward. Blind to writes through ``.data`` (``buf.data.mul_(...)``: the alias has its own counter).
+  forward. Blind to writes through ``.data`` (``buf.data.mul_(...)``: the alias has its own counter). A
+  weight PEFT's LoRA parametrizes for each call is set to itself then (its counter moves, its values do
+  not): its version is left out, so only its identity, its storage and its digests watch it.
 - ``digests``: three integer sums of its bytes (plain, and weighted by the position modulo 2**16 and modulo
   the prime 65521: no two positions under 2**32 apart share both weights), which see any change of its
   values however it was made. They read every byte once: the buffers' are taken around every pass, the
@@ -13,7 +15,7 @@ Versions are also compared around the whole pass (a write in a backward hook).
 
 from __future__ import annotations
 
-from typing import Dict, Iterable, List, Tuple
+from typing import AbstractSet, Dict, Iterable, List, Tuple
 
 import torch
 
@@ -29,10 +31,13 @@ def is_fake(t: torch.Tensor) -> bool:
     return t.is_meta or type(t).__name__ == "FakeTensor"
 
 
-def versions(named: Named) -> Dict[str, Tuple[bool, int, int, int]]:
-    """{name: (is a parameter, id, storage address, version)}."""
+def versions(named: Named, unversioned: AbstractSet[int] = frozenset()) -> Dict[str, Tuple[bool, int, int, int]]:
+    """{name: (is a parameter, id, storage address, version)}; the version left out (0) for the tensors whose id
+    is in ``unversioned``, which a library sets to themselves at every call (PEFT's LoRA on a parameter:
+    torch's parametrization does ``original.set_(original)``), so that only their digests see their values."""
     return {
-        name: (is_parameter, id(t), 0 if is_fake(t) else t.data_ptr(), t._version) for name, is_parameter, t in named
+        name: (is_parameter, id(t), 0 if is_fake(t) else t.data_ptr(), 0 if id(t) in unversioned else t._version)
+        for name, is_parameter, t in named
     }
 
 

@@ -24,7 +24,7 @@ import torch
 import torch.nn as nn
 
 from ..errors import UnsupportedModelError
-from ..privacy.rules import rule_for
+from ..privacy.rules import holds_below, rule_for
 from .hf_runs import read_outside_calls, standing_in, trainable_of
 
 
@@ -38,7 +38,10 @@ class LayerFixes:
 
 
 def _reads_trainable(module: nn.Module, trainable: set) -> bool:
-    """Trainable parameters of its own, or in the parameter containers it reads (a layer, for capture)."""
+    """Trainable parameters of its own, or in the parameter containers it reads, or below it for a layer that
+    holds them all (a layer, for capture)."""
+    if holds_below(module):
+        return True
     holders = [module] + [c for c in module.children() if isinstance(c, (nn.ParameterDict, nn.ParameterList))]
     return any((id(h), n) in trainable for h in holders for n in h._parameters)
 

@@ -15,7 +15,8 @@ sample's output from its own rows alone, so a block that mixes samples is refuse
 from __future__ import annotations
 
 import re
-from typing import List, Optional, Tuple
+from contextlib import contextmanager
+from typing import Iterator, List, Optional, Tuple
 
 import torch
 import torch.nn as nn
@@ -23,7 +24,8 @@ import torch.nn.functional as F
 
 from ..errors import UnsupportedModelError
 from ..privacy.rules import EXPERTS, ROUTER, register
-from ..privacy.rules.experts import recomputed_output
+from ..privacy.rules.expert_lora import adapted, computed_weights, factors, wrapped_bank, wrappers
+from ..privacy.rules.experts import first_weights, recomputed_output, second_weights, weight_names
 
 # a mixture-of-experts block's class (Mixtral's SparseMoeBlock, JetMoe's MoE, a Router), not e.g. Qwen2MoeAttention
 ROUTING = re.compile(r"expert|router|sparse_?moe|moe(block|layer|mlp)?$", re.IGNORECASE)
@@ -55,12 +57,13 @@ def accept_experts(model: nn.Module, path: str, module: nn.Module) -> None:
         _refuse_config(where, getattr(model, "config", None), block)
         if not any(p.requires_grad for p in block.parameters()):
             continue  # frozen whole: no rule reads it, the self-check still sees whether it keeps samples apart
-        bank = getattr(block, "experts", None)
+        outer = getattr(block, "experts", None)
+        bank = wrapped_bank(outer) if isinstance(outer, nn.Module) else outer
         if type(bank).__module__.startswith("peft."):
             raise UnsupportedModelError(
-                f"{where}: PEFT's adapter on the experts' parameters ({type(bank).__name__}, LoraConfig's "
-                "target_parameters) has no per-sample rule yet: put the adapters on the attention and other "
-                "Linear layers (target_modules), or train the bank itself"
+                f"{where}: PEFT's {type(bank).__module__}.{type(bank).__name__} on the experts has no per-sample rule "
+                "(pipedp trains LoRA on their parameters, LoraConfig's target_parameters): use LoRA, or put the "
+                "adapters on the attention and other Linear layers (target_modules)"
             )
         if not isinstance(bank, nn.Module) or not _is_fused_bank(bank):
             raise UnsupportedModelError(
@@ -69,7 +72,9 @@ def accept_experts(model: nn.Module, path: str, module: nn.Module) -> None:
                 f"[experts, out, in]): {FREEZE}, or use a dense model"
             )
         router = _router(where, block, bank)
-        _check(where, router, bank)
+        if outer is not bank:
+            _refuse_adapter_states(where, outer, bank)
+        _check(where, router, bank, outer)
         register(type(router), ROUTER)
         register(type(bank), EXPERTS)
 
@@ -134,10 +139,58 @@ def _router(where: str, block: nn.Module, bank: nn.Module) -> nn.Module:
     return router
 
 
-def _check(where: str, router: nn.Module, bank: nn.Module) -> None:
-    """The router's first output is a Linear's logits and the rule reads the bank as its own forward does,
-    on a few random tokens (skipped for weights not loaded yet: the self-check compares every checked
-    sample's gradient with its own backward anyway)."""
+def _refuse_adapter_states(where: str, outer: nn.Module, bank: nn.Module) -> None:
+    """PEFT's LoRA on the bank's weights as privacy/rules/expert_lora.py reads it: one adapter on each of the
+    bank's two weights at most, active and unmerged, and no other trainable tensor below the wrappers."""
+    names = weight_names(bank)
+    read = {id(p) for p in (*first_weights(bank), *second_weights(bank)) if p is not None}
+    for wrapper in wrappers(outer):
+        name = wrapper.parameter_name
+        if name not in names or wrapper.get_param().dim() != 3:
+            raise UnsupportedModelError(
+                f"{where}: LoRA on the experts' {name!r}: pipedp's rule reads adapters on the bank's weights "
+                f"{list(names)} ([experts, out, in]) only: target those, or the attention and other Linear layers"
+            )
+        active = list(wrapper.active_adapters)
+        if len(active) != 1 or active[0] not in wrapper.lora_A or wrapper.merged or wrapper.disable_adapters:
+            raise UnsupportedModelError(
+                f"{where}: the LoRA on the experts' {name!r} has adapters {active} active"
+                f"{' and merged' if wrapper.merged else ''}{' but disabled' if wrapper.disable_adapters else ''}; "
+                "pipedp's rule reads one active, unmerged adapter: model.set_adapter(<one name>), or unmerge it"
+            )
+        f = factors(wrapper)
+        read |= {id(f.a_weight), id(f.b_weight)}
+    unread = [n for n, p in outer.named_parameters() if p.requires_grad and id(p) not in read]
+    if unread:
+        raise UnsupportedModelError(
+            f"{where}: {unread} below PEFT's LoRA on the experts are trainable but not read by the active adapters: "
+            "freeze them (requires_grad_(False))"
+        )
+
+
+@contextmanager
+def _random_factors(outer: nn.Module) -> Iterator[None]:
+    """The adapters' factors drawn at random for a check (PEFT starts B at zero, which would check nothing
+    about them), restored after."""
+    tensors = [t for f in adapted(outer).values() for t in (f.a_weight, f.b_weight)]
+    saved = [t.detach().clone() for t in tensors]
+    g = torch.Generator(device="cpu").manual_seed(1)
+    try:
+        with torch.no_grad():
+            for t in tensors:
+                t.copy_(0.3 * torch.randn(t.shape, generator=g, dtype=torch.float64))
+        yield
+    finally:
+        with torch.no_grad():
+            for t, was in zip(tensors, saved):
+                t.copy_(was)
+
+
+def _check(where: str, router: nn.Module, bank: nn.Module, outer: nn.Module) -> None:
+    """The router's first output is a Linear's logits and the rule reads the bank as its own forward does
+    (``outer``, PEFT's LoRA wrapping the bank, with random factors as the bank's weights plus their
+    product), on a few random tokens (skipped for weights not loaded yet: the self-check compares every
+    checked sample's gradient with its own backward anyway)."""
     weight = router.weight
     if weight.is_meta or bank.down_proj.is_meta:
         return
@@ -176,6 +229,8 @@ def _check(where: str, router: nn.Module, bank: nn.Module) -> None:
                     f"{where}: its experts ({type(bank).__name__}) do not compute what pipedp's per-sample rule reads "
                     f"from their weights (the fused layout's gate, activation and routing weights): {FREEZE}"
                 )
+            if outer is not bank:
+                _check_adapters(where, outer, bank, (x, index, weights))
         router.train()
         if _draws_random_numbers(router, x):
             raise UnsupportedModelError(
@@ -185,6 +240,20 @@ def _check(where: str, router: nn.Module, bank: nn.Module) -> None:
             )
     finally:
         router.train(was[0]), bank.train(was[1])
+
+
+def _check_adapters(where: str, outer: nn.Module, bank: nn.Module, call: tuple) -> None:
+    x, index, weights = call
+    with _random_factors(outer):
+        own = outer(x, index, weights)
+        computed = computed_weights(bank, adapted(outer), x.dtype)
+        recomputed = recomputed_output(bank, x, index, weights, computed)
+    if not torch.allclose(recomputed.to(own.dtype), own, rtol=1e-3, atol=1e-5):
+        raise UnsupportedModelError(
+            f"{where}: PEFT's LoRA on its experts ({', '.join(w.parameter_name for w in wrappers(outer))}) does not "
+            "compute the bank's weights plus s B_e A_e per expert, as pipedp's per-sample rule reads its factors: "
+            "put the adapters on the attention and other Linear layers (target_modules)"
+        )
 
 
 def _draws_random_numbers(router: nn.Module, x: torch.Tensor) -> bool:

@@ -31,7 +31,7 @@ import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
 from ..errors import UnsupportedModelError
-from ..privacy.rules.registry import CONTAINERS
+from ..privacy.rules.registry import CONTAINERS, holds_below
 
 LayerCall = Tuple[tuple, dict]  # what the forward gives a layer besides the hidden state: (args, kwargs)
 
@@ -76,7 +76,8 @@ def standing_in(parts: Sequence[nn.Module], device, real_too: bool = False) -> I
     dtype on ``device`` that take no memory, for a run that discards what these parts compute. With
     ``real_too`` (the dry run) the parameters' zeros require gradients, so that what is computed from
     a parameter can be told apart whether the model is real or on meta."""
-    swapped: List[Tuple[dict, str, torch.Tensor]] = []
+    swapped: List[Tuple[nn.Module, dict, str, torch.Tensor]] = []
+    stand_ins: set = set()
     try:
         for part in parts:
             for module in part.modules():
@@ -86,14 +87,18 @@ def standing_in(parts: Sequence[nn.Module], device, real_too: bool = False) -> I
                             continue
                         grad = real_too and table is module._parameters and tensor.is_floating_point()
                         zero = torch.zeros((), dtype=tensor.dtype, device=device, requires_grad=grad)
-                        swapped.append((table, key, tensor))
+                        swapped.append((module, table, key, tensor))
                         table[key] = zero.expand(tensor.shape)
-        stand_ins = {id(table[key]) for table, key, _ in swapped}
+                        stand_ins.add(id(table[key]))
         with _ZeroProducts(stand_ins) if stand_ins else contextlib.nullcontext(), _eager_experts(parts):
             yield
     finally:
-        for table, key, tensor in reversed(swapped):
+        for module, table, key, tensor in reversed(swapped):
             table[key] = tensor
+            # a forward that parametrized a stood-in parameter for its call (PEFT's LoRA on the experts' weights)
+            # put it back as a buffer, not being an nn.Parameter: the stand-in goes with the run
+            if table is module._parameters and id(module._buffers.get(key)) in stand_ins:
+                del module._buffers[key]
 
 
 @contextmanager
@@ -219,8 +224,9 @@ def call_forward(module: nn.Module, inputs: Dict[str, torch.Tensor]):
 
 def owns_parameters(module: nn.Module) -> bool:
     """A module the blocks call as one layer: parameters of its own, or parameter containers it reads
-    itself (PEFT's LoRA on an embedding, IA3; privacy.rules.layer_parameters)."""
-    if next(module.parameters(recurse=False), None) is not None:
+    itself (PEFT's LoRA on an embedding, IA3; privacy.rules.layer_parameters), or a layer holding every
+    parameter below it (PEFT's LoRA on an expert bank; privacy.rules.holds_below)."""
+    if next(module.parameters(recurse=False), None) is not None or holds_below(module):
         return True
     return any(isinstance(c, CONTAINERS) and next(c.parameters(), None) is not None for c in module.children())
 
@@ -240,8 +246,14 @@ def read_outside_calls(output, modules: Dict[str, nn.Module], called: set, train
     reaches = reached_from(output)  # the graph walked, not differentiated: no parameter-sized gradient
 
     def reader(path: str, module: nn.Module) -> nn.Module:
-        """A parameter container is read by the module holding it (PEFT's LoRA on an embedding, IA3): that
-        module is the layer whose call is captured (privacy.rules.layer_parameters)."""
+        """The layer whose call is captured (privacy.rules.layer_parameters): a parameter container is read
+        by the module holding it (PEFT's LoRA on an embedding, IA3), and every module below a layer that
+        holds them all is read by that layer (PEFT's LoRA on an expert bank)."""
+        parts = path.split(".") if path else []
+        for k in range(len(parts)):  # the outermost holder first
+            above = modules.get(".".join(parts[:k]))
+            if above is not None and holds_below(above):
+                return above
         if isinstance(module, CONTAINERS):
             return modules.get(path.rpartition(".")[0], module)
         return module

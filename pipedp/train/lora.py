@@ -19,10 +19,26 @@ def with_lora(model: nn.Module, r: int, targets: Sequence[str], seed: int) -> nn
     from peft import LoraConfig, get_peft_model  # (here: PEFT is an optional dependency)
 
     torch.manual_seed(seed)  # (PEFT's own draws, replaced below: the global generator left as it always was)
-    config = LoraConfig(r=r, lora_alpha=2 * r, lora_dropout=0.0, target_modules=list(targets))
+    modules, parameters = _split_targets(model, targets)
+    config = LoraConfig(
+        r=r, lora_alpha=2 * r, lora_dropout=0.0, target_modules=modules, target_parameters=parameters or None
+    )
     model = get_peft_model(model, config)
     _initialise(model, seed)
     return model
+
+
+def _split_targets(model: nn.Module, targets: Sequence[str]):
+    """(module names, parameter names) of ``targets``: a target that names no module but ends the name of a
+    parameter of three dimensions (an expert bank's weight, ``experts.down_proj``) is PEFT's target_parameters."""
+    modules = {n for n, _ in model.named_modules()}
+    banks = {n for n, p in model.named_parameters() if p.dim() == 3}
+
+    def names(target: str, within: set) -> bool:
+        return any(n == target or n.endswith("." + target) for n in within)
+
+    parameters = [t for t in targets if not names(t, modules) and names(t, banks)]
+    return [t for t in targets if t not in parameters], parameters
 
 
 def _initialise(model: nn.Module, seed: int) -> None:
@@ -34,7 +50,8 @@ def _initialise(model: nn.Module, seed: int) -> None:
         adapters = getattr(layer, "lora_A", None)
         if not isinstance(adapters, nn.ModuleDict):
             continue
-        base = getattr(layer.get_base_layer(), "weight", None)
+        # (PEFT's LoRA on a parameter wraps the module holding it: that parameter is the base)
+        base = layer.get_param() if hasattr(layer, "get_param") else getattr(layer.get_base_layer(), "weight", None)
         if base is not None and base.is_meta and stored_of(base) is None:
             continue
         for adapter in adapters:

@@ -5,18 +5,21 @@ catching a routed pair given to the wrong sample; and the couplings refused by n
 
 import copy
 import os
+import re
 from unittest import mock
 
 import pytest
 import torch
+import torch.nn as nn
 
 transformers = pytest.importorskip("transformers")
-from hf_families import CLIP, Family, padded_batch, tiny_config  # noqa: E402
+from hf_families import CLIP, FAMILIES, Family, build, padded_batch, tiny_config  # noqa: E402
 from oracles import loop_clipped_sum, loop_unit_clipped_sum, max_relative_error  # noqa: E402
 from steps import pipedp_clipped_sum  # noqa: E402
 
 from pipedp import PipelineDPTrainer, UnsupportedModelError  # noqa: E402
 from pipedp.models import token_loss  # noqa: E402
+from pipedp.privacy.rules import expert_lora  # noqa: E402
 from pipedp.privacy.rules import experts as expert_rules  # noqa: E402
 
 pytestmark = pytest.mark.filterwarnings("ignore:step\\(\\) got a batch whose sampling is not declared")
@@ -89,13 +92,94 @@ def test_lora_on_the_attention_with_frozen_experts_matches_the_loop():
     assert all(float(v.abs().max()) == 0 for k, v in got.items() if "lora" not in k)
 
 
-def test_lora_on_the_experts_parameters_is_refused_by_name():
+def lora_on_the_experts(model, weights=("gate_up_proj", "down_proj"), attention=("q_proj", "o_proj"), **options):
+    """PEFT's LoRA on the first expert bank's weights (``target_parameters``, which PEFT matches in every layer)
+    and on the attention, both factors random so that every gradient is nonzero; the model under PEFT's wrappers."""
     peft = pytest.importorskip("peft")
-    targets = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
-    config = peft.LoraConfig(r=2, target_modules=["q_proj"], target_parameters=targets)
-    model = peft.get_peft_model(mixtral(), config).base_model.model
-    with pytest.raises(UnsupportedModelError, match=r"model.layers.0.mlp .*target_parameters.*target_modules"):
+    path, bank = next(
+        (n, m) for n, m in model.named_modules() if isinstance(getattr(m, "down_proj", None), nn.Parameter)
+    )
+    inner = re.split(r"\.layers\.\d+\.", path, maxsplit=1)[-1]  # (the first MoE layer may not be layer 0)
+    names = [w if hasattr(bank, w) else "up_proj" for w in weights]
+    settings = dict(r=2, target_modules=list(attention), target_parameters=[f"{inner}.{w}" for w in names])
+    config = peft.LoraConfig(**{**settings, "init_lora_weights": False, **options})
+    return peft.get_peft_model(model, config).base_model.model
+
+
+def test_lora_on_the_experts_weights_matches_the_loop_in_both_grad_modes_and_on_three_stages():
+    for stages, mode, side in ((2, "ghost", "right"), (3, "materialize", "left")):
+        model = lora_on_the_experts(mixtral())
+        inputs, labels = padded_batch(side)
+        want = loop_clipped_sum(copy.deepcopy(model), hf_loss, inputs, labels, CLIP)
+        got = pipedp_clipped_sum(model, token_loss, inputs, labels, CLIP, stages=stages, microbatches=2, grad_mode=mode)
+        assert max_relative_error(got, want) < 1e-12, (stages, mode)
+        trained = [k for k, v in got.items() if float(v.abs().max()) > 0]
+        assert any("experts.lora_A" in k for k in trained) and any("experts.base_layer.lora_B" in k for k in trained)
+        assert all("lora" in k for k in trained)  # (the bank itself is frozen under PEFT)
+
+
+def test_lora_on_one_expert_weight_with_the_bank_trained_too_matches_the_loop():
+    model = lora_on_the_experts(mixtral(num_local_experts=8), weights=("down_proj",))
+    for layer in model.model.layers:
+        layer.mlp.experts.base_layer.gate_up_proj.requires_grad_(True)  # the bank beside its adapter
+    inputs, labels = padded_batch("right")
+    want = loop_clipped_sum(copy.deepcopy(model), hf_loss, inputs, labels, CLIP)
+    got = pipedp_clipped_sum(model, token_loss, inputs, labels, CLIP, stages=2, microbatches=2)
+    assert max_relative_error(got, want) < 1e-12
+    assert float(got["model.layers.0.mlp.experts.base_layer.gate_up_proj"].abs().max()) > 0
+
+
+@pytest.mark.parametrize("family", [f for f in FAMILIES if f.experts and f.exact], ids=lambda f: f.name)
+def test_lora_on_the_experts_and_the_attention_of_every_moe_family_matches_the_loop(family):
+    model = lora_on_the_experts(build(family))
+    inputs, labels = padded_batch("left" if len(family.model_type) % 2 else "right")
+    want = loop_clipped_sum(copy.deepcopy(model), hf_loss, inputs, labels, CLIP)
+    got = pipedp_clipped_sum(model, token_loss, inputs, labels, CLIP, stages=2, microbatches=2)
+    assert max_relative_error(got, want) < family.tolerance
+    assert any(".lora_B." in k and "experts" in k and float(v.abs().max()) > 0 for k, v in got.items())
+
+
+def test_planted_a_factor_pair_given_to_the_wrong_sample_is_caught_by_the_self_check(monkeypatch):
+    real = expert_lora._with_factors
+
+    def misattributed(proj, experts, factors):
+        out = real(proj, experts, factors)
+        for factor in out if len(experts) > 1 else []:  # the first pair of sample 0 counted as sample 1's
+            factor.g[1, 0], factor.g[0, 0] = factor.g[0, 0].clone(), 0
+        return out
+
+    monkeypatch.setattr(expert_lora, "_with_factors", misattributed)
+    model = lora_on_the_experts(mixtral())
+    inputs, labels = padded_batch("right")
+    with pytest.raises(UnsupportedModelError, match=r"norms of .*experts.*lora_[AB].* disagree with their per-sample"):
+        pipedp_clipped_sum(model, token_loss, inputs, labels, CLIP, stages=2, grad_mode="ghost")
+
+
+def test_planted_a_misread_factor_layout_is_refused_at_construction(monkeypatch):
+    def experts_major(self, dtype):  # B read as [E, out, r] rows, not PEFT's interleaved columns (i E + e)
+        return self.b_weight.detach().to(dtype).reshape(self.b_weight.shape[0], self.experts, -1).transpose(0, 1)
+
+    monkeypatch.setattr(expert_lora.Factors, "b", experts_major)
+    with pytest.raises(UnsupportedModelError, match=r"model.layers.0.mlp .*does not compute the bank's weights plus"):
+        PipelineDPTrainer(lora_on_the_experts(mixtral()), token_loss, stages=2, expected_batch_size=4)
+
+
+def test_lora_states_on_the_experts_the_rule_does_not_read_are_refused_by_name():
+    peft = pytest.importorskip("peft")
+    model = lora_on_the_experts(mixtral())
+    model.model.layers[0].mlp.experts.merge()
+    with pytest.raises(UnsupportedModelError, match=r"model.layers.0.mlp .*'down_proj' has adapters .* merged"):
         PipelineDPTrainer(model, token_loss, stages=2, expected_batch_size=4)
+    extra = peft.LoraConfig(r=2, target_parameters=["mlp.experts.down_proj"])
+    wrapped = peft.get_peft_model(mixtral(), extra, adapter_name="a")
+    wrapped.add_adapter("b", extra)
+    wrapped.base_model.set_adapter(["a", "b"])
+    with pytest.raises(UnsupportedModelError, match=r"'down_proj' has adapters \['a', 'b'\] active"):
+        PipelineDPTrainer(wrapped.base_model.model, token_loss, stages=2, expected_batch_size=4)
+    wrapped.base_model.set_adapter("a")
+    wrapped.base_model.model.model.layers[1].mlp.experts.lora_B["b"].weight.requires_grad_(True)  # read by nothing
+    with pytest.raises(UnsupportedModelError, match=r"\['lora_B.b.weight'\] .* not read by the active adapters"):
+        PipelineDPTrainer(wrapped.base_model.model, token_loss, stages=2, expected_batch_size=4)
 
 
 def test_float32_with_the_default_grouped_experts_trains_and_agrees_with_the_loop():

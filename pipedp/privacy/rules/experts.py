@@ -26,7 +26,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from types import SimpleNamespace
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 import torch.nn as nn
@@ -70,24 +70,31 @@ ROUTER = LayerRule(
 # ---- the expert bank ---------------------------------------------------------------------------------
 @dataclass
 class Projection:
-    """One of the bank's two projections over a micro-batch's pairs: [n, P, in] inputs, [n, P, out]
-    output-gradients, and the parameters (weight [E, out, in] or [E, in, out], bias [E, out] or None)."""
+    """One trained tensor's pairs over a micro-batch: [n, P, in] inputs and [n, P, out] output-gradients of
+    each pair's product with its expert's [out, in] matrix; the tensor (``weight``, its ``bias`` or None),
+    and how a gradient per expert [..., E, out, in] is laid out as ``weight`` (``as_weight``)."""
 
     weight: nn.Parameter
     bias: Optional[nn.Parameter]
-    transposed: bool
     a: torch.Tensor
     g: torch.Tensor
+    experts: int
+    as_weight: Callable[[torch.Tensor], torch.Tensor]
 
 
-def _first(bank: nn.Module) -> Tuple[nn.Parameter, Optional[nn.Parameter]]:
+def first_weights(bank: nn.Module) -> Tuple[nn.Parameter, Optional[nn.Parameter]]:
     if bank.has_gate:
         return bank.gate_up_proj, getattr(bank, "gate_up_proj_bias", None) if bank.has_bias else None
     return bank.up_proj, getattr(bank, "up_proj_bias", None) if bank.has_bias else None
 
 
-def _second(bank: nn.Module) -> Tuple[nn.Parameter, Optional[nn.Parameter]]:
+def second_weights(bank: nn.Module) -> Tuple[nn.Parameter, Optional[nn.Parameter]]:
     return bank.down_proj, getattr(bank, "down_proj_bias", None) if bank.has_bias else None
+
+
+def weight_names(bank: nn.Module) -> Tuple[str, str]:
+    """The names of the bank's two weights, first projection first."""
+    return ("gate_up_proj" if bank.has_gate else "up_proj"), "down_proj"
 
 
 def _apply(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], transposed: bool) -> torch.Tensor:
@@ -100,10 +107,18 @@ def _back(g: torch.Tensor, weight: torch.Tensor, transposed: bool) -> torch.Tens
     return g @ weight.t() if transposed else g @ weight
 
 
-def pairs(bank: nn.Module, inputs: Sequence[torch.Tensor], backprops: torch.Tensor) -> Tuple[torch.Tensor, List]:
+def _out_in(transposed: bool) -> Callable[[torch.Tensor], torch.Tensor]:
+    """A bank weight's layout of a gradient per expert [..., E, out, in]: itself, or [..., E, in, out]."""
+    return (lambda t: t.transpose(-1, -2)) if transposed else (lambda t: t)
+
+
+def pairs(
+    bank: nn.Module, inputs: Sequence[torch.Tensor], backprops: torch.Tensor, computed: Optional[Sequence] = None
+) -> Tuple[torch.Tensor, List[Projection]]:
     """(expert ids [n, P], [first projection, second projection]) of the micro-batch's P = T k pairs per
     sample, recomputed from the captured hidden states [n, T, d], routing [n, T, k] and weights [n, T, k]
-    with the bank's own weights and gate (one product per expert the micro-batch reaches)."""
+    with the bank's own weights and gate (one product per expert the micro-batch reaches); ``computed``:
+    the weights the forward computed with instead of the bank's own, as ((w1, b1), (w2, b2))."""
     hidden, index, weights = inputs[0], inputs[1], inputs[2]
     n, t, d = hidden.shape
     k = index.shape[-1]
@@ -111,12 +126,12 @@ def pairs(bank: nn.Module, inputs: Sequence[torch.Tensor], backprops: torch.Tens
     a1 = hidden.to(dtype).unsqueeze(2).expand(n, t, k, d).reshape(n * t * k, d)  # pair (t, j) reads a_t
     g2 = (backprops.unsqueeze(2) * weights.to(dtype).unsqueeze(-1)).reshape(n * t * k, -1)  # w_tj * token's grad
     experts = index.reshape(-1)
-    (w1, b1), (w2, b2) = _first(bank), _second(bank)
+    (w1, b1), (w2, b2) = computed if computed is not None else (first_weights(bank), second_weights(bank))
     transposed = bool(bank.is_transposed)
     width = w1.shape[-1] if transposed else w1.shape[-2]  # the first projection's output, the second's input
     g1 = a1.new_zeros(n * t * k, width)
     a2 = a1.new_zeros(n * t * k, w2.shape[-2] if transposed else w2.shape[-1])
-    for e, rows in _rows_by_expert(experts, w1.shape[0]):
+    for e, rows in rows_by_expert(experts, w1.shape[0]):
         with torch.enable_grad():
             z = _apply(a1[rows], w1[e].to(dtype), b1[e].to(dtype) if b1 is not None else None, transposed)
             z = z.detach().requires_grad_(True)
@@ -125,12 +140,14 @@ def pairs(bank: nn.Module, inputs: Sequence[torch.Tensor], backprops: torch.Tens
             (g1[rows],) = torch.autograd.grad(h, z, gh)
         a2[rows] = h.detach()
     experts = experts.reshape(n, t * k)
-    first = Projection(w1, b1, transposed, a1.reshape(n, t * k, -1), g1.reshape(n, t * k, -1))
-    second = Projection(w2, b2, transposed, a2.reshape(n, t * k, -1), g2.reshape(n, t * k, -1))
+    count, layout = w1.shape[0], _out_in(transposed)
+    (p1, q1), (p2, q2) = first_weights(bank), second_weights(bank)
+    first = Projection(p1, q1, a1.reshape(n, t * k, -1), g1.reshape(n, t * k, -1), count, layout)
+    second = Projection(p2, q2, a2.reshape(n, t * k, -1), g2.reshape(n, t * k, -1), count, layout)
     return experts, [first, second]
 
 
-def _rows_by_expert(experts: torch.Tensor, count: int):
+def rows_by_expert(experts: torch.Tensor, count: int):
     """(expert, the indices of the pairs routed to it) for each expert some pair reaches (an id outside
     [0, count), an expert-parallel sentinel refused at construction, is passed over)."""
     for e in torch.unique(experts).tolist():
@@ -138,10 +155,12 @@ def _rows_by_expert(experts: torch.Tensor, count: int):
             yield e, (experts == e).nonzero().squeeze(1)
 
 
-def recomputed_output(bank: nn.Module, hidden: torch.Tensor, index: torch.Tensor, weights: torch.Tensor):
+def recomputed_output(
+    bank: nn.Module, hidden: torch.Tensor, index: torch.Tensor, weights: torch.Tensor, computed=None
+) -> torch.Tensor:
     """The bank's output for tokens [N, d] as this rule reads its layout (checked against the bank's own
-    forward at construction: split/hf_experts.py)."""
-    (w1, b1), (w2, b2) = _first(bank), _second(bank)
+    forward at construction: split/hf_experts.py); ``computed``: other weights, as ``pairs`` takes them."""
+    (w1, b1), (w2, b2) = computed if computed is not None else (first_weights(bank), second_weights(bank))
     transposed = bool(bank.is_transposed)
     out = torch.zeros_like(hidden)
     for t in range(hidden.shape[0]):
@@ -161,13 +180,17 @@ def _same_expert(experts: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 def _grams_outweigh(bank: nn.Module, backprops: torch.Tensor, k: int) -> bool:
     """The [n, P, P] pair Gram matrices would outweigh the per-sample [n, E, out, in] gradients."""
     positions = backprops.reshape(backprops.shape[0], -1, backprops.shape[-1]).shape[1]
-    return (positions * k) ** 2 > min(_first(bank)[0].numel(), _second(bank)[0].numel())
+    return (positions * k) ** 2 > min(first_weights(bank)[0].numel(), second_weights(bank)[0].numel())
 
 
 def _bank_norms(bank, inputs, backprops, grams=None) -> Optional[Grads]:
     if _grams_outweigh(bank, backprops, inputs[1].shape[-1]):
         return None
-    experts, projections = pairs(bank, inputs, backprops)
+    return norms_of(*pairs(bank, inputs, backprops))
+
+
+def norms_of(experts: torch.Tensor, projections: Sequence[Projection]) -> Grads:
+    """{param: [n]} per-sample squared norms from the pairs: Gram products masked to pairs of one expert."""
     out: Grads = {}
     for proj in projections:
         kg = gram(proj.g)
@@ -180,52 +203,59 @@ def _bank_norms(bank, inputs, backprops, grams=None) -> Optional[Grads]:
 
 
 def _bank_grads(bank, inputs, backprops) -> Grads:
-    """{param: [n, E, ...]} per-sample gradients, each sample's pairs summed per expert."""
-    experts, projections = pairs(bank, inputs, backprops)
-    count = projections[0].weight.shape[0]
-    onehot = torch.nn.functional.one_hot(experts, count).to(backprops.dtype)  # [n, P, E]
+    return grads_of(*pairs(bank, inputs, backprops))
+
+
+def grads_of(experts: torch.Tensor, projections: Sequence[Projection]) -> Grads:
+    """{param: [n, ...]} per-sample gradients, each sample's pairs summed per expert."""
     n, p = experts.shape
     out: Grads = {}
     for proj in projections:
+        onehot = torch.nn.functional.one_hot(experts, proj.experts).to(proj.g.dtype)  # [n, P, E]
         if proj.weight.requires_grad:
             spread = (onehot.unsqueeze(-1) * proj.g.unsqueeze(2)).reshape(n, p, -1)  # [n, P, E out]
-            grads = torch.bmm(spread.transpose(1, 2), proj.a).reshape(n, count, -1, proj.a.shape[-1])
-            out[proj.weight] = grads.transpose(2, 3) if proj.transposed else grads
+            grads = torch.bmm(spread.transpose(1, 2), proj.a).reshape(n, proj.experts, -1, proj.a.shape[-1])
+            out[proj.weight] = proj.as_weight(grads)
         if proj.bias is not None and proj.bias.requires_grad:
             out[proj.bias] = torch.bmm(onehot.transpose(1, 2), proj.g)
     return out
 
 
 def _bank_weight(bank, inputs, scaled) -> Grads:
+    return weight_of(*pairs(bank, inputs, scaled))
+
+
+def weight_of(experts: torch.Tensor, projections: Sequence[Projection]) -> Grads:
     """sum_i c_i grad_i from the pairs of the clip-scaled output-gradients (linear in them): per expert, the
     product of its pairs' gradients and inputs. The same pairs as the norms, so in low precision too each
     sample's share of the sum has exactly the norm its clip factor was computed from."""
-    experts, projections = pairs(bank, inputs, scaled)
     flat = experts.reshape(-1)
-    wide = torch.promote_types(scaled.dtype, torch.float32)
     out: Grads = {}
     for proj in projections:
         a, g = proj.a.reshape(flat.shape[0], -1), proj.g.reshape(flat.shape[0], -1)
-        if proj.weight.requires_grad:
-            out[proj.weight] = torch.zeros_like(proj.weight, dtype=wide)
-        if proj.bias is not None and proj.bias.requires_grad:
-            out[proj.bias] = torch.zeros_like(proj.bias, dtype=wide)
-        for e, rows in _rows_by_expert(flat, proj.weight.shape[0]):
-            if proj.weight in out:
-                out[proj.weight][e] = a[rows].t() @ g[rows] if proj.transposed else g[rows].t() @ a[rows]
-            if proj.bias in out:
-                out[proj.bias][e] = g[rows].sum(0)
+        wide = torch.promote_types(g.dtype, torch.float32)
+        full = g.new_zeros(proj.experts, g.shape[-1], a.shape[-1], dtype=wide) if proj.weight.requires_grad else None
+        bias = g.new_zeros(proj.experts, g.shape[-1], dtype=wide) if proj.bias is not None else None
+        for e, rows in rows_by_expert(flat, proj.experts):
+            if full is not None:
+                full[e] = g[rows].t() @ a[rows]
+            if bias is not None:
+                bias[e] = g[rows].sum(0)
+        if full is not None:
+            out[proj.weight] = proj.as_weight(full)
+        if bias is not None and proj.bias is not None and proj.bias.requires_grad:
+            out[proj.bias] = bias
     return out
 
 
-def _bank_costs(bank, inputs, backprops) -> Dict[str, float]:
+def bank_costs(bank, inputs, backprops) -> Dict[str, float]:
     """Multiply-adds (and memory traffic, MACS_PER_BYTE a byte) of the ways, for n samples of P pairs:
     ghost: n P^2 (in + out) per projection's Gram matrices; materialize: n P E in out per projection (the
     one-hot spread) and 4 n E in out bytes written and read for the norm."""
     n = backprops.shape[0]
     p = backprops.reshape(n, -1, backprops.shape[-1]).shape[1] * inputs[1].shape[-1]
-    sizes = [sum(s) for s in ((w.shape[-1], w.shape[-2]) for w in (_first(bank)[0], _second(bank)[0]))]
-    numels = [_first(bank)[0].numel(), _second(bank)[0].numel()]
+    sizes = [sum(s) for s in ((w.shape[-1], w.shape[-2]) for w in (first_weights(bank)[0], second_weights(bank)[0]))]
+    numels = [first_weights(bank)[0].numel(), second_weights(bank)[0].numel()]
     table = {"materialize": sum(n * p * m + MACS_PER_BYTE * 4 * n * m for m in numels)}
     if not _grams_outweigh(bank, backprops, inputs[1].shape[-1]):
         table["ghost"] = sum(n * p * p * s for s in sizes)
@@ -238,6 +268,6 @@ EXPERTS = LayerRule(
     _bank_weight,
     _bank_norms,
     pools_positions=True,
-    costs=_bank_costs,
+    costs=bank_costs,
     flat_tokens=True,
 )

@@ -39,6 +39,10 @@ class LayerRule:
     flat_tokens: bool = False
     # the layer returns a tuple: this element carries every gradient its parameters get (a router's logits)
     output_part: Optional[int] = None
+    # the rule computes with every trainable parameter below the module, which is one layer whose children are
+    # never called on their own (PEFT's LoRA on an expert bank's parameters folds its factors into the bank's
+    # weights): capture hooks the module, not its children
+    holds_below: bool = False
 
 
 RULES: Dict[type, LayerRule] = {}
@@ -51,6 +55,20 @@ def register(layer: "type | Callable[[nn.Module], bool]", rule: LayerRule) -> No
         RULES[layer] = rule
     else:
         PREDICATES.append((layer, rule))
+
+
+def typed_rule(module: nn.Module) -> Optional[LayerRule]:
+    """The rule registered for the module's exact type, else the first registered predicate's that accepts it."""
+    rule = RULES.get(type(module))
+    if rule is not None:
+        return rule
+    return next((rule for accepts, rule in PREDICATES if accepts(module)), None)
+
+
+def holds_below(module: nn.Module) -> bool:
+    """The module is one layer with every trainable parameter below it (LayerRule.holds_below)."""
+    rule = typed_rule(module)
+    return rule is not None and rule.holds_below
 
 
 def per_row(factors: torch.Tensor, dim: int) -> torch.Tensor:
@@ -70,9 +88,12 @@ def layer_parameters(module: nn.Module) -> List[Tuple[str, nn.Parameter]]:
     """The trainable parameters a module computes with as one *layer*, by name relative to it: its own
     (not those it only re-registers from a child that computes with them, as Opacus's DPLSTM does for
     nn.LSTM's state-dict names), and those of the parameter containers (ParameterDict / ParameterList)
-    directly under it, which it reads itself (PEFT's LoRA on an embedding, IA3)."""
+    directly under it, which it reads itself (PEFT's LoRA on an embedding, IA3); all those below it for a
+    module whose rule holds them (LayerRule.holds_below)."""
     if isinstance(module, CONTAINERS):
         return []
+    if holds_below(module):
+        return [(n, p) for n, p in module.named_parameters() if p.requires_grad]
     below = {id(p) for c in module.children() if not isinstance(c, CONTAINERS) for p in c.parameters()}
     own = [(n, p) for n, p in module.named_parameters(recurse=False) if p.requires_grad and id(p) not in below]
     for name, child in module.named_children():

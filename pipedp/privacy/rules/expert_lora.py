@@ -1,0 +1,205 @@
+"""PEFT's LoRA on an expert bank's own parameters (``LoraConfig(target_parameters=...)``): one layer.
+
+PEFT wraps the bank in a ``ParamWrapper`` per targeted weight (nested when both are), and each wrapper's
+forward folds its factors into the bank's weight for the call (a parametrization): expert e's matrix is
+W_e + s B_e A_e, with A = lora_A.weight [E r, in] read as [E, r, in] and B = lora_B.weight [out, r E] read
+as [E, out, r] (PEFT's ``get_delta_factors``). The factors' own Linear modules are never called, so the
+outermost wrapper is the layer: its capture has the bank's inputs, and its rule holds every trainable
+parameter below it (``holds_below``).
+
+Per pair p of expert e (rules/experts.py), with input a_p and output-gradient g_p of W_e's product, the
+factors' per-sample gradients are sums over the sample's pairs, as for the bank:
+    A_e: sum_p (s B_e^T g_p) a_p^T        B_e: sum_p g_p (s A_e a_p)^T
+so each factor is one more projection over the same pairs (inputs a_p and output-gradients s B_e^T g_p
+for A; inputs s A_e a_p and output-gradients g_p for B), and the bank rule's Gram norms, per-sample
+gradients and clipped sums apply to it unchanged. The pairs themselves are recomputed with the weights
+the forward used, W + s B A. split/hf_experts.py checks PEFT's forward against this reading with random
+factors at construction.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Dict, List, Optional, Sequence, Tuple
+
+import torch
+import torch.nn as nn
+
+from .experts import (
+    EXPERTS,
+    Projection,
+    bank_costs,
+    first_weights,
+    grads_of,
+    norms_of,
+    pairs,
+    rows_by_expert,
+    second_weights,
+    weight_names,
+    weight_of,
+)
+from .registry import RULES, Grads, LayerRule, register
+
+
+def is_lora_wrapper(module: nn.Module) -> bool:
+    """PEFT's LoRA wrapper of one parameter (``peft.tuners.lora.layer.ParamWrapper``), told by name: peft is
+    optional."""
+    return type(module).__name__ == "ParamWrapper" and type(module).__module__.startswith("peft.tuners.lora")
+
+
+def wrapped_bank(module: nn.Module) -> nn.Module:
+    """The module below a chain of PEFT wrappers."""
+    while is_lora_wrapper(module):
+        module = module.base_layer
+    return module
+
+
+def wrappers(module: nn.Module) -> List[nn.Module]:
+    """The chain of PEFT wrappers from ``module`` down to the bank."""
+    chain = []
+    while is_lora_wrapper(module):
+        chain.append(module)
+        module = module.base_layer
+    return chain
+
+
+def parametrized_per_call(module: nn.Module) -> List[torch.Tensor]:
+    """The parameters PEFT's wrappers below ``module`` parametrize for each call (registering a
+    parametrization sets the tensor to itself: its version counter moves, its values do not)."""
+    return [w.get_param() for w in module.modules() if is_lora_wrapper(w)]
+
+
+@dataclass
+class Factors:
+    """One wrapper's adapter on one of the bank's weights: A [E, r, in], B [E, out, r], delta_e = s B_e A_e."""
+
+    a_weight: nn.Parameter  # lora_A.<adapter>.weight [E r, in]
+    b_weight: nn.Parameter  # lora_B.<adapter>.weight [out, r E]
+    scaling: float
+    experts: int
+
+    def a(self, dtype: torch.dtype) -> torch.Tensor:
+        return self.a_weight.detach().to(dtype).reshape(self.experts, -1, self.a_weight.shape[-1])
+
+    def b(self, dtype: torch.dtype) -> torch.Tensor:
+        out = self.b_weight.shape[0]
+        return self.b_weight.detach().to(dtype).reshape(out, -1, self.experts).permute(2, 0, 1)
+
+    def delta(self, dtype: torch.dtype) -> torch.Tensor:
+        """s B_e A_e for every expert, [E, out, in]."""
+        return self.scaling * torch.bmm(self.b(dtype), self.a(dtype))
+
+
+def factors(wrapper: nn.Module) -> Factors:
+    """The one active adapter of a wrapper (split/hf_experts.py refuses any other state at construction)."""
+    (name,) = wrapper.active_adapters
+    a, b = wrapper.lora_A[name].weight, wrapper.lora_B[name].weight
+    return Factors(a, b, float(wrapper.scaling[name]), int(wrapper.num_experts))
+
+
+def adapted(outer: nn.Module) -> Dict[str, Factors]:
+    """{bank weight name: its adapter's factors} for the chain of wrappers from ``outer``."""
+    return {w.parameter_name: factors(w) for w in wrappers(outer)}
+
+
+def computed_weights(bank: nn.Module, adapters: Dict[str, Factors], dtype: torch.dtype) -> Tuple:
+    """((w1, b1), (w2, b2)) as the forward computes with them: each adapted weight plus its delta."""
+    out = []
+    for name, (weight, bias) in zip(weight_names(bank), (first_weights(bank), second_weights(bank))):
+        w = weight.detach().to(dtype)
+        if name in adapters:
+            delta = adapters[name].delta(dtype)
+            w = w + (delta.transpose(-1, -2) if bank.is_transposed else delta)
+        out.append((w, bias.detach().to(dtype) if bias is not None else None))
+    return tuple(out)
+
+
+def _with_factors(proj: Projection, experts: torch.Tensor, f: Factors) -> List[Projection]:
+    """The adapter's two factors as projections over ``proj``'s pairs (the module docstring's sums)."""
+    a, g = proj.a.reshape(-1, proj.a.shape[-1]), proj.g.reshape(-1, proj.g.shape[-1])
+    fa, fb = f.a(g.dtype), f.b(g.dtype)
+    rank = fa.shape[1]
+    u, v = g.new_zeros(g.shape[0], rank), a.new_zeros(a.shape[0], rank)
+    for e, rows in rows_by_expert(experts.reshape(-1), f.experts):
+        u[rows] = f.scaling * (g[rows] @ fb[e])  # s B_e^T g_p
+        v[rows] = f.scaling * (a[rows] @ fa[e].t())  # s A_e a_p
+    n, p = experts.shape
+    count, width = f.experts, fa.shape[-1]
+
+    def as_a(t: torch.Tensor) -> torch.Tensor:  # [..., E, r, in] -> [..., E r, in]
+        return t.reshape(*t.shape[:-3], count * rank, width)
+
+    def as_b(t: torch.Tensor) -> torch.Tensor:  # [..., E, out, r] -> [..., out, r E] (column i E + e)
+        return t.movedim(-3, -1).reshape(*t.shape[:-3], t.shape[-2], rank * count)
+
+    return [
+        Projection(f.a_weight, None, proj.a, u.reshape(n, p, rank), count, as_a),
+        Projection(f.b_weight, None, v.reshape(n, p, rank), proj.g, count, as_b),
+    ]
+
+
+def _projections(outer: nn.Module, inputs: Sequence[torch.Tensor], backprops: torch.Tensor):
+    bank = wrapped_bank(outer)
+    adapters = adapted(outer)
+    experts, projections = pairs(bank, inputs, backprops, computed_weights(bank, adapters, backprops.dtype))
+    out = []
+    for name, proj in zip(weight_names(bank), projections):
+        out.append(proj)
+        if name in adapters:
+            out += _with_factors(proj, experts, adapters[name])
+    return experts, out
+
+
+def _trained(outer: nn.Module) -> List[int]:
+    return [p.numel() for p in outer.parameters() if p.requires_grad]
+
+
+def _norms(outer, inputs, backprops, grams=None) -> Optional[Grads]:
+    if not _grams_fit(outer, inputs, backprops):
+        return None
+    return norms_of(*_projections(outer, inputs, backprops))
+
+
+def _grads(outer, inputs, backprops) -> Grads:
+    return grads_of(*_projections(outer, inputs, backprops))
+
+
+def _weight(outer, inputs, scaled) -> Grads:
+    return weight_of(*_projections(outer, inputs, scaled))
+
+
+def _costs(outer, inputs, backprops) -> Dict[str, float]:
+    """The bank's table (its two projections' pairs are recomputed either way; the factors' are r wide)."""
+    table = bank_costs(wrapped_bank(outer), inputs, backprops)
+    if not _grams_fit(outer, inputs, backprops):
+        table.pop("ghost", None)
+    return table
+
+
+def _grams_fit(outer, inputs, backprops) -> bool:
+    """The [n, P, P] pair Gram matrices weigh no more than the smallest trained tensor's per-sample gradients."""
+    positions = backprops.reshape(backprops.shape[0], -1, backprops.shape[-1]).shape[1]
+    return (positions * inputs[1].shape[-1]) ** 2 <= min(_trained(outer))
+
+
+ADAPTED_EXPERTS = LayerRule(
+    "experts+lora",
+    _grads,
+    _weight,
+    _norms,
+    pools_positions=True,
+    costs=_costs,
+    flat_tokens=True,
+    holds_below=True,
+)
+
+
+def adapted_bank(module: nn.Module) -> bool:
+    """PEFT's LoRA wrapper of a checked expert bank's weights.
+
+    The outermost of a chain (the inner ones are part of it), over a bank whose class split/hf_experts.py
+    checked and registered the bank rule for."""
+    return is_lora_wrapper(module) and RULES.get(type(wrapped_bank(module))) is EXPERTS
+
+
+register(adapted_bank, ADAPTED_EXPERTS)

@@ -1,0 +1,46 @@
+"""PEFT's LoRA on an expert bank's weights (privacy/rules/expert_lora.py) against per-sample autograd
+through PEFT's own wrapped bank, one sample's tokens at a time, as the bank's rule is tested."""
+
+import pytest
+import torch
+from test_experts import block, check, routed
+
+from pipedp.privacy.rules import rule_for
+from pipedp.privacy.rules.expert_lora import is_lora_wrapper, wrapped_bank
+
+peft = pytest.importorskip("peft")
+
+
+def adapted(family: str, weights=("gate_up_proj", "down_proj"), **config):
+    """The family's first bank under PEFT's LoRA wrappers (random factors, rank 2), and its router."""
+    router, bank = block(family, **config)
+    holder = torch.nn.Module()
+    holder.experts = bank
+    names = [w if hasattr(bank, w) else "up_proj" for w in weights]
+    lora = peft.LoraConfig(r=2, target_parameters=[f"experts.{w}" for w in names], init_lora_weights=False)
+    return router, peft.get_peft_model(holder, lora).base_model.model.experts
+
+
+@pytest.mark.parametrize(
+    "family, weights",
+    [
+        ("mixtral", ("gate_up_proj", "down_proj")),  # [E, out, in], two nested wrappers
+        ("mixtral", ("down_proj",)),
+        ("aria_text", ("gate_up_proj", "down_proj")),  # transposed [E, in, out]
+    ],
+)
+def test_the_factors_match_per_sample_autograd_through_peft(family, weights):
+    router, outer = adapted(family, weights)
+    assert is_lora_wrapper(outer) and not is_lora_wrapper(wrapped_bank(outer))
+    assert rule_for(outer).name == "experts+lora" and rule_for(outer).holds_below
+    hidden, index, route = routed(router)
+    with torch.no_grad():
+        out = outer(hidden.reshape(-1, hidden.shape[-1]), index.reshape(-1, index.shape[-1]), route.reshape(-1, 2))
+    check(outer, (hidden, index, route), torch.randn_like(out).reshape(hidden.shape))
+
+
+def test_the_bank_beside_its_factors_matches_too():
+    router, outer = adapted("mixtral", ("down_proj",))
+    wrapped_bank(outer).gate_up_proj.requires_grad_(True)
+    hidden, index, route = routed(router)
+    check(outer, (hidden, index, route), torch.randn_like(hidden))
