@@ -25,6 +25,7 @@ import torch.nn as nn
 from ..errors import UnsupportedModelError
 from ..shards import Shard, TensorParallelPart
 from ..split.blocks import Block
+from ..split.hf_structure import is_transformers_model
 from . import rules  # noqa: F401  (registers the parallel layers' rules)
 from .layers import ColumnParallelLinear, GatheredColumnLinear, Group, RowParallelLinear, VocabParallelEmbedding
 from .traced_plan import WAY_OUT, dropout_modules, refuse_dropout, traced_plan
@@ -75,7 +76,7 @@ def _from_transformers(model: nn.Module) -> bool:
     """A transformers model (a subclass of one too), or one that PEFT wraps: split by transformers' plan."""
     if type(model).__module__.startswith("peft."):
         model = getattr(getattr(model, "base_model", None), "model", model)
-    return any(cls.__module__.startswith("transformers.") for cls in type(model).__mro__)
+    return is_transformers_model(model)
 
 
 def _patterns(model: nn.Module, size: int) -> Dict[str, str]:
@@ -124,7 +125,11 @@ def _lora_plan(name: str, layer: nn.Module, style: str, size: int) -> Dict[str, 
     base's) and the other factor held whole, its gradient then the whole one on every rank."""
     variants = sorted(getattr(layer, "lora_variant", None) or {})
     if style not in (COLUMN, ROW) or variants or getattr(layer, "lora_embedding_A", None):
-        what = f"a LoRA variant ({variants[0]!r} adapter)" if variants else "a LoRA on a head or an embedding"
+        what = (
+            f"a LoRA variant ({variants[0]!r} adapter)"
+            if variants
+            else f"a LoRA on {'a parameter (an expert bank)' if hasattr(layer, 'parameter_name') else 'a head or an embedding'}"
+        )
         raise UnsupportedModelError(
             f"tensor_parallel={size}: layer {name!r} carries {what}, which pipedp does not split across ranks (it "
             f"splits plain LoRA on the attention and MLP projections); leave this layer out of the LoRA targets, "

@@ -36,7 +36,7 @@ from ..privacy.per_sample import (
     squared_norms,
 )
 from ..privacy.rules import layer_parameters
-from ..privacy.rules.expert_lora import parametrized_per_call
+from ..privacy.rules.expert_lora import folds, parametrized_per_call
 from ..privacy.units import Units
 from ..shards import Shard, TensorParallelPart
 from ..split.blocks import Block
@@ -165,7 +165,7 @@ class Stage:
                 "its gradient alone; use clipping='flat' or 'per_stage'"
             )
         self._owner = {p: name for name, m in self.layers.items() for _, p in layer_parameters(m)}
-        self._set_each_call = {id(t) for b in self.blocks for t in parametrized_per_call(b.module)}
+        self._self_sets = state_watch.SelfSets([p for b in self.blocks for p in parametrized_per_call(b.module)], folds)
         self._side_blocks = {
             id(b) for b in self.blocks if "side_inputs" in inspect.signature(b.module.forward).parameters
         }
@@ -252,7 +252,7 @@ class Stage:
         if not self.is_first:
             state.inputs = tuple(t for t in tensors_of(x) if t.is_floating_point())
             state.tuple_input = isinstance(x, tuple)
-        before = state_watch.versions(self._named_state(), self._set_each_call) if check_state else None
+        before = state_watch.versions(self._named_state(), self._self_sets.counts) if check_state else None
         with self.capture.recording(mb, size), self._compute_precision(first.device):
             out = x
             for b in self.blocks:
@@ -266,7 +266,7 @@ class Stage:
             state_watch.refuse_changes(
                 self.index,
                 before,
-                state_watch.versions(self._named_state(), self._set_each_call),
+                state_watch.versions(self._named_state(), self._self_sets.counts),
                 "the training forward",
             )
         state.output = self._checked_losses(losses, size) if self.is_last else self._checked_output(out)
@@ -314,7 +314,7 @@ class Stage:
         """The versions of every parameter and buffer, and the digests of every buffer and (``parameters``)
         every parameter (state_watch.py), for ``refuse_changed_values`` after a pass."""
         named = list(self._named_state())
-        versions = state_watch.versions(named, self._set_each_call)
+        versions = state_watch.versions(named, self._self_sets.counts)
         views: Dict[str, tuple] = {name + state_watch.VERSION: v for name, v in versions.items()}
         views.update(state_watch.digests([t for t in named if parameters or not t[1]]))
         return views

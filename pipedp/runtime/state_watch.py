@@ -4,8 +4,8 @@ of the private batch, un-noised, that state_dict(), checkpoints and exports woul
 Two views of a tensor, compared before and after:
 - ``versions``: its identity, storage and version counter, free to read, taken around every micro-batch's
   forward. Blind to writes through ``.data`` (``buf.data.mul_(...)``: the alias has its own counter). A
-  weight PEFT's LoRA parametrizes for each call is set to itself then (its counter moves, its values do
-  not): its version is left out, so only its identity, its storage and its digests watch it.
+  weight PEFT's LoRA parametrizes for each call is set to itself then (its counter moves by one, its
+  values do not): those sets are counted (SelfSets) and taken off its version, so any other write shows.
 - ``digests``: three integer sums of its bytes (plain, and weighted by the position modulo 2**16 and modulo
   the prime 65521: no two positions under 2**32 apart share both weights), which see any change of its
   values however it was made. They read every byte once: the buffers' are taken around every pass, the
@@ -15,9 +15,10 @@ Versions are also compared around the whole pass (a write in a backward hook).
 
 from __future__ import annotations
 
-from typing import AbstractSet, Dict, Iterable, List, Tuple
+from typing import Callable, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple
 
 import torch
+import torch.nn as nn
 
 from ..errors import UnsupportedModelError
 
@@ -31,14 +32,33 @@ def is_fake(t: torch.Tensor) -> bool:
     return t.is_meta or type(t).__name__ == "FakeTensor"
 
 
-def versions(named: Named, unversioned: AbstractSet[int] = frozenset()) -> Dict[str, Tuple[bool, int, int, int]]:
-    """{name: (is a parameter, id, storage address, version)}; the version left out (0) for the tensors whose id
-    is in ``unversioned``, which a library sets to themselves at every call (PEFT's LoRA on a parameter:
-    torch's parametrization does ``original.set_(original)``), so that only their digests see their values."""
+def versions(named: Named, self_sets: Optional[Mapping[int, int]] = None) -> Dict[str, Tuple[bool, int, int, int]]:
+    """{name: (is a parameter, id, storage address, version)}, less, for a tensor whose id ``self_sets``
+    holds, the times a library set it to itself (PEFT's LoRA on a parameter, counted by SelfSets): any other
+    write still moves what is compared."""
+    sets = self_sets or {}
     return {
-        name: (is_parameter, id(t), 0 if is_fake(t) else t.data_ptr(), 0 if id(t) in unversioned else t._version)
+        name: (is_parameter, id(t), 0 if is_fake(t) else t.data_ptr(), t._version - sets.get(id(t), 0))
         for name, is_parameter, t in named
     }
+
+
+class SelfSets:
+    """How many times each watched tensor was set to itself, counted by a forward pre-hook on the module
+    that does it: ``pairs`` of (module, tensor), and ``sets(module)``, whether this call of it will."""
+
+    def __init__(self, pairs: Sequence[Tuple[nn.Module, torch.Tensor]], sets: Callable[[nn.Module], bool]):
+        self.counts: Dict[int, int] = {}
+        self._handles = [module.register_forward_pre_hook(self._hook(t, sets)) for module, t in pairs]
+
+    def _hook(self, tensor: torch.Tensor, sets: Callable[[nn.Module], bool]):
+        key = id(tensor)
+
+        def hook(module: nn.Module, args) -> None:
+            if sets(module):
+                self.counts[key] = self.counts.get(key, 0) + 1
+
+        return hook
 
 
 def digests(named: Named) -> Dict[str, Tuple[bool, int, int, int, int]]:

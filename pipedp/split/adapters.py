@@ -19,6 +19,7 @@ from .blocks import Block
 from .graph import captured_blocks
 from .hf import hf_blocks
 from .hf_experts import refuse_experts
+from .hf_structure import is_transformers_model
 from .traced import traced_blocks
 
 
@@ -82,7 +83,7 @@ def _refuse_peft_methods(model: nn.Module) -> None:
 
 
 def _adapted(model: nn.Module, untie_weights: bool) -> List[Block]:
-    hugging_face = type(model).__module__.startswith("transformers.")
+    hugging_face = is_transformers_model(model)
     blocks = hf_blocks(model, untie_weights) if hugging_face else None
     if blocks is None and hugging_face:  # a base model without a head (e.g. Llama4TextModel): before tracing it
         refuse_experts(model, "a *ForCausalLM or *ForSequenceClassification")

@@ -24,7 +24,7 @@ import torch.nn.functional as F
 
 from ..errors import UnsupportedModelError
 from ..privacy.rules import EXPERTS, ROUTER, register
-from ..privacy.rules.expert_lora import adapted, computed_weights, factors, wrapped_bank, wrappers
+from ..privacy.rules.expert_lora import ADAPTED_EXPERTS, adapted, computed_weights, factors, wrapped_bank, wrappers
 from ..privacy.rules.experts import first_weights, recomputed_output, second_weights, weight_names
 
 # a mixture-of-experts block's class (Mixtral's SparseMoeBlock, JetMoe's MoE, a Router), not e.g. Qwen2MoeAttention
@@ -151,6 +151,12 @@ def _refuse_adapter_states(where: str, outer: nn.Module, bank: nn.Module) -> Non
                 f"{where}: LoRA on the experts' {name!r}: pipedp's rule reads adapters on the bank's weights "
                 f"{list(names)} ([experts, out, in]) only: target those, or the attention and other Linear layers"
             )
+        if wrapper.get_param().requires_grad:
+            raise UnsupportedModelError(
+                f"{where}: the experts' {name!r} is trained beside its own LoRA adapter, which folds into it for each "
+                "call (a gradient autograd cannot give per sample once a later call has folded it again): freeze it "
+                f"(requires_grad_(False)), or drop its adapter and train it alone"
+            )
         active = list(wrapper.active_adapters)
         if len(active) != 1 or active[0] not in wrapper.lora_A or wrapper.merged or wrapper.disable_adapters:
             raise UnsupportedModelError(
@@ -243,17 +249,60 @@ def _check(where: str, router: nn.Module, bank: nn.Module, outer: nn.Module) -> 
 
 
 def _check_adapters(where: str, outer: nn.Module, bank: nn.Module, call: tuple) -> None:
+    """With random factors: PEFT's forward computes what the rule reads (each weight plus s B_e A_e), and the
+    rule's per-sample gradients and norms of every tensor below the wrappers are autograd's, sample by sample
+    (PEFT starts B at zero, where A's gradient is zero and the self-check could not tell a wrong one)."""
     x, index, weights = call
+    named = f"PEFT's LoRA on its experts ({', '.join(w.parameter_name for w in wrappers(outer))})"
     with _random_factors(outer):
         own = outer(x, index, weights)
         computed = computed_weights(bank, adapted(outer), x.dtype)
         recomputed = recomputed_output(bank, x, index, weights, computed)
-    if not torch.allclose(recomputed.to(own.dtype), own, rtol=1e-3, atol=1e-5):
+        if not torch.allclose(recomputed.to(own.dtype), own, rtol=1e-3, atol=1e-5):
+            raise UnsupportedModelError(
+                f"{where}: {named} does not compute the bank's weights plus s B_e A_e per expert, as pipedp's "
+                "per-sample rule reads its factors: put the adapters on the attention and other Linear layers "
+                "(target_modules)"
+            )
+        wrong = _wrong_per_sample(outer, x, index, weights)
+    if wrong:
         raise UnsupportedModelError(
-            f"{where}: PEFT's LoRA on its experts ({', '.join(w.parameter_name for w in wrappers(outer))}) does not "
-            "compute the bank's weights plus s B_e A_e per expert, as pipedp's per-sample rule reads its factors: "
+            f"{where}: {named}: pipedp's per-sample gradients of {wrong} differ from autograd's on random tokens: "
             "put the adapters on the attention and other Linear layers (target_modules)"
         )
+
+
+def _wrong_per_sample(outer: nn.Module, x: torch.Tensor, index: torch.Tensor, weights: torch.Tensor) -> List[str]:
+    """The tensors whose per-sample gradients or squared norms from the rule differ from autograd's through
+    ``outer``'s own forward, the tokens taken as samples of 2 (or 1) tokens."""
+    n = x.shape[0] // 2 if x.shape[0] >= 2 else 1
+    inputs = tuple(
+        t[: 2 * n].reshape(n, -1, *t.shape[1:]) if x.shape[0] >= 2 else t.unsqueeze(0) for t in (x, index, weights)
+    )
+    g = torch.Generator(device="cpu").manual_seed(2)
+    backprops = torch.randn(inputs[0].shape, generator=g, dtype=torch.float64).to(x.device, x.dtype)
+    named = [(name, p) for name, p in outer.named_parameters() if p.requires_grad]
+    rule = ADAPTED_EXPERTS
+    with torch.no_grad():
+        grads = rule.grads(outer, inputs, backprops)
+        norms = rule.norms(outer, inputs, backprops) if rule.norms is not None else None
+    wrong = []
+    for name, p in named:
+        want = []
+        for i in range(n):
+            with torch.enable_grad():
+                out = outer(*(t[i] for t in inputs))
+                (grad,) = torch.autograd.grad((out * backprops[i]).sum(), [p], allow_unused=True)
+            want.append(torch.zeros_like(p) if grad is None else grad)
+        expected = torch.stack(want).to(torch.float64)
+        got = grads.get(p)
+        close = got is not None and torch.allclose(got.to(torch.float64), expected, rtol=1e-3, atol=1e-6)
+        if norms is not None and close:
+            squared = expected.reshape(n, -1).pow(2).sum(1)
+            close = torch.allclose(norms[p].to(torch.float64), squared, rtol=1e-3, atol=1e-8)
+        if not close:
+            wrong.append(name)
+    return wrong
 
 
 def _draws_random_numbers(router: nn.Module, x: torch.Tensor) -> bool:

@@ -45,8 +45,10 @@ class Structure:
 
 
 def model_kind(model: nn.Module) -> Optional[str]:
-    name = type(model).__name__
-    return next((kind for suffix, kind in KINDS.items() if name.endswith(suffix)), None)
+    """The kind of head, from the name of the model's class or, for a user's subclass, of the transformers
+    class it derives from."""
+    family = next((c for c in type(model).__mro__ if c.__module__.startswith("transformers.")), type(model))
+    return next((kind for suffix, kind in KINDS.items() if family.__name__.endswith(suffix)), None)
 
 
 def find_structure(model: nn.Module, kind: str) -> Structure:
@@ -131,12 +133,17 @@ def _chain(model: nn.Module, body: nn.Module) -> List[nn.Module]:
     return chain
 
 
+def is_transformers_model(module: nn.Module) -> bool:
+    """A transformers model, or a user's subclass of one (a family's class is in its method order)."""
+    return any(cls.__module__.startswith("transformers.") for cls in type(module).__mro__)
+
+
 def _base_model(model: nn.Module) -> nn.Module:
     """model.base_model, or where its base_model_prefix names no attribute (Llama-4's text model: prefix
     "language_model", base held as "model") the one child that is a transformers model."""
     base = getattr(model, "base_model", model)
     if base is model:
-        found = [c for c in model.children() if type(c).__module__.startswith("transformers.") and hasattr(c, "config")]
+        found = [c for c in model.children() if is_transformers_model(c) and hasattr(c, "config")]
         base = found[0] if len(found) == 1 else model
     return base
 

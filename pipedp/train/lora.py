@@ -37,7 +37,13 @@ def _split_targets(model: nn.Module, targets: Sequence[str]):
     def names(target: str, within: set) -> bool:
         return any(n == target or n.endswith("." + target) for n in within)
 
-    parameters = [t for t in targets if not names(t, modules) and names(t, banks)]
+    both = [t for t in targets if names(t, modules) and names(t, banks)]
+    if both:
+        raise ValueError(
+            f"{both} name both modules and an expert bank's weights: name the one you mean by a longer suffix "
+            "(e.g. mlp.experts.down_proj for the bank's, shared_expert.down_proj for a module's)"
+        )
+    parameters = [t for t in targets if names(t, banks)]
     return [t for t in targets if t not in parameters], parameters
 
 

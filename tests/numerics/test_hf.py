@@ -49,6 +49,27 @@ def test_plain_token_ids_match_the_loop_oracle(name, stages):
     assert max_relative_error(dp_update(model, token_loss, x, y, stages=stages), want) < 1e-12
 
 
+def test_a_users_subclass_with_its_own_forward_is_split_as_its_family_and_matches_the_loop_oracle():
+    """The adapter knows the family from the class the user's derives from, and drives the user's own forward."""
+    family = build(FAMILY["llama"]).__class__
+
+    class Rescaled(family):  # (no *ForCausalLM in its name)
+        def forward(self, *args, **kwargs):
+            out = super().forward(*args, **kwargs)
+            out.logits = 0.5 * out.logits + 1.0
+            return out
+
+    torch.manual_seed(0)
+    model = Rescaled(build(FAMILY["llama"]).config).double()
+    inputs, labels = padded_batch("left")
+    plain = build(FAMILY["llama"])
+    plain.load_state_dict(model.state_dict())  # the same weights without the user's rescaling
+    want = loop_clipped_sum(copy.deepcopy(model), lambda out, y: token_loss(out.logits, y), inputs, labels, CLIP)
+    got = dp_update(model, token_loss, inputs, labels, stages=3)
+    assert max_relative_error(got, want) < 1e-12
+    assert max_relative_error(dp_update(plain, token_loss, inputs, labels, stages=3), want) > 1e-3  # (it matters)
+
+
 def test_tied_weights_on_one_stage_match_the_loop_oracle():
     model = build(FAMILY["gpt2"], tie=True)
     x, y = token_batch()

@@ -25,6 +25,9 @@ from pipedp.privacy.rules import experts as expert_rules  # noqa: E402
 pytestmark = pytest.mark.filterwarnings("ignore:step\\(\\) got a batch whose sampling is not declared")
 
 
+FAMILIES_BY_NAME = {f.model_type: f for f in FAMILIES}
+
+
 def mixtral(**overrides):
     torch.manual_seed(0)
     if "num_local_experts" in overrides:
@@ -139,7 +142,10 @@ def test_lora_on_the_experts_and_the_attention_of_every_moe_family_matches_the_l
     assert any(".lora_B." in k and "experts" in k and float(v.abs().max()) > 0 for k, v in got.items())
 
 
-def test_planted_a_factor_pair_given_to_the_wrong_sample_is_caught_by_the_self_check(monkeypatch):
+@pytest.mark.parametrize("init", [False, True], ids=["random factors", "peft's start (B zero)"])
+def test_planted_a_factor_pair_given_to_the_wrong_sample_is_refused_at_construction(monkeypatch, init):
+    """Checked against autograd with random factors when the model is built: with PEFT's own start (B = 0),
+    A's gradient is zero at the first step, where the self-check alone could not see a wrong one."""
     real = expert_lora._with_factors
 
     def misattributed(proj, experts, factors):
@@ -149,10 +155,48 @@ def test_planted_a_factor_pair_given_to_the_wrong_sample_is_caught_by_the_self_c
         return out
 
     monkeypatch.setattr(expert_lora, "_with_factors", misattributed)
-    model = lora_on_the_experts(mixtral())
+    model = lora_on_the_experts(mixtral(), init_lora_weights=init)
+    with pytest.raises(UnsupportedModelError, match=r"model.layers.0.mlp .*per-sample gradients of .*lora_A.* differ"):
+        PipelineDPTrainer(model, token_loss, stages=2, expected_batch_size=4)
+
+
+def test_planted_a_write_into_an_adapted_expert_weight_in_a_later_forward_is_caught():
+    """PEFT's fold sets the weight to itself at each call (its version counter moves): those sets are counted,
+    and a real write beside them is still refused, at a step the self-check does not check."""
+    model = lora_on_the_experts(mixtral(), weights=("down_proj",))
+    outer = model.model.layers[0].mlp.experts
+    bank = expert_lora.wrapped_bank(outer)
+    leaking = []
+
+    def leak(module, args):
+        if leaking and torch.is_grad_enabled():
+            with torch.no_grad():
+                bank.down_proj.add_(1e-3 * args[0].detach().mean())  # a statistic of the private batch
+
+    outer.register_forward_pre_hook(leak)  # (before PEFT's fold: inside it, down_proj is the folded copy)
     inputs, labels = padded_batch("right")
-    with pytest.raises(UnsupportedModelError, match=r"norms of .*experts.*lora_[AB].* disagree with their per-sample"):
-        pipedp_clipped_sum(model, token_loss, inputs, labels, CLIP, stages=2, grad_mode="ghost")
+    trainer = PipelineDPTrainer(model, token_loss, stages=2, expected_batch_size=4, noise_multiplier=1.0)
+    trainer.step(inputs, labels)
+    trainer.step(inputs, labels)  # (the counted sets alone pass)
+    leaking.append(True)
+    with pytest.raises(UnsupportedModelError, match=r"training forward changes the parameters .*experts.base_layer"):
+        trainer.step(inputs, labels)
+
+
+def test_a_cli_target_naming_both_a_module_and_a_bank_weight_is_refused_and_a_longer_one_taken():
+    from pipedp.train.lora import with_lora
+
+    with pytest.raises(ValueError, match=r"\['down_proj'\] name both modules and an expert bank's weights"):
+        with_lora(build(FAMILIES_BY_NAME["qwen2_moe"]), 2, ["down_proj"], seed=0)
+    model = with_lora(build(FAMILIES_BY_NAME["qwen2_moe"]), 2, ["q_proj", "experts.down_proj"], seed=0)
+    assert type(model.base_model.model.model.layers[0].mlp.experts).__name__ == "ParamWrapper"
+
+
+def test_training_an_expert_weight_beside_its_own_adapter_is_refused_by_name():
+    model = lora_on_the_experts(mixtral(), weights=("down_proj",))
+    model.model.layers[0].mlp.experts.base_layer.down_proj.requires_grad_(True)
+    with pytest.raises(UnsupportedModelError, match=r"'down_proj' is trained beside its own LoRA adapter.*freeze it"):
+        PipelineDPTrainer(model, token_loss, stages=2, expected_batch_size=4)
 
 
 def test_planted_a_misread_factor_layout_is_refused_at_construction(monkeypatch):

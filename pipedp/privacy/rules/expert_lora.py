@@ -28,7 +28,6 @@ import torch.nn as nn
 from .experts import (
     EXPERTS,
     Projection,
-    bank_costs,
     first_weights,
     grads_of,
     norms_of,
@@ -38,7 +37,7 @@ from .experts import (
     weight_names,
     weight_of,
 )
-from .registry import RULES, Grads, LayerRule, register
+from .registry import MACS_PER_BYTE, RULES, Grads, LayerRule, register
 
 
 def is_lora_wrapper(module: nn.Module) -> bool:
@@ -63,10 +62,18 @@ def wrappers(module: nn.Module) -> List[nn.Module]:
     return chain
 
 
-def parametrized_per_call(module: nn.Module) -> List[torch.Tensor]:
-    """The parameters PEFT's wrappers below ``module`` parametrize for each call (registering a
-    parametrization sets the tensor to itself: its version counter moves, its values do not)."""
-    return [w.get_param() for w in module.modules() if is_lora_wrapper(w)]
+def parametrized_per_call(module: nn.Module) -> List[Tuple[nn.Module, torch.Tensor]]:
+    """(wrapper, parameter) for PEFT's wrappers below ``module``: a call that folds its adapter into the
+    parameter (``folds``) registers a parametrization, which sets the tensor to itself once (torch's
+    ParametrizationList: ``original.set_(original)``): its version counter moves by one, its values do not."""
+    return [(w, w.get_param()) for w in module.modules() if is_lora_wrapper(w)]
+
+
+def folds(wrapper: nn.Module) -> bool:
+    """This call of the wrapper folds its adapter in (PEFT's ParamWrapper.forward: adapters enabled, not
+    merged, and an active adapter it holds)."""
+    active = wrapper.active_adapters
+    return not wrapper.disable_adapters and not wrapper.merged and any(a in wrapper.lora_A for a in active)
 
 
 @dataclass
@@ -169,11 +176,36 @@ def _weight(outer, inputs, scaled) -> Grads:
 
 
 def _costs(outer, inputs, backprops) -> Dict[str, float]:
-    """The bank's table (its two projections' pairs are recomputed either way; the factors' are r wide)."""
-    table = bank_costs(wrapped_bank(outer), inputs, backprops)
+    """Multiply-adds (and bytes, MACS_PER_BYTE each) of the ways for the trained tensors, of n samples of P
+    pairs: ghost n P^2 (in + out) each; materialize n E P in out each (one masked product per expert) and
+    4 n E in out bytes written and read for the norm. A factor is r wide on one side: materialize is cheap."""
+    n = backprops.shape[0]
+    pairs_per_sample = backprops.reshape(n, -1, backprops.shape[-1]).shape[1] * inputs[1].shape[-1]
+    table = {"materialize": 0.0, "ghost": 0.0}
+    for inputs_, outputs, experts in _trained_shapes(outer):
+        table["materialize"] += n * experts * pairs_per_sample * inputs_ * outputs
+        table["materialize"] += MACS_PER_BYTE * 4 * n * experts * inputs_ * outputs
+        table["ghost"] += n * pairs_per_sample**2 * (inputs_ + outputs)
     if not _grams_fit(outer, inputs, backprops):
-        table.pop("ghost", None)
+        table.pop("ghost")
     return table
+
+
+def _trained_shapes(outer: nn.Module) -> List[Tuple[int, int, int]]:
+    """(in, out, experts) of each trained weight below the wrappers: the bank's, and each adapter's A and B."""
+    bank = wrapped_bank(outer)
+    shapes = []
+    for weight, _ in (first_weights(bank), second_weights(bank)):
+        if weight.requires_grad:
+            size_in, size_out = (weight.shape[-2], weight.shape[-1]) if bank.is_transposed else weight.shape[:0:-1]
+            shapes.append((int(size_in), int(size_out), int(weight.shape[0])))
+    for f in adapted(outer).values():
+        rank = f.a_weight.shape[0] // f.experts
+        if f.a_weight.requires_grad:
+            shapes.append((int(f.a_weight.shape[-1]), rank, f.experts))
+        if f.b_weight.requires_grad:
+            shapes.append((rank, int(f.b_weight.shape[0]), f.experts))
+    return shapes
 
 
 def _grams_fit(outer, inputs, backprops) -> bool:

@@ -207,16 +207,20 @@ def _bank_grads(bank, inputs, backprops) -> Grads:
 
 
 def grads_of(experts: torch.Tensor, projections: Sequence[Projection]) -> Grads:
-    """{param: [n, ...]} per-sample gradients, each sample's pairs summed per expert."""
+    """{param: [n, ...]} per-sample gradients, each sample's pairs summed per expert (one masked product per
+    expert the micro-batch reaches: no [n, P, E out] spread of the gradients)."""
     n, p = experts.shape
     out: Grads = {}
     for proj in projections:
-        onehot = torch.nn.functional.one_hot(experts, proj.experts).to(proj.g.dtype)  # [n, P, E]
         if proj.weight.requires_grad:
-            spread = (onehot.unsqueeze(-1) * proj.g.unsqueeze(2)).reshape(n, p, -1)  # [n, P, E out]
-            grads = torch.bmm(spread.transpose(1, 2), proj.a).reshape(n, proj.experts, -1, proj.a.shape[-1])
+            grads = proj.g.new_zeros(n, proj.experts, proj.g.shape[-1], proj.a.shape[-1])
+            for e in torch.unique(experts).tolist():
+                if 0 <= e < proj.experts:
+                    mine = (experts == e).to(proj.g.dtype).unsqueeze(-1)  # [n, P, 1]: this expert's pairs
+                    grads[:, e] = torch.bmm((proj.g * mine).transpose(1, 2), proj.a)
             out[proj.weight] = proj.as_weight(grads)
         if proj.bias is not None and proj.bias.requires_grad:
+            onehot = torch.nn.functional.one_hot(experts, proj.experts).to(proj.g.dtype)  # [n, P, E]
             out[proj.bias] = torch.bmm(onehot.transpose(1, 2), proj.g)
     return out
 
@@ -248,7 +252,7 @@ def weight_of(experts: torch.Tensor, projections: Sequence[Projection]) -> Grads
     return out
 
 
-def bank_costs(bank, inputs, backprops) -> Dict[str, float]:
+def _bank_costs(bank, inputs, backprops) -> Dict[str, float]:
     """Multiply-adds (and memory traffic, MACS_PER_BYTE a byte) of the ways, for n samples of P pairs:
     ghost: n P^2 (in + out) per projection's Gram matrices; materialize: n P E in out per projection (the
     one-hot spread) and 4 n E in out bytes written and read for the norm."""
@@ -268,6 +272,6 @@ EXPERTS = LayerRule(
     _bank_weight,
     _bank_norms,
     pools_positions=True,
-    costs=bank_costs,
+    costs=_bank_costs,
     flat_tokens=True,
 )
