@@ -44,6 +44,10 @@ class Family:
 
 HEAD_DIM_8 = {"head_dim": 8}
 SLIDING = {"sliding_window": 4}  # shorter than the test sequences (8): the window matters
+# DeepSeek's low-rank (multi-head latent) attention, and with it a first dense layer and one routing group
+LOW_RANK = {"kv_lora_rank": 8, "q_lora_rank": 8, "qk_nope_head_dim": 4, "qk_rope_head_dim": 4, "v_head_dim": 8}
+LOW_RANK = {**LOW_RANK, "num_key_value_heads": 2}
+GROUPED = {**LOW_RANK, "n_group": 1, "topk_group": 1, "first_k_dense_replace": 1}
 ALTERNATING = {"layer_types": ["sliding_attention", "full_attention", "sliding_attention"]}  # both masks
 
 FAMILIES = [
@@ -94,24 +98,22 @@ FAMILIES = [
     Family("minimax", config=HEAD_DIM_8, experts=True),
     Family("flex_olmo", classification=False, experts=True),
     Family("aria_text", "shared experts; transposed bank", classification=False, experts=True),
-    Family(
-        "deepseek_v2",
-        "shared experts; low-rank attention",
-        {
-            "kv_lora_rank": 8,
-            "q_lora_rank": 8,
-            "qk_nope_head_dim": 4,
-            "qk_rope_head_dim": 4,
-            "v_head_dim": 8,
-            "num_key_value_heads": 2,
-        },
-        experts=True,
-        float32_inside=True,
-    ),
+    Family("deepseek_v2", "shared experts; low-rank attention", LOW_RANK, experts=True, float32_inside=True),
     Family("glm4_moe", "a dense first layer", HEAD_DIM_8, classification=False, experts=True, float32_inside=True),
     Family("ernie4_5_moe", "a dense first layer", HEAD_DIM_8, classification=False, experts=True, float32_inside=True),
     Family("solar_open", config=HEAD_DIM_8, classification=False, experts=True, float32_inside=True),
     Family("exaone_moe", "a dense first layer", HEAD_DIM_8, classification=False, experts=True, float32_inside=True),
+    Family("deepseek_v3", "a dense first layer; grouped routing", GROUPED, experts=True, float32_inside=True),
+    Family("glm4_moe_lite", config=GROUPED, classification=False, experts=True, float32_inside=True),
+    Family("sarvam_mla", config=GROUPED, classification=False, experts=True, float32_inside=True),
+    Family("axk1", config=GROUPED, experts=True, float32_inside=True),
+    Family("axk2", config=GROUPED, experts=True, float32_inside=True),
+    Family("cohere2_moe", classification=False, experts=True, float32_inside=True),
+    Family("kolibri1", classification=False, experts=True, float32_inside=True),
+    Family("laguna", classification=False, experts=True, float32_inside=True),
+    Family("mellum", classification=False, experts=True),
+    Family("minimax_m3_vl_text", classification=False, experts=True, float32_inside=True),
+    Family("sarvam_moe", classification=False, experts=True, float32_inside=True),
     Family(
         "phimoe",
         experts=True,

@@ -95,6 +95,9 @@ class ActivationCapture:
         self._batch_size = 0
         self.records: Dict[int, Dict[str, List[LayerCall]]] = {}
         self._handles = [m.register_forward_hook(self._hook_for(name), with_kwargs=True) for name, m in layers.items()]
+        # each layer's output dtype (its last call's): a layer computing in float32 inside a float64 model is
+        # compared by the self-check at float32's tolerance
+        self.output_dtypes: Dict[str, torch.dtype] = {}
 
     def _hook_for(self, name: str):
         rule = rule_for(self.layers[name])
@@ -115,6 +118,7 @@ class ActivationCapture:
                     f"layer {name!r} ({type(module).__name__}) returns {type(output).__name__}, not a tensor: "
                     "per-sample gradients need layers with trainable parameters to return one tensor"
                 )
+            self.output_dtypes[name] = output.dtype
             if rule.flat_tokens:
                 folded = _folded_tokens(name, module, args, self._batch_size)
                 calls = self.records[self._active].setdefault(name, [])

@@ -140,9 +140,9 @@ class StageCheck:
                         summed[p] = summed[p] + have if p in summed else have
                         continue
                     squared = float(per_param[p][row]) if p in per_param else 0.0
-                    comparison.add(
-                        p, names[id(p)], owners[p], name in called, reference.pop(p, None), have, squared, scale
-                    )
+                    want = reference.pop(p, None)
+                    computed_in = self.stage.capture.output_dtypes.get(name)
+                    comparison.add(p, names[id(p)], owners[p], name in called, want, have, squared, scale, computed_in)
             for p, have in summed.items():
                 squared = float(per_param[p][row]) if p in per_param else 0.0
                 comparison.add(p, names[id(p)], owners[p], True, reference.pop(p, None), have, squared, scale)
