@@ -74,3 +74,21 @@ def test_norms_in_pieces_equal_the_whole_float64_norms(monkeypatch):
     assert size == 0 and abs(error - expected[1]) <= 1e-12 * expected[1]
     size, have_size, error = self_check._norms(want, None)
     assert have_size == 0 and abs(error - expected[0]) <= 1e-12 * expected[0] and size == error
+
+
+def test_a_layer_computing_in_float32_in_a_float64_stage_is_judged_at_float32s_tolerance_and_no_looser():
+    want = torch.tensor([1.0, 2.0, 3.0], dtype=torch.float64)
+    rounded = want * (1 + 1e-6)  # float32 rounding, as a router computing its logits in float32 gives
+    planted = want * (1 + 1e-2)  # a bug
+
+    def judged(have, computed_in):
+        comparison = Comparison(0, torch.float64)
+        p = nn.Parameter(torch.zeros(3, dtype=torch.float64))
+        squared = float(have.pow(2).sum())
+        comparison.add(p, "w", ("gate", "Router"), True, want, have, squared, float(want.norm()), computed_in)
+        comparison.refuse_if_any(_no_sums)
+
+    judged(rounded, torch.float32)
+    for have, computed_in in ((rounded, None), (rounded, torch.float64), (planted, torch.float32)):
+        with pytest.raises(UnsupportedModelError, match="stage 0: the gradient of w"):
+            judged(have, computed_in)
