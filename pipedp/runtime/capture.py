@@ -28,10 +28,24 @@ class LayerCall:
     output: Optional[torch.Tensor]  # dropped once the backward pass has used it
     version: int  # output._version at capture: an in-place change later would corrupt its gradient
     rows: int = 0  # > 0: a layer called on the tokens flattened [rows T, ...]; its inputs are held [rows, T, ...]
+    experts: int = 1  # > 1: called on [experts, rows T, ...] flattened expert-first; held [rows, T experts, ...]
 
     def backprop(self, grad: torch.Tensor) -> torch.Tensor:
         """The output-gradient as the layer's rule reads it: batch first, [rows, T, ...] for flattened tokens."""
-        return grad.reshape(self.rows, -1, *grad.shape[1:]) if self.rows else grad
+        return fold_tokens(grad, self.rows, self.experts) if self.rows else grad
+
+
+def fold_tokens(t: torch.Tensor, rows: int, experts: int = 1) -> torch.Tensor:
+    """Tokens flattened [rows T, ...] as [rows, T, ...]; flattened expert-first, [experts, rows T, ...], as
+    [rows, T experts, ...] (sample i's position t E + e: expert e's call on its token t, so that the expert
+    of a position is its index modulo E, also once a privacy unit's rows are folded into its positions)."""
+    if experts == 1:
+        return t.reshape(rows, -1, *t.shape[1:])
+    return (
+        t.reshape(experts, rows, -1, *t.shape[1:])
+        .permute(1, 2, 0, *range(3, t.dim() + 2))
+        .reshape(rows, -1, *t.shape[1:])
+    )
 
 
 def find_layers(named_modules: Iterator[Tuple[str, nn.Module]]) -> Dict[str, nn.Module]:
@@ -72,18 +86,19 @@ def block_layers(blocks: Sequence[Block]) -> Dict[str, nn.Module]:
     )
 
 
-def _folded_tokens(name: str, module: nn.Module, args, batch: int) -> Tuple[torch.Tensor, ...]:
+def _folded_tokens(name: str, module: nn.Module, args, batch: int, experts: int = 1) -> Tuple[torch.Tensor, ...]:
     """A flattened-token layer's inputs [batch T, ...] held as [batch, T, ...] (token t of sample i is row
-    i * T + t: how Hugging Face's MoE blocks flatten [batch, T, d])."""
+    i * T + t: how Hugging Face's MoE blocks flatten [batch, T, d]); with ``experts`` > 1, inputs
+    [experts batch T, ...] held as [batch, experts T, ...] (fold_tokens)."""
     tensors = [a for a in args if isinstance(a, torch.Tensor) and a.dim() > 0]
     rows = {int(a.shape[0]) for a in tensors}
-    if len(tensors) != len(args) or len(rows) != 1 or next(iter(rows)) % batch:
+    if len(tensors) != len(args) or len(rows) != 1 or next(iter(rows)) % (batch * experts):
         shapes = [tuple(a.shape) if isinstance(a, torch.Tensor) else type(a).__name__ for a in args]
         raise UnsupportedModelError(
             f"layer {name!r} ({type(module).__name__}) takes the micro-batch's tokens flattened, but got inputs of "
             f"shapes {shapes}, not all [{batch} x positions, ...]: its per-sample gradients cannot be captured"
         )
-    return tuple(a.detach().reshape(batch, -1, *a.shape[1:]) for a in tensors)
+    return tuple(fold_tokens(a.detach(), batch, experts) for a in tensors)
 
 
 class ActivationCapture:
@@ -120,9 +135,10 @@ class ActivationCapture:
                 )
             self.output_dtypes[name] = output.dtype
             if rule.flat_tokens:
-                folded = _folded_tokens(name, module, args, self._batch_size)
+                experts = rule.experts_first(module) if rule.experts_first is not None else 1
+                folded = _folded_tokens(name, module, args, self._batch_size, experts)
                 calls = self.records[self._active].setdefault(name, [])
-                calls.append(LayerCall(folded, output, output._version, self._batch_size))
+                calls.append(LayerCall(folded, output, output._version, self._batch_size, experts))
                 return
             inputs = []
             for a in args:

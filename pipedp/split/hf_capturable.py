@@ -64,9 +64,13 @@ def find_fixes(
             "it, or give the model a pipeline_blocks() method"
         )
     # a router or expert bank takes the tokens flattened by design: its capture folds them (rules/experts.py)
-    tokens = {p for p in seen.first_dims if rule_for(layer.get_submodule(p)).flat_tokens}
+    rules = {p: rule_for(layer.get_submodule(p)) for p in seen.first_dims}
+    tokens = {p for p, rule in rules.items() if rule.flat_tokens}
     flattened = tuple(p for p, first in seen.first_dims.items() if first == rows * length and p not in tokens)
     for path, first in seen.first_dims.items():
+        per_expert = rules[path].experts_first  # (Llama-4's experts: every token once per expert)
+        if per_expert is not None and first == per_expert(layer.get_submodule(path)) * rows * length:
+            continue
         if first not in (rows, rows * length):
             raise UnsupportedModelError(
                 f"{where}.{path} gets inputs whose first dimension is neither the batch nor batch x sequence, so its "

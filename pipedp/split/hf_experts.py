@@ -24,6 +24,14 @@ import torch.nn.functional as F
 
 from ..errors import UnsupportedModelError
 from ..privacy.rules import EXPERTS, ROUTER, register
+from ..privacy.rules.dense_experts import (
+    DENSE_EXPERTS,
+    SCORING_ROUTER,
+    experts_of,
+    is_dense_bank,
+    logits_gradient,
+    recomputed_bank_output,
+)
 from ..privacy.rules.expert_lora import ADAPTED_EXPERTS, adapted, computed_weights, factors, wrapped_bank, wrappers
 from ..privacy.rules.experts import first_weights, recomputed_output, second_weights, weight_names
 
@@ -65,6 +73,17 @@ def accept_experts(model: nn.Module, path: str, module: nn.Module) -> None:
                 "(pipedp trains LoRA on their parameters, LoraConfig's target_parameters): use LoRA, or put the "
                 "adapters on the attention and other Linear layers (target_modules)"
             )
+        if isinstance(bank, nn.Module) and is_dense_bank(bank):  # Llama-4: every token through every expert
+            if outer is not bank:
+                raise UnsupportedModelError(
+                    f"{where}: PEFT's LoRA on the weights of experts every token passes through (Llama-4's) has no "
+                    "per-sample rule yet: put the adapters on the attention and other Linear layers (target_modules)"
+                )
+            router = _router(where, block, bank)
+            _check_dense(where, router, bank)
+            register(type(router), SCORING_ROUTER)
+            register(type(bank), DENSE_EXPERTS)
+            continue
         if not isinstance(bank, nn.Module) or not _is_fused_bank(bank):
             raise UnsupportedModelError(
                 f"{where} is a mixture of experts whose experts pipedp has no per-sample rule for (it trains fused "
@@ -246,6 +265,41 @@ def _check(where: str, router: nn.Module, bank: nn.Module, outer: nn.Module) -> 
             )
     finally:
         router.train(was[0]), bank.train(was[1])
+
+
+def _check_dense(where: str, router: nn.Module, bank: nn.Module) -> None:
+    """Llama-4's bank computes what privacy/rules/dense_experts.py reads from its weights, and its router's
+    first output comes from one F.linear of its weight (the rule replays the rest of its forward), on a few
+    random tokens; skipped for weights not loaded yet."""
+    if router.weight.is_meta or bank.down_proj.is_meta:
+        return
+    weight = router.weight
+    g = torch.Generator(device="cpu").manual_seed(0)
+    x = torch.randn(CHECK_TOKENS, weight.shape[1], generator=g, dtype=torch.float64).to(weight.device, weight.dtype)
+    routed = x.repeat(experts_of(bank), 1)
+    with torch.no_grad():
+        own, recomputed = bank(routed), recomputed_bank_output(bank, routed)
+    if own.shape != recomputed.shape or not torch.allclose(recomputed.to(own.dtype), own, rtol=1e-3, atol=1e-5):
+        raise UnsupportedModelError(
+            f"{where}: its experts ({type(bank).__name__}) do not compute what pipedp's per-sample rule reads from "
+            f"their weights (per expert, up * act(gate) of x @ gate_up_proj, then @ down_proj): {FREEZE}"
+        )
+    try:
+        scores = router(x)
+        scores = scores[0] if isinstance(scores, tuple) else scores
+        logits_gradient(router, x.unsqueeze(0), torch.ones_like(scores).unsqueeze(0))
+    except (RuntimeError, TypeError) as exc:
+        raise UnsupportedModelError(
+            f"{where}: its router ({type(router).__name__}) cannot be replayed as one F.linear of its weight and a "
+            f"function of the logits ({exc}), as pipedp's per-sample rule for it does: {FREEZE}"
+        ) from exc
+    was = router.training
+    router.train()
+    try:
+        if _draws_random_numbers(router, x):
+            raise UnsupportedModelError(f"{where}: its router draws random numbers in training: {FREEZE}")
+    finally:
+        router.train(was)
 
 
 def _check_adapters(where: str, outer: nn.Module, bank: nn.Module, call: tuple) -> None:

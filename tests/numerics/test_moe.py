@@ -132,7 +132,11 @@ def test_lora_on_one_expert_weight_with_the_bank_trained_too_matches_the_loop():
     assert float(got["model.layers.0.mlp.experts.base_layer.gate_up_proj"].abs().max()) > 0
 
 
-@pytest.mark.parametrize("family", [f for f in FAMILIES if f.experts and f.exact], ids=lambda f: f.name)
+# (Llama-4's experts, which every token passes through, refuse LoRA on their weights by name: tested below)
+FUSED = [f for f in FAMILIES if f.experts and f.exact and f.model_type != "llama4_text"]
+
+
+@pytest.mark.parametrize("family", FUSED, ids=lambda f: f.name)
 def test_lora_on_the_experts_and_the_attention_of_every_moe_family_matches_the_loop(family):
     model = lora_on_the_experts(build(family))
     inputs, labels = padded_batch("left" if len(family.model_type) % 2 else "right")
@@ -408,3 +412,47 @@ def test_pipedp_train_runs_a_saved_mixture_of_experts_over_two_processes(tmp_pat
     assert "launching 2 processes" in done.stdout
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
     assert summary["steps"] == 3
+
+
+def llama4(**overrides):
+    torch.manual_seed(0)
+    return build(Family("llama4_text", config=overrides, experts=True))
+
+
+def test_llama4_every_token_through_every_expert_matches_the_loop_with_units_and_lora_on_the_attention():
+    peft = pytest.importorskip("peft")
+    model = peft.get_peft_model(llama4(), peft.LoraConfig(r=2, target_modules=["q_proj"])).base_model.model
+    for name, p in model.named_parameters():
+        p.requires_grad_(p.requires_grad or "feed_forward" in name)  # the experts and the router trained too
+    inputs, labels = padded_batch("left")
+    inputs = {k: torch.cat([v, v.flip(0)])[:6] for k, v in inputs.items()}
+    labels = torch.cat([labels, labels.flip(0)])[:6]
+    want = loop_unit_clipped_sum(copy.deepcopy(model), hf_loss, inputs, labels, CLIP, rows=2)
+    got = pipedp_clipped_sum(model, token_loss, inputs, labels, CLIP, stages=3, microbatches=1, unit_rows=2)
+    assert max_relative_error(got, want) < 1e-7  # (its router's sigmoid is computed in float32)
+    assert float(got["model.layers.0.feed_forward.experts.gate_up_proj"].abs().max()) > 0
+
+
+def test_planted_llama4_experts_read_without_their_expert_first_order_are_caught_by_the_self_check(monkeypatch):
+    from pipedp.runtime import capture
+
+    real = capture.fold_tokens
+    monkeypatch.setattr(capture, "fold_tokens", lambda t, rows, experts=1: real(t, rows))  # [E n T] read as [n T E]
+    inputs, labels = padded_batch("right")
+    with pytest.raises(UnsupportedModelError, match=r"experts.gate_up_proj.* (disagree|not all seen|split)"):
+        pipedp_clipped_sum(llama4(), token_loss, inputs, labels, CLIP, stages=2, grad_mode="ghost")
+
+
+def test_planted_llama4_bank_layout_and_lora_on_its_experts_are_refused_at_construction(monkeypatch):
+    from pipedp.privacy.rules import dense_experts
+
+    with monkeypatch.context() as patched:
+        patched.setattr(dense_experts, "_gated", lambda bank, z: z.chunk(2, -1)[0] * bank.act_fn(z.chunk(2, -1)[1]))
+        with pytest.raises(UnsupportedModelError, match=r"feed_forward .*do not compute what pipedp's per-sample"):
+            PipelineDPTrainer(llama4(), token_loss, stages=2, expected_batch_size=4)
+    peft = pytest.importorskip("peft")
+    config = peft.LoraConfig(r=2, target_parameters=["feed_forward.experts.down_proj"])
+    with pytest.raises(UnsupportedModelError, match=r"LoRA on the weights of experts every token passes through"):
+        PipelineDPTrainer(
+            peft.get_peft_model(llama4(), config).base_model.model, token_loss, stages=2, expected_batch_size=4
+        )

@@ -39,6 +39,9 @@ class LayerRule:
     flat_tokens: bool = False
     # the layer returns a tuple: this element carries every gradient its parameters get (a router's logits)
     output_part: Optional[int] = None
+    # with flat_tokens: the layer is called on every token once per expert, [E, batch T, ...] flattened
+    # expert-first (Llama-4's experts); this gives E, and the capture folds to [batch, T E, ...] (t E + e)
+    experts_first: Optional[Callable[[nn.Module], int]] = None
     # the rule computes with every trainable parameter below the module, which is one layer whose children are
     # never called on their own (PEFT's LoRA on an expert bank's parameters folds its factors into the bank's
     # weights): capture hooks the module, not its children

@@ -1,0 +1,202 @@
+"""Llama-4's mixture of experts: every token through every expert, its input scaled by its routing score.
+
+Llama-4's MoE block repeats the N = n T tokens once per expert, multiplies each copy by the token's score
+for that expert (zero for an expert not among its top k), and calls the bank on the [E N, d] result: expert
+e's call on token t is row e N + t, two batched products ``x @ gate_up_proj[e]`` ([E, d, 2h]: gate and up
+halves, ``up * act(gate)``) and ``@ down_proj[e]`` ([E, h, d]). A token's output still depends on its own
+hidden state only. The capture folds the bank's inputs and output-gradient to [n, T E, ...] (sample i's
+position t E + e: ``LayerRule.experts_first``; a position's expert is its index modulo E, also once a
+privacy unit's rows are folded into its positions), so each sample's T E pairs are the bank rule's pairs
+(rules/experts.py) with expert ids e: its masked Gram norms (taken expert by expert here, [n, T, T] at a
+time), per-sample gradients and clipped sums apply unchanged. A copy whose score is zero reads a zero
+input and gives zero gradients, as in the model.
+
+The router is a Linear whose logits its own forward turns into the scores (top k, sigmoid): its rule is
+the Linear rule on the gradient of the logits, taken by replaying the router's own forward with its one
+``F.linear`` answered by a leaf (so the scores' function is the model's, not a copy of it).
+
+split/hf_experts.py checks both against the modules' own forwards on random tokens before registering them.
+"""
+
+from __future__ import annotations
+
+from typing import Dict, Optional, Sequence
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.overrides import TorchFunctionMode
+
+from . import linear
+from .experts import Projection, _out_in, grads_of, weight_of
+from .grams import gram
+from .registry import MACS_PER_BYTE, Grads, LayerRule
+
+
+# ---- the bank --------------------------------------------------------------------------------------------
+def is_dense_bank(bank: nn.Module) -> bool:
+    """Llama-4's layout: gate_up_proj [E, d, 2h], down_proj [E, h, d], an act_fn, no fused-bank flags."""
+    gate_up, down = getattr(bank, "gate_up_proj", None), getattr(bank, "down_proj", None)
+    return (
+        not hasattr(bank, "has_gate")
+        and isinstance(gate_up, nn.Parameter)
+        and isinstance(down, nn.Parameter)
+        and gate_up.dim() == 3
+        and down.dim() == 3
+        and gate_up.shape[0] == down.shape[0]
+        and gate_up.shape[-1] == 2 * down.shape[1]
+        and callable(getattr(bank, "act_fn", None))
+    )
+
+
+def experts_of(bank: nn.Module) -> int:
+    return int(bank.gate_up_proj.shape[0])
+
+
+def _gated(bank: nn.Module, z: torch.Tensor) -> torch.Tensor:
+    gate, up = z.chunk(2, dim=-1)
+    return up * bank.act_fn(gate)
+
+
+def dense_pairs(bank: nn.Module, inputs: Sequence[torch.Tensor], backprops: torch.Tensor):
+    """(expert ids [n, T E], [gate_up projection, down projection]) from the folded inputs [n, T E, d]
+    and output-gradients [n, T E, d], the gate's input-gradient by autograd through the bank's own act_fn."""
+    x = inputs[0].to(backprops.dtype)
+    n, p, _ = x.shape
+    count = experts_of(bank)
+    w1, w2 = bank.gate_up_proj.detach().to(x.dtype), bank.down_proj.detach().to(x.dtype)
+    g1 = x.new_zeros(n, p, w1.shape[-1])
+    a2 = x.new_zeros(n, p, w2.shape[1])
+    for e in range(count):
+        span = slice(e, None, count)  # (expert e's positions)
+        with torch.enable_grad():
+            z = (x[:, span] @ w1[e]).requires_grad_(True)
+            h = _gated(bank, z)
+            (g1[:, span],) = torch.autograd.grad(h, z, backprops[:, span] @ w2[e].t())
+        a2[:, span] = h.detach()
+    experts = (torch.arange(p, device=x.device) % count).expand(n, p)
+    layout = _out_in(True)  # (both stored [E, in, out])
+    first = Projection(bank.gate_up_proj, None, x, g1, count, layout)
+    second = Projection(bank.down_proj, None, a2, backprops, count, layout)
+    return experts, [first, second]
+
+
+def recomputed_bank_output(bank: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """The bank's output for its [E N, d] input as this rule reads its layout (checked at construction)."""
+    count = experts_of(bank)
+    rows = x.reshape(count, -1, x.shape[-1])
+    out = [_gated(bank, rows[e] @ bank.gate_up_proj[e]) @ bank.down_proj[e] for e in range(count)]
+    return torch.cat(out).reshape(-1, bank.down_proj.shape[-1])
+
+
+def _grams_outweigh(bank: nn.Module, backprops: torch.Tensor) -> bool:
+    """A [T, T] Gram per expert outweighs a sample's gradient of the smaller weight of one expert."""
+    t = backprops.shape[1] // experts_of(bank)
+    return t * t > min(bank.gate_up_proj[0].numel(), bank.down_proj[0].numel())
+
+
+def _norms(bank, inputs, backprops, grams=None) -> Optional[Grads]:
+    if _grams_outweigh(bank, backprops):
+        return None
+    experts, projections = dense_pairs(bank, inputs, backprops)
+    count = experts_of(bank)
+    out: Grads = {}
+    for proj in projections:
+        if proj.weight.requires_grad:  # expert by expert: the Gram of one expert's T positions at a time
+            spans = [slice(e, None, count) for e in range(count)]
+            out[proj.weight] = sum(((gram(proj.a[:, s]) * gram(proj.g[:, s])).sum((1, 2)) for s in spans))
+    return out
+
+
+def _grads(bank, inputs, backprops) -> Grads:
+    return grads_of(*dense_pairs(bank, inputs, backprops))
+
+
+def _weight(bank, inputs, scaled) -> Grads:
+    return weight_of(*dense_pairs(bank, inputs, scaled))
+
+
+def _costs(bank, inputs, backprops) -> Dict[str, float]:
+    """ghost: n E T^2 (in + out) per weight; materialize: n E^2 T in out (a masked product per expert) and
+    4 n E in out bytes for the norm."""
+    n, count = backprops.shape[0], experts_of(bank)
+    t = backprops.shape[1] // count
+    table = {"materialize": 0.0, "ghost": 0.0}
+    for weight in (bank.gate_up_proj, bank.down_proj):
+        size_in, size_out = weight.shape[1], weight.shape[2]
+        table["materialize"] += n * count * count * t * size_in * size_out + MACS_PER_BYTE * 4 * n * weight.numel()
+        table["ghost"] += n * count * t * t * (size_in + size_out)
+    if _grams_outweigh(bank, backprops):
+        table.pop("ghost")
+    return table
+
+
+DENSE_EXPERTS = LayerRule(
+    "experts (every token)",
+    _grads,
+    _weight,
+    _norms,
+    pools_positions=True,
+    costs=_costs,
+    flat_tokens=True,
+    experts_first=experts_of,
+)
+
+
+# ---- the router --------------------------------------------------------------------------------------------
+class _AnswerLinear(TorchFunctionMode):
+    """``F.linear`` with ``weight`` answered by ``logits`` (once: the router's own product)."""
+
+    def __init__(self, weight: torch.Tensor, logits: torch.Tensor):
+        super().__init__()
+        self.weight, self.logits, self.calls = weight, logits, 0
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is F.linear and len(args) >= 2 and args[1] is self.weight:
+            self.calls += 1
+            return self.logits
+        return func(*args, **kwargs)
+
+
+def logits_gradient(router: nn.Module, x: torch.Tensor, grad_scores: torch.Tensor) -> torch.Tensor:
+    """The gradient of the router's logits F.linear(x, weight, bias) for the gradient of its first output,
+    through the router's own forward; x [n, T, d], grad_scores [n, T, E]."""
+    flat = x.reshape(-1, x.shape[-1]).to(grad_scores.dtype)
+    weight = router.weight
+    with torch.enable_grad():
+        logits = F.linear(flat, weight.detach().to(flat.dtype), _bias(router, flat.dtype)).requires_grad_(True)
+        mode = _AnswerLinear(weight, logits)
+        with mode:
+            scores = router(flat.to(weight.dtype))[0]
+        if mode.calls != 1:
+            raise RuntimeError(f"{type(router).__name__} called F.linear with its weight {mode.calls} times, not once")
+        (grad,) = torch.autograd.grad(scores, logits, grad_scores.reshape(scores.shape).to(scores.dtype))
+    return grad.reshape(*x.shape[:-1], -1)
+
+
+def _bias(router: nn.Module, dtype: torch.dtype) -> Optional[torch.Tensor]:
+    bias = getattr(router, "bias", None)
+    return bias.detach().to(dtype) if bias is not None else None
+
+
+def _on_logits(fn):
+    """A Linear rule function on (x, the logits' gradient) for the scores' gradient."""
+    return lambda router, inputs, backprops, *rest: fn(
+        router, inputs, logits_gradient(router, inputs[0], backprops), *rest
+    )
+
+
+def _linear_weight(router, inputs, scaled) -> Grads:
+    return linear.weight(router, inputs, logits_gradient(router, inputs[0], scaled))
+
+
+SCORING_ROUTER = LayerRule(
+    "router (scores)",
+    _on_logits(linear.grads),
+    _linear_weight,
+    _on_logits(linear.norms),
+    pools_positions=True,
+    flat_tokens=True,
+    output_part=0,
+)
