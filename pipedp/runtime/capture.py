@@ -110,9 +110,9 @@ class ActivationCapture:
         self._batch_size = 0
         self.records: Dict[int, Dict[str, List[LayerCall]]] = {}
         self._handles = [m.register_forward_hook(self._hook_for(name), with_kwargs=True) for name, m in layers.items()]
-        # each layer's output dtype (its last call's): a layer computing in float32 inside a float64 model is
-        # compared by the self-check at float32's tolerance
-        self.output_dtypes: Dict[str, torch.dtype] = {}
+        # each layer's output dtypes over its calls: a layer computing in float32 inside a float64 model is
+        # compared by the self-check at float32's tolerance (at the tightest of its dtypes' tolerances)
+        self.output_dtypes: Dict[str, set] = {}
 
     def _hook_for(self, name: str):
         rule = rule_for(self.layers[name])
@@ -120,6 +120,8 @@ class ActivationCapture:
         def hook(module: nn.Module, args, kwargs, output):
             if self._active is None or not torch.is_grad_enabled():
                 return
+            if rule.kept_part is not None and isinstance(output, tuple):
+                args = (*args, output[rule.kept_part].detach())
             if rule.output_part is not None and isinstance(output, tuple):
                 output = output[rule.output_part]
             if kwargs:
@@ -133,7 +135,7 @@ class ActivationCapture:
                     f"layer {name!r} ({type(module).__name__}) returns {type(output).__name__}, not a tensor: "
                     "per-sample gradients need layers with trainable parameters to return one tensor"
                 )
-            self.output_dtypes[name] = output.dtype
+            self.output_dtypes.setdefault(name, set()).add(output.dtype)
             if rule.flat_tokens:
                 experts = rule.experts_first(module) if rule.experts_first is not None else 1
                 folded = _folded_tokens(name, module, args, self._batch_size, experts)

@@ -22,7 +22,7 @@ import copy
 import math
 import warnings
 from dataclasses import dataclass
-from typing import Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Callable, Dict, Iterable, List, Optional, Sequence, Tuple
 
 import torch
 import torch.nn as nn
@@ -208,19 +208,21 @@ class Comparison:
         have: Optional[torch.Tensor],
         squared_norm: float,
         scale: float,
-        computed_in: Optional[torch.dtype] = None,
+        computed_in: Optional[Iterable[torch.dtype]] = None,
     ) -> None:
         """One parameter of one row: pipedp's per-sample gradient ``have`` and squared norm against the
-        row's own gradient ``want``; ``computed_in``: the dtype its layer computes in, where its tolerance is
-        looser than the stage's (a router computing in float32 inside a float64 model)."""
+        row's own gradient ``want``; ``computed_in``: the dtypes its layer's outputs had, where the tightest of
+        their tolerances is looser than the stage's (a router computing in float32 inside a float64 model)."""
         if self.non_finite_rows and want is not None and not bool(torch.isfinite(want).all()):
             if name not in self.unverified:
                 self.unverified.append(name)
             return
         size, _, grad_error = _norms(want, have)
         rtol, floor = self.rtol, self.floor
-        if computed_in is not None and computed_in in TOLERANCE:
-            rtol, floor = max(rtol, TOLERANCE[computed_in][0]), max(floor, TOLERANCE[computed_in][1])
+        known = [TOLERANCE[d] for d in computed_in or () if d in TOLERANCE]
+        if known and len(known) == len(list(computed_in or ())):  # (an unknown dtype: the stage's tolerance)
+            tightest = min(known)
+            rtol, floor = max(rtol, tightest[0]), max(floor, tightest[1])
         allowed = rtol * size + floor * scale + 1e-300
         norm_error = abs(max(squared_norm, 0.0) ** 0.5 - size)
         worst = max(grad_error, norm_error)

@@ -29,7 +29,6 @@ from ..privacy.rules.dense_experts import (
     SCORING_ROUTER,
     experts_of,
     is_dense_bank,
-    logits_gradient,
     recomputed_bank_output,
 )
 from ..privacy.rules.expert_lora import ADAPTED_EXPERTS, adapted, computed_weights, factors, wrapped_bank, wrappers
@@ -269,37 +268,60 @@ def _check(where: str, router: nn.Module, bank: nn.Module, outer: nn.Module) -> 
 
 def _check_dense(where: str, router: nn.Module, bank: nn.Module) -> None:
     """Llama-4's bank computes what privacy/rules/dense_experts.py reads from its weights, and its router's
-    first output comes from one F.linear of its weight (the rule replays the rest of its forward), on a few
-    random tokens; skipped for weights not loaded yet."""
+    per-sample gradients from the rule are autograd's through its own forward, on a few random tokens
+    (skipped for weights not loaded yet: the self-check compares every checked sample's gradient anyway)."""
     if router.weight.is_meta or bank.down_proj.is_meta:
         return
     weight = router.weight
     g = torch.Generator(device="cpu").manual_seed(0)
-    x = torch.randn(CHECK_TOKENS, weight.shape[1], generator=g, dtype=torch.float64).to(weight.device, weight.dtype)
-    routed = x.repeat(experts_of(bank), 1)
-    with torch.no_grad():
-        own, recomputed = bank(routed), recomputed_bank_output(bank, routed)
+
+    def randn(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=g, dtype=torch.float64).to(weight.device, weight.dtype)
+
+    routed = randn(experts_of(bank) * CHECK_TOKENS, weight.shape[1])  # (other tokens for each expert)
+    try:
+        with torch.no_grad():
+            own, recomputed = bank(routed), recomputed_bank_output(bank, routed)
+    except (RuntimeError, TypeError) as exc:
+        raise UnsupportedModelError(f"{where}: its experts ({type(bank).__name__}) cannot be called as Llama-4's "
+                                    f"on the routed tokens alone ({exc}): {FREEZE}") from exc  # fmt: skip
     if own.shape != recomputed.shape or not torch.allclose(recomputed.to(own.dtype), own, rtol=1e-3, atol=1e-5):
         raise UnsupportedModelError(
             f"{where}: its experts ({type(bank).__name__}) do not compute what pipedp's per-sample rule reads from "
             f"their weights (per expert, up * act(gate) of x @ gate_up_proj, then @ down_proj): {FREEZE}"
         )
+    x = randn(2, CHECK_TOKENS, weight.shape[1])
     try:
-        scores = router(x)
-        scores = scores[0] if isinstance(scores, tuple) else scores
-        logits_gradient(router, x.unsqueeze(0), torch.ones_like(scores).unsqueeze(0))
-    except (RuntimeError, TypeError) as exc:
+        if weight.requires_grad:  # (a frozen router is no layer: no rule reads it)
+            _check_router_gradients(where, router, x, randn(2, CHECK_TOKENS, weight.shape[0]))
+    except (RuntimeError, TypeError, IndexError) as exc:
         raise UnsupportedModelError(
-            f"{where}: its router ({type(router).__name__}) cannot be replayed as one F.linear of its weight and a "
-            f"function of the logits ({exc}), as pipedp's per-sample rule for it does: {FREEZE}"
+            f"{where}: its router ({type(router).__name__}) cannot be replayed as one F.linear of its input and "
+            f"weight and a function of the logits ({exc}), as pipedp's per-sample rule for it does: {FREEZE}"
         ) from exc
     was = router.training
     router.train()
     try:
-        if _draws_random_numbers(router, x):
+        if _draws_random_numbers(router, x[0]):
             raise UnsupportedModelError(f"{where}: its router draws random numbers in training: {FREEZE}")
     finally:
         router.train(was)
+
+
+def _check_router_gradients(where: str, router: nn.Module, x: torch.Tensor, grad_scores: torch.Tensor) -> None:
+    """The scoring router's per-sample weight gradients from its rule against autograd's, sample by sample."""
+    with torch.no_grad():
+        logits = torch.stack([router(x[i])[1] for i in range(x.shape[0])])
+        got = SCORING_ROUTER.grads(router, (x, logits), grad_scores)[router.weight]
+    for i in range(x.shape[0]):
+        with torch.enable_grad():
+            (want,) = torch.autograd.grad((router(x[i])[0] * grad_scores[i]).sum(), [router.weight])
+        if not torch.allclose(got[i].to(want.dtype), want, rtol=1e-3, atol=1e-6):
+            raise UnsupportedModelError(
+                f"{where}: pipedp's per-sample gradients of its router ({type(router).__name__}) differ from "
+                f"autograd's on random tokens (the router computes more than F.linear of its input and weight "
+                f"before the function of the logits it replays): {FREEZE}"
+            )
 
 
 def _check_adapters(where: str, outer: nn.Module, bank: nn.Module, call: tuple) -> None:

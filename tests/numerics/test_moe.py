@@ -443,13 +443,22 @@ def test_planted_llama4_experts_read_without_their_expert_first_order_are_caught
         pipedp_clipped_sum(llama4(), token_loss, inputs, labels, CLIP, stages=2, grad_mode="ghost")
 
 
-def test_planted_llama4_bank_layout_and_lora_on_its_experts_are_refused_at_construction(monkeypatch):
+def test_planted_llama4_bank_layouts_and_routers_and_lora_on_its_experts_are_refused_at_construction(monkeypatch):
     from pipedp.privacy.rules import dense_experts
 
     with monkeypatch.context() as patched:
         patched.setattr(dense_experts, "_gated", lambda bank, z: z.chunk(2, -1)[0] * bank.act_fn(z.chunk(2, -1)[1]))
         with pytest.raises(UnsupportedModelError, match=r"feed_forward .*do not compute what pipedp's per-sample"):
             PipelineDPTrainer(llama4(), token_loss, stages=2, expected_batch_size=4)
+    for _what, forward in (
+        ("a cosine router", lambda self, h: self.__class__.__bases__[0].forward(self, h / self.weight.norm())),
+        ("a transformed input", lambda self, h: self.__class__.__bases__[0].forward(self, 3 * h)),
+    ):
+        model = llama4()
+        router = model.model.layers[0].feed_forward.router
+        router.__class__ = type("Planted", (type(router),), {"forward": forward})
+        with pytest.raises(UnsupportedModelError, match=r"feed_forward .*router \(Planted\)"):
+            PipelineDPTrainer(model, token_loss, stages=2, expected_batch_size=4)
     peft = pytest.importorskip("peft")
     config = peft.LoraConfig(r=2, target_parameters=["feed_forward.experts.down_proj"])
     with pytest.raises(UnsupportedModelError, match=r"LoRA on the weights of experts every token passes through"):

@@ -13,14 +13,15 @@ input and gives zero gradients, as in the model.
 
 The router is a Linear whose logits its own forward turns into the scores (top k, sigmoid): its rule is
 the Linear rule on the gradient of the logits, taken by replaying the router's own forward with its one
-``F.linear`` answered by a leaf (so the scores' function is the model's, not a copy of it).
+``F.linear`` answered by a leaf holding the forward's own logits (kept by the capture: the same top k in
+any precision; the scores' function is the model's, not a copy of it).
 
 split/hf_experts.py checks both against the modules' own forwards on random tokens before registering them.
 """
 
 from __future__ import annotations
 
-from typing import Dict, Optional, Sequence
+from typing import Dict, List, Optional, Sequence
 
 import torch
 import torch.nn as nn
@@ -145,58 +146,53 @@ DENSE_EXPERTS = LayerRule(
 
 # ---- the router --------------------------------------------------------------------------------------------
 class _AnswerLinear(TorchFunctionMode):
-    """``F.linear`` with ``weight`` answered by ``logits`` (once: the router's own product)."""
+    """``F.linear`` with ``weight`` answered by ``logits`` (its input recorded: it must be the router's)."""
 
     def __init__(self, weight: torch.Tensor, logits: torch.Tensor):
         super().__init__()
-        self.weight, self.logits, self.calls = weight, logits, 0
+        self.weight, self.logits = weight, logits
+        self.inputs: List[torch.Tensor] = []
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if func is F.linear and len(args) >= 2 and args[1] is self.weight:
-            self.calls += 1
+            self.inputs.append(args[0])
             return self.logits
         return func(*args, **kwargs)
 
 
-def logits_gradient(router: nn.Module, x: torch.Tensor, grad_scores: torch.Tensor) -> torch.Tensor:
-    """The gradient of the router's logits F.linear(x, weight, bias) for the gradient of its first output,
-    through the router's own forward; x [n, T, d], grad_scores [n, T, E]."""
-    flat = x.reshape(-1, x.shape[-1]).to(grad_scores.dtype)
-    weight = router.weight
+def logits_gradient(router: nn.Module, x: torch.Tensor, logits: torch.Tensor, grad_scores: torch.Tensor):
+    """The gradient of the router's logits (its forward's own values, [n, T, E]: the same top k) for the
+    gradient of its first output, through the router's own forward on x [n, T, d]; a router that calls
+    F.linear with its weight other than once, on other than its input, is a RuntimeError."""
+    flat = x.reshape(-1, x.shape[-1])
+    leaf = logits.reshape(flat.shape[0], -1).detach().requires_grad_(True)
     with torch.enable_grad():
-        logits = F.linear(flat, weight.detach().to(flat.dtype), _bias(router, flat.dtype)).requires_grad_(True)
-        mode = _AnswerLinear(weight, logits)
+        mode = _AnswerLinear(router.weight, leaf)
         with mode:
-            scores = router(flat.to(weight.dtype))[0]
-        if mode.calls != 1:
-            raise RuntimeError(f"{type(router).__name__} called F.linear with its weight {mode.calls} times, not once")
-        (grad,) = torch.autograd.grad(scores, logits, grad_scores.reshape(scores.shape).to(scores.dtype))
-    return grad.reshape(*x.shape[:-1], -1)
-
-
-def _bias(router: nn.Module, dtype: torch.dtype) -> Optional[torch.Tensor]:
-    bias = getattr(router, "bias", None)
-    return bias.detach().to(dtype) if bias is not None else None
+            scores = router(flat)[0]
+        if len(mode.inputs) != 1 or not torch.equal(mode.inputs[0].to(flat.dtype), flat):
+            raise RuntimeError(
+                f"{type(router).__name__} does not compute its logits as one F.linear of its input and its weight"
+            )
+        (grad,) = torch.autograd.grad(scores, leaf, grad_scores.reshape(scores.shape).to(scores.dtype))
+    return grad.reshape(*x.shape[:-1], -1).to(torch.promote_types(grad_scores.dtype, grad.dtype))
 
 
 def _on_logits(fn):
-    """A Linear rule function on (x, the logits' gradient) for the scores' gradient."""
+    """A Linear rule function on (x, the logits' gradient) for the scores' gradient; inputs (x, logits)."""
     return lambda router, inputs, backprops, *rest: fn(
-        router, inputs, logits_gradient(router, inputs[0], backprops), *rest
+        router, inputs[:1], logits_gradient(router, inputs[0], inputs[1], backprops), *rest
     )
-
-
-def _linear_weight(router, inputs, scaled) -> Grads:
-    return linear.weight(router, inputs, logits_gradient(router, inputs[0], scaled))
 
 
 SCORING_ROUTER = LayerRule(
     "router (scores)",
     _on_logits(linear.grads),
-    _linear_weight,
+    _on_logits(linear.weight),
     _on_logits(linear.norms),
     pools_positions=True,
     flat_tokens=True,
     output_part=0,
+    kept_part=1,
 )

@@ -39,6 +39,9 @@ class LayerRule:
     flat_tokens: bool = False
     # the layer returns a tuple: this element carries every gradient its parameters get (a router's logits)
     output_part: Optional[int] = None
+    # the layer returns a tuple: this element is kept as one more input of the rule (detached): a scoring
+    # router's logits, from which its rule replays the scores with the forward's own values
+    kept_part: Optional[int] = None
     # with flat_tokens: the layer is called on every token once per expert, [E, batch T, ...] flattened
     # expert-first (Llama-4's experts); this gives E, and the capture folds to [batch, T E, ...] (t E + e)
     experts_first: Optional[Callable[[nn.Module], int]] = None
