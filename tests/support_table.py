@@ -136,10 +136,17 @@ def rule_rows() -> List[List[str]]:
         return f"`nn.{layer.__name__}`" if layer.__module__.startswith("torch.nn") else f"`{layer.__qualname__}`"
 
     from pipedp.privacy.rules import EXPERTS, ROUTER
+    from pipedp.privacy.rules.dense_experts import DENSE_EXPERTS, SCORING_ROUTER
 
+    per_class = (
+        (ROUTER, "a mixture of experts' router"),
+        (EXPERTS, "a fused expert bank"),
+        (SCORING_ROUTER, "a router scoring every expert (Llama-4's)"),
+        (DENSE_EXPERTS, "an expert bank every token passes through (Llama-4's)"),
+    )
     layers: Dict[str, List[str]] = {}  # rule name -> the layer types and predicates it is registered for
     for layer, rule in RULES.items():
-        if rule in (EXPERTS, ROUTER):  # registered per class as models are checked: listed once, below
+        if any(rule is r for r, _ in per_class):  # registered per class as models are checked: listed once, below
             continue
         layers.setdefault(rule.name, []).append(layer_name(layer))
     for accepts, rule in PREDICATES:
@@ -154,7 +161,7 @@ def rule_rows() -> List[List[str]]:
         tested = [t for t in tests if t.path == test_file]
         return where + (f", {_sources(tested)}" if tested else ", no rule tests")
 
-    rules = {rule.name: rule for rule in [*RULES.values(), *(r for _, r in PREDICATES)]}
+    rules = {rule.name: rule for rule in [*RULES.values(), *(r for _, r in PREDICATES), *(r for r, _ in per_class)]}
     rows = [
         ["Layer rules", f"`{name}`: " + ", ".join(of), "registered (exact type or predicate)", source(rules[name])]
         for name, of in layers.items()
@@ -166,7 +173,7 @@ def rule_rows() -> List[List[str]]:
             "registered per checked class",
             source(rule),
         ]
-        for rule, what in ((ROUTER, "a mixture of experts' router"), (EXPERTS, "a fused expert bank"))
+        for rule, what in per_class
     ]
     opacus = sorted(t.__name__ for t in generic.GRAD_SAMPLERS if t not in RULES)
     rows.append(
