@@ -179,8 +179,7 @@ def _costs(outer, inputs, backprops) -> Dict[str, float]:
     """Multiply-adds (and bytes, MACS_PER_BYTE each) of the ways for the trained tensors, of n samples of P
     pairs: ghost n P^2 (in + out) each; materialize n E P in out each (one masked product per expert) and
     4 n E in out bytes written and read for the norm. A factor is r wide on one side: materialize is cheap."""
-    n = backprops.shape[0]
-    pairs_per_sample = backprops.reshape(n, -1, backprops.shape[-1]).shape[1] * inputs[1].shape[-1]
+    n, pairs_per_sample = backprops.shape[0], _pairs_per_sample(inputs, backprops)
     table = {"materialize": 0.0, "ghost": 0.0}
     for inputs_, outputs, experts in _trained_shapes(outer):
         table["materialize"] += n * experts * pairs_per_sample * inputs_ * outputs
@@ -210,8 +209,12 @@ def _trained_shapes(outer: nn.Module) -> List[Tuple[int, int, int]]:
 
 def _grams_fit(outer, inputs, backprops) -> bool:
     """The [n, P, P] pair Gram matrices weigh no more than the smallest trained tensor's per-sample gradients."""
-    positions = backprops.reshape(backprops.shape[0], -1, backprops.shape[-1]).shape[1]
-    return (positions * inputs[1].shape[-1]) ** 2 <= min(_trained(outer))
+    return _pairs_per_sample(inputs, backprops) ** 2 <= min(_trained(outer))
+
+
+def _pairs_per_sample(inputs, backprops) -> int:
+    """P: a sample's positions times the experts each token goes to (the routing's last dimension)."""
+    return backprops.reshape(backprops.shape[0], -1, backprops.shape[-1]).shape[1] * inputs[1].shape[-1]
 
 
 ADAPTED_EXPERTS = LayerRule(

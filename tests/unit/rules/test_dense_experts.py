@@ -3,8 +3,8 @@
 
 import pytest
 import torch
+from test_experts import matches
 
-from pipedp.privacy.per_sample import clipped_grad_sum, ghost_squared_norms, per_sample_grads
 from pipedp.privacy.rules import register, rule_for
 from pipedp.privacy.rules.dense_experts import DENSE_EXPERTS, SCORING_ROUTER
 
@@ -31,20 +31,6 @@ def oracle(call, params, n, backprops):
     return {p: torch.stack(gs) for p, gs in out.items()}
 
 
-def check(layer, inputs, backprops, want):
-    got = per_sample_grads(layer, inputs, backprops)
-    for p in want:
-        assert torch.allclose(got[p], want[p], atol=1e-12, rtol=1e-9)
-    norms = ghost_squared_norms(layer, inputs, backprops)
-    assert norms is not None
-    for p in want:
-        assert torch.allclose(norms[p], want[p].reshape(len(want[p]), -1).pow(2).sum(1), atol=1e-12, rtol=1e-9)
-    factors = torch.linspace(0.2, 1.0, backprops.shape[0], dtype=backprops.dtype)
-    summed = clipped_grad_sum(layer, inputs, backprops * factors.reshape((-1,) + (1,) * (backprops.dim() - 1)))
-    for p in want:
-        assert torch.allclose(summed[p], (want[p] * factors.reshape((-1,) + (1,) * p.dim())).sum(0), atol=1e-12)
-
-
 def test_the_bank_every_token_passes_through_matches_per_sample_autograd():
     moe = llama4_moe()
     bank, count, n, t = moe.experts, moe.num_experts, 3, 4
@@ -57,7 +43,7 @@ def test_the_bank_every_token_passes_through_matches_per_sample_autograd():
     want = oracle(lambda i: bank(routed[i].reshape(count * t, -1)).reshape(count, t, -1), params, n, backprops)
     # the capture's fold: [E n T, d] flattened expert-first, held [n, T E, d]
     folded = [v.transpose(1, 2).reshape(n, t * count, -1) for v in (routed, backprops)]
-    check(bank, (folded[0],), folded[1], want)
+    matches(bank, (folded[0],), folded[1], want, rtol=1e-9)
 
 
 def test_the_scoring_router_matches_per_sample_autograd_through_its_own_forward():
@@ -69,4 +55,4 @@ def test_the_scoring_router_matches_per_sample_autograd_through_its_own_forward(
     want = oracle(lambda i: router(hidden[i])[0], [router.weight], n, backprops)
     with torch.no_grad():
         logits = router(hidden.reshape(n * t, -1))[1].reshape(n, t, -1)  # (the capture keeps the forward's own)
-    check(router, (hidden, logits), backprops, want)
+    matches(router, (hidden, logits), backprops, want, rtol=1e-9)
