@@ -120,6 +120,8 @@ class ActivationCapture:
         def hook(module: nn.Module, args, kwargs, output):
             if self._active is None or not torch.is_grad_enabled():
                 return
+            if rule.reads_inputs is not None:
+                args = args[: rule.reads_inputs]
             if rule.kept_part is not None and isinstance(output, tuple):
                 args = (*args, output[rule.kept_part].detach())
             if rule.output_part is not None and isinstance(output, tuple):

@@ -111,7 +111,6 @@ class DistTransport:
             if tensor.dim() > _HEADER - 5:
                 raise TransportError(f"cannot send a {tensor.dim()}-d tensor between stages (at most {_HEADER - 5})")
         tensors = [t.detach().contiguous() for t in tensors]
-        dst, group = self.neighbour[kind.peer], self.channel_group[kind.channel]
         sent = self._pending.setdefault((kind.channel, mb), [])
         slot = self._slot("send", kind, mb)
         spec = _spec(parts, tensors)
@@ -121,23 +120,21 @@ class DistTransport:
                 joined = torch.cat(
                     [self._header(mb, kind, parts, tensor).view(torch.uint8), tensor.reshape(-1).view(torch.uint8)]
                 )
-                sent.append((dist.isend(joined, dst, group=group), joined))
+                sent.append(self._post(joined, kind, mb))
             return
         if known is not None:  # another shape than this pass's earlier micro-batches: say so in the
             code, shape = known[1][0]  # buffer the receiver expects, then announce the new shape
             padding = torch.zeros(_joined_bytes(code, shape) - _HEADER_BYTES, dtype=torch.uint8, device=self.device)
             notice = torch.cat([self._header(mb, kind, _RESHAPED, None).view(torch.uint8), padding])
-            sent.append((dist.isend(notice, dst, group=group), notice))
+            sent.append(self._post(notice, kind, mb))
         if tensors:  # an empty message is never remembered: it always sends its header
             self._known[slot] = spec
         else:
             header = self._header(mb, kind, 0, None)
-            sent.append((dist.isend(header, dst, group=group), header))
+            sent.append(self._post(header, kind, mb))
         for tensor in tensors:  # the header on its own, then the payload allocated from it
             header = self._header(mb, kind, parts, tensor)
-            sent.extend(
-                [(dist.isend(header, dst, group=group), header), (dist.isend(tensor, dst, group=group), tensor)]
-            )
+            sent.extend([self._post(header, kind, mb), self._post(tensor, kind, mb)])
 
     def send_aborted(self, kind: Kind, mb: int) -> None:
         """One header in place of the whole message (every tensor of it): this stage's step failed. It fits
@@ -145,8 +142,20 @@ class DistTransport:
         message into a larger buffer), and the receiver then stops reading that message."""
         self._slot("send", kind, mb)
         header = self._header(mb, kind, _ABORTED, None)
+        self._pending.setdefault((kind.channel, mb), []).append(self._post(header, kind, mb))
+
+    def _post(self, tensor: torch.Tensor, kind: Kind, mb: int) -> tuple:
+        """One isend, kept with its tensor until it completes. Gloo fails the post itself when the peer's
+        connection is already closed: that names the peer like a failed receive."""
         dst, group = self.neighbour[kind.peer], self.channel_group[kind.channel]
-        self._pending.setdefault((kind.channel, mb), []).append((dist.isend(header, dst, group=group), header))
+        try:
+            return dist.isend(tensor, dst, group=group), tensor
+        except RuntimeError as exc:
+            self.broken = True
+            raise TransportError(
+                f"rank {self.rank} (stage {self.stage}) could not send the {CHANNEL_NAMES[kind.channel]} of micro-batch "
+                f"{mb} to rank {dst}: rank {dst} stopped answering or died ({str(exc).splitlines()[0][:200]})"
+            ) from exc
 
     def _header(self, mb: int, kind: Kind, parts: int, tensor) -> torch.Tensor:
         """The message's header, made on this stage's device (one copy from the host)."""

@@ -623,18 +623,20 @@ class DistributedRuntime:
             for stage in range(1, self.mesh.stages):
                 src = self.mesh.rank_of(0, stage)
                 header: List[Any] = [None]
-                dist.recv_object_list(header, src=src, group=self.world_group)
+                self._collective(
+                    "state gather", functools.partial(dist.recv_object_list, header, src, self.world_group)
+                )
                 for name, dtype, shape in header[0]:
                     buffer = torch.empty(shape, dtype=dtype, device=self.device)
-                    dist.recv(buffer, src=src, group=self.world_group)
+                    self._collective("state gather", functools.partial(dist.recv, buffer, src, self.world_group))
                     merged[name] = buffer.cpu()
             return {k: merged[k] for k in self.state_keys if k in merged}
         if self.replica == 0 and self.mesh.t == 0:
-            dist.send_object_list(
-                [[(k, v.dtype, tuple(v.shape)) for k, v in own.items()]], dst=0, group=self.world_group
-            )
+            listing = [[(k, v.dtype, tuple(v.shape)) for k, v in own.items()]]
+            self._collective("state gather", functools.partial(dist.send_object_list, listing, 0, self.world_group))
             for v in own.values():
-                dist.send(v.detach().contiguous().to(self.device), dst=0, group=self.world_group)
+                sent = v.detach().contiguous().to(self.device)
+                self._collective("state gather", functools.partial(dist.send, sent, 0, self.world_group))
         return None
 
     def _whole_state(self) -> Dict[str, torch.Tensor]:

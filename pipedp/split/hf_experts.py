@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import re
 from contextlib import contextmanager
-from typing import Iterator, List, Optional, Tuple
+from typing import Callable, Iterator, List, Optional, Tuple
 
 import torch
 import torch.nn as nn
@@ -92,7 +92,7 @@ def accept_experts(model: nn.Module, path: str, module: nn.Module) -> None:
         router = _router(where, block, bank)
         if outer is not bank:
             _refuse_adapter_states(where, outer, bank)
-        _check(where, router, bank, outer)
+        _check(where, router, _arguments(block, router), bank, outer)
         register(type(router), ROUTER)
         register(type(bank), EXPERTS)
 
@@ -157,6 +157,39 @@ def _router(where: str, block: nn.Module, bank: nn.Module) -> nn.Module:
     return router
 
 
+class _Called(Exception):
+    """Ends the block's call at its router (the call's arguments are all that was wanted)."""
+
+
+def _arguments(block: nn.Module, router: nn.Module) -> Tuple[tuple, dict]:
+    """What the block passes its router besides the hidden states (MiniMax-M2 and HY-V3 pass their
+    ``e_score_correction_bias``), read from one call of the block itself on a token, stopped at the router;
+    none when the block cannot be called on the hidden states alone. Only the first argument is the
+    hidden states the router's rule reads; the others choose the experts, which the rule takes from the
+    forward's own choice."""
+    weight = router.weight
+    if weight.is_meta:
+        return (), {}
+    calls: List[Tuple[tuple, dict]] = []
+
+    def seen(module: nn.Module, args: tuple, kwargs: dict) -> None:
+        calls.append((args[1:], kwargs))
+        raise _Called
+
+    x = torch.zeros(1, 1, weight.shape[1], dtype=weight.dtype, device=weight.device)
+    handle, was = router.register_forward_pre_hook(seen, with_kwargs=True), block.training
+    block.eval()
+    try:
+        with torch.no_grad():
+            block(x)
+    except Exception:  # _Called, or a block that needs more than the hidden states
+        pass
+    finally:
+        handle.remove()
+        block.train(was)
+    return calls[0] if calls else ((), {})
+
+
 def _refuse_adapter_states(where: str, outer: nn.Module, bank: nn.Module) -> None:
     """PEFT's LoRA on the bank's weights as privacy/rules/expert_lora.py reads it: one adapter on each of the
     bank's two weights at most, active and unmerged, and no other trainable tensor below the wrappers."""
@@ -210,14 +243,18 @@ def _random_factors(outer: nn.Module) -> Iterator[None]:
                 t.copy_(was)
 
 
-def _check(where: str, router: nn.Module, bank: nn.Module, outer: nn.Module) -> None:
-    """The router's first output is a Linear's logits and the rule reads the bank as its own forward does
-    (``outer``, PEFT's LoRA wrapping the bank, with random factors as the bank's weights plus their
-    product), on a few random tokens (skipped for weights not loaded yet: the self-check compares every
-    checked sample's gradient with its own backward anyway)."""
+def _check(where: str, router: nn.Module, arguments: Tuple[tuple, dict], bank: nn.Module, outer: nn.Module) -> None:
+    """The router's first output (called with the block's other ``arguments``) is a Linear's logits and the
+    rule reads the bank as its own forward does (``outer``, PEFT's LoRA wrapping the bank, with random
+    factors as the bank's weights plus their product), on a few random tokens (skipped for weights not
+    loaded yet: the self-check compares every checked sample's gradient with its own backward anyway)."""
     weight = router.weight
     if weight.is_meta or bank.down_proj.is_meta:
         return
+
+    def call(hidden: torch.Tensor) -> object:
+        return router(hidden, *arguments[0], **arguments[1])
+
     g = torch.Generator(device="cpu").manual_seed(0)
     x = torch.randn(CHECK_TOKENS, weight.shape[1], generator=g, dtype=torch.float64).to(weight.device, weight.dtype)
     was = (router.training, bank.training)
@@ -225,7 +262,7 @@ def _check(where: str, router: nn.Module, bank: nn.Module, outer: nn.Module) -> 
     try:
         with torch.no_grad():
             try:
-                out = router(x)
+                out = call(x)
             except TypeError as exc:  # a forward that needs more than the hidden states (a bias, the token ids)
                 raise UnsupportedModelError(
                     f"{where}: its router ({type(router).__name__}) cannot be called on the hidden states alone "
@@ -256,7 +293,7 @@ def _check(where: str, router: nn.Module, bank: nn.Module, outer: nn.Module) -> 
             if outer is not bank:
                 _check_adapters(where, outer, bank, (x, index, weights))
         router.train()
-        if _draws_random_numbers(router, x):
+        if _draws_random_numbers(call, x):
             raise UnsupportedModelError(
                 f"{where}: its router draws the experts at random in training (sampled routing, e.g. phimoe's "
                 f"sparsemixer), which pipedp's oracles cannot reproduce and it has not verified: {FREEZE}, or use a "
@@ -381,7 +418,7 @@ def _wrong_per_sample(outer: nn.Module, x: torch.Tensor, index: torch.Tensor, we
     return wrong
 
 
-def _draws_random_numbers(router: nn.Module, x: torch.Tensor) -> bool:
+def _draws_random_numbers(router: Callable[[torch.Tensor], object], x: torch.Tensor) -> bool:
     """Does the router's forward draw from torch's generator (its state moves)? The state is restored."""
     devices = [x.device] if x.device.type == "cuda" else []
     with torch.random.fork_rng(devices=devices, device_type=x.device.type if devices else "cuda"):

@@ -282,6 +282,37 @@ def test_a_trainable_bias_balancing_parameter_is_refused_by_name():
         PipelineDPTrainer(model, token_loss, stages=2, expected_batch_size=4)
 
 
+def routed(model, inputs):
+    """The experts of the first MoE layer for every token."""
+    seen = []
+    block = next(layer.mlp for layer in model.model.layers if hasattr(layer.mlp, "experts"))
+    hook = block.gate.register_forward_hook(lambda m, a, out: seen.append(out[2]))
+    with torch.no_grad():
+        model(**inputs)
+    hook.remove()
+    return seen[0]
+
+
+@pytest.mark.parametrize("model_type", ["minimax_m2", "hy_v3"])
+def test_a_router_passed_its_score_correction_bias_matches_the_loop(model_type):
+    """MiniMax-M2's and HY-V3's blocks pass their router a bias that chooses the experts (not trained): with a
+    bias that changes which experts the tokens go to, the update is the loop oracle's (the construction check
+    calls the router as the block does; the rule reads its hidden states only)."""
+    family = FAMILIES_BY_NAME[model_type]
+    torch.manual_seed(0)
+    model = build(family)
+    inputs, labels = padded_batch("left")
+    unbiased = routed(model, inputs)
+    g = torch.Generator().manual_seed(3)
+    for layer in model.model.layers:
+        bias = getattr(layer.mlp, "e_score_correction_bias", torch.zeros(0))  # (hy_v3's first layer is dense)
+        bias.copy_(torch.rand(bias.shape, generator=g, dtype=bias.dtype))
+    assert not torch.equal(routed(model, inputs), unbiased)  # the bias chooses other experts
+    want = loop_clipped_sum(copy.deepcopy(model), hf_loss, inputs, labels, CLIP)
+    got = pipedp_clipped_sum(model, token_loss, inputs, labels, CLIP, stages=2, microbatches=2)
+    assert max_relative_error(got, want) < family.tolerance
+
+
 def test_planted_a_bank_read_in_the_wrong_layout_is_refused_at_construction():
     model = mixtral()
     for layer in model.model.layers:

@@ -46,3 +46,21 @@ def test_a_corrupt_channel_is_named_by_its_number():
     header[1] = 7
     with pytest.raises(TransportError, match="got the channel 7 of micro-batch 4"):
         transport(1)._check(header, Kind.RECV_B, 4, None)
+
+
+def test_a_send_to_a_peer_whose_connection_closed_names_the_peer(monkeypatch):
+    """Gloo fails the isend itself when the peer's connection is already closed (a killed node): the error is
+    pipedp's, naming the peer, like a failed receive; the transport is marked broken."""
+    import torch.distributed as dist
+
+    def closed(*args, **kwargs):
+        raise RuntimeError("[gloo/transport/tcp/pair.cc:553] Connection closed by peer [127.0.0.1]:29068")
+
+    monkeypatch.setattr(dist, "isend", closed)
+    sender = transport(1)
+    with pytest.raises(
+        TransportError,
+        match=r"rank 1 \(stage 1\) could not send the activation of micro-batch 3 to rank 2: rank 2 stopped answering or died \(.*Connection closed by peer",
+    ):
+        sender.send(Kind.SEND_F, 3, torch.zeros(2))
+    assert sender.broken

@@ -63,6 +63,7 @@ ROUTER = LayerRule(
     add_weight=_on_linear(linear.add_weight),
     costs=_router_costs,
     flat_tokens=True,
+    reads_inputs=1,  # the hidden states (MiniMax-M2's router is also passed its experts' score-correction bias)
     output_part=0,
 )
 

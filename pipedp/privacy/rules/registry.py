@@ -37,6 +37,9 @@ class LayerRule:
     # the layer is called on the micro-batch's tokens flattened to [n T, ...] (every input; a mixture of
     # experts' router and bank): the capture folds its inputs and output-gradient to [n, T, ...]
     flat_tokens: bool = False
+    # the rule reads the layer's first this many positional inputs; the capture keeps only those (a
+    # router's score-correction bias, its second input, chooses experts: the rule takes the forward's choice)
+    reads_inputs: Optional[int] = None
     # the layer returns a tuple: this element carries every gradient its parameters get (a router's logits)
     output_part: Optional[int] = None
     # the layer returns a tuple: this element is kept as one more input of the rule (detached): a scoring
