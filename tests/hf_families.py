@@ -115,7 +115,9 @@ FAMILIES = [
     Family("minimax_m3_vl_text", classification=False, experts=True, float32_inside=True),
     Family("sarvam_moe", classification=False, experts=True, float32_inside=True),
     Family("minimax_m2", "its router passed a score-correction bias", classification=False, experts=True),
-    Family("hy_v3", "its router passed a score-correction bias", classification=False, experts=True, float32_inside=True),
+    Family(
+        "hy_v3", "its router passed a score-correction bias", classification=False, experts=True, float32_inside=True
+    ),
     Family("llama4_text", "every token through every expert", classification=False, experts=True, float32_inside=True),
     Family(
         "phimoe",
