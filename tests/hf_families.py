@@ -118,6 +118,7 @@ FAMILIES = [
     Family(
         "hy_v3", "its router passed a score-correction bias", classification=False, experts=True, float32_inside=True
     ),
+    Family("afmoe", "its router's logits from a Linear inside it", classification=False, experts=True),
     Family("llama4_text", "every token through every expert", classification=False, experts=True, float32_inside=True),
     Family(
         "phimoe",

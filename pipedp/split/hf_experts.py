@@ -23,7 +23,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from ..errors import UnsupportedModelError
-from ..privacy.rules import EXPERTS, ROUTER, register
+from ..privacy.rules import EXPERTS, ROUTER, ROUTER_LINEAR, register
 from ..privacy.rules.dense_experts import (
     DENSE_EXPERTS,
     SCORING_ROUTER,
@@ -92,8 +92,9 @@ def accept_experts(model: nn.Module, path: str, module: nn.Module) -> None:
         router = _router(where, block, bank)
         if outer is not bank:
             _refuse_adapter_states(where, outer, bank)
-        _check(where, router, _arguments(block, router), bank, outer)
-        register(type(router), ROUTER)
+        _check(where, router, _as_called(block, router), bank, outer)
+        logits = _logits_layer(router)
+        register(type(router), ROUTER) if logits is router else register(logits, ROUTER_LINEAR)
         register(type(bank), EXPERTS)
 
 
@@ -134,21 +135,32 @@ def _is_fused_bank(bank: nn.Module) -> bool:
     )
 
 
+def _logits_layer(router: nn.Module) -> nn.Module:
+    """What computes the router's logits: the router with a weight of its own, else its one Linear child
+    (AFMoE's router.gate)."""
+    if isinstance(getattr(router, "weight", None), nn.Parameter):
+        return router
+    linears = [m for m in router.children() if isinstance(m, nn.Linear)]
+    return linears[0] if len(linears) == 1 and not any(p.requires_grad for p in router.parameters(False)) else router
+
+
 def _router(where: str, block: nn.Module, bank: nn.Module) -> nn.Module:
     experts = bank.down_proj.shape[0]
     found = [m for n, m in block.named_children() if n in ROUTER_NAMES and m is not bank]
     router: Optional[nn.Module] = found[0] if found else None
-    weight = getattr(router, "weight", None)
+    weight = getattr(_logits_layer(router), "weight", None) if router is not None else None
     if router is None or not isinstance(weight, nn.Parameter) or weight.dim() != 2 or weight.shape[0] != experts:
         raise UnsupportedModelError(
-            f"{where}: no router (a child named {' or '.join(ROUTER_NAMES)} with a weight [{experts}, hidden]) was "
-            f"found beside its experts: {FREEZE}, or use a dense model"
+            f"{where}: no router (a child named {' or '.join(ROUTER_NAMES)} with a weight [{experts}, hidden], or one "
+            f"Linear child with it) was found beside its experts: {FREEZE}, or use a dense model"
         )
     if getattr(bank, "has_post_expert_norm", False) or getattr(bank, "_is_expert_parallel", False):
         raise UnsupportedModelError(
             f"{where}: expert parallelism and a norm after each expert are not supported: use a plain expert bank"
         )
-    extra = [n for n, p in router.named_parameters() if p.requires_grad and n not in ("weight", "bias")]
+    logits = _logits_layer(router)
+    read = {id(logits.weight), id(getattr(logits, "bias", None))}  # (what the router's rule trains)
+    extra = [n for n, p in router.named_parameters() if p.requires_grad and id(p) not in read]
     if extra:
         raise UnsupportedModelError(
             f"{where}: the router's {extra} are trainable, but they set which experts a token goes to (bias "
@@ -161,33 +173,34 @@ class _Called(Exception):
     """Ends the block's call at its router (the call's arguments are all that was wanted)."""
 
 
-def _arguments(block: nn.Module, router: nn.Module) -> Tuple[tuple, dict]:
-    """What the block passes its router besides the hidden states (MiniMax-M2 and HY-V3 pass their
-    ``e_score_correction_bias``), read from one call of the block itself on a token, stopped at the router;
-    none when the block cannot be called on the hidden states alone. Only the first argument is the
-    hidden states the router's rule reads; the others choose the experts, which the rule takes from the
-    forward's own choice."""
-    weight = router.weight
-    if weight.is_meta:
-        return (), {}
-    calls: List[Tuple[tuple, dict]] = []
+def _as_called(block: nn.Module, router: nn.Module) -> Callable[[torch.Tensor], object]:
+    """The router called as its block calls it, on tokens [T, hidden]: with the other arguments the block
+    passes (MiniMax-M2 and HY-V3 pass their ``e_score_correction_bias``) and the hidden states in the block's
+    layout (AFMoE's router takes them [batch, T, hidden]), read from one call of the block itself on one token,
+    stopped at the router; on the tokens alone when the block cannot be called on the hidden states alone.
+    Only the hidden states are read by the router's rule; the other arguments choose the experts, which the
+    bank's rule takes from the forward's own choice."""
+    weight = _logits_layer(router).weight
+    calls: List[Tuple[int, tuple, dict]] = []
 
     def seen(module: nn.Module, args: tuple, kwargs: dict) -> None:
-        calls.append((args[1:], kwargs))
+        calls.append((args[0].dim(), args[1:], kwargs))
         raise _Called
 
-    x = torch.zeros(1, 1, weight.shape[1], dtype=weight.dtype, device=weight.device)
-    handle, was = router.register_forward_pre_hook(seen, with_kwargs=True), block.training
-    block.eval()
-    try:
-        with torch.no_grad():
-            block(x)
-    except Exception:  # _Called, or a block that needs more than the hidden states
-        pass
-    finally:
-        handle.remove()
-        block.train(was)
-    return calls[0] if calls else ((), {})
+    if not weight.is_meta:
+        x = torch.zeros(1, 1, weight.shape[1], dtype=weight.dtype, device=weight.device)
+        handle, was = router.register_forward_pre_hook(seen, with_kwargs=True), block.training
+        block.eval()
+        try:
+            with torch.no_grad():
+                block(x)
+        except Exception:  # _Called, or a block that needs more than the hidden states
+            pass
+        finally:
+            handle.remove()
+            block.train(was)
+    dim, args, kwargs = calls[0] if calls else (2, (), {})
+    return lambda hidden: router(hidden.reshape((1,) * (dim - 2) + tuple(hidden.shape)), *args, **kwargs)
 
 
 def _refuse_adapter_states(where: str, outer: nn.Module, bank: nn.Module) -> None:
@@ -243,18 +256,15 @@ def _random_factors(outer: nn.Module) -> Iterator[None]:
                 t.copy_(was)
 
 
-def _check(where: str, router: nn.Module, arguments: Tuple[tuple, dict], bank: nn.Module, outer: nn.Module) -> None:
-    """The router's first output (called with the block's other ``arguments``) is a Linear's logits and the
+def _check(where: str, router: nn.Module, call: Callable, bank: nn.Module, outer: nn.Module) -> None:
+    """The router's first output (``call``: the router as its block calls it) is a Linear's logits and the
     rule reads the bank as its own forward does (``outer``, PEFT's LoRA wrapping the bank, with random
     factors as the bank's weights plus their product), on a few random tokens (skipped for weights not
     loaded yet: the self-check compares every checked sample's gradient with its own backward anyway)."""
-    weight = router.weight
+    logits_layer = _logits_layer(router)
+    weight = logits_layer.weight
     if weight.is_meta or bank.down_proj.is_meta:
         return
-
-    def call(hidden: torch.Tensor) -> object:
-        return router(hidden, *arguments[0], **arguments[1])
-
     g = torch.Generator(device="cpu").manual_seed(0)
     x = torch.randn(CHECK_TOKENS, weight.shape[1], generator=g, dtype=torch.float64).to(weight.device, weight.dtype)
     was = (router.training, bank.training)
@@ -274,7 +284,7 @@ def _check(where: str, router: nn.Module, arguments: Tuple[tuple, dict], bank: n
                     f"{where}: its router returns {type(out).__name__}, not (logits, weights, experts): {FREEZE}"
                 )
             logits, weights, index = out[0], out[1], out[2]
-            want = F.linear(x, weight, getattr(router, "bias", None))
+            want = F.linear(x, weight, getattr(logits_layer, "bias", None))
             if logits.shape != want.shape or not torch.allclose(logits.to(want.dtype), want, rtol=1e-3, atol=1e-5):
                 raise UnsupportedModelError(
                     f"{where}: its router's first output is not F.linear(hidden, weight, bias), which pipedp's "

@@ -313,6 +313,29 @@ def test_a_router_passed_its_score_correction_bias_matches_the_loop(model_type):
     assert max_relative_error(got, want) < family.tolerance
 
 
+def test_planted_a_router_reading_its_linear_s_weight_outside_its_call_is_refused():
+    """AFMoE's router's Linear child has the router-Linear rule, which reads the Linear's calls: a router that
+    computes its logits from the Linear's weight without calling it (a planted F.linear) is refused, not
+    trained with no per-sample gradient."""
+    import torch.nn.functional as F
+
+    model = build(FAMILIES_BY_NAME["afmoe"])
+    router_type = type(next(layer.mlp.router for layer in model.model.layers if hasattr(layer.mlp, "router")))
+
+    def planted(self, hidden_states, expert_bias):  # AFMoE's router, its Linear's weight read without a call
+        logits = F.linear(hidden_states.view(-1, hidden_states.shape[-1]), self.gate.weight).to(torch.float32)
+        scores = torch.sigmoid(logits)
+        experts = torch.topk(scores + expert_bias, k=self.top_k, dim=1)[1]
+        top = scores.gather(1, experts)
+        return logits, top / (top.sum(-1, keepdim=True) + 1e-20) * self.route_scale, experts
+
+    with mock.patch.object(router_type, "forward", planted):
+        want = loop_clipped_sum(copy.deepcopy(model), hf_loss, *padded_batch("right"), CLIP)  # (it runs)
+        assert all(v.isfinite().all() for v in want.values())
+        with pytest.raises(UnsupportedModelError, match="read outside"):
+            PipelineDPTrainer(model, token_loss, stages=2, expected_batch_size=4)
+
+
 def test_planted_a_bank_read_in_the_wrong_layout_is_refused_at_construction():
     model = mixtral()
     for layer in model.model.layers:
