@@ -119,6 +119,7 @@ FAMILIES = [
         "hy_v3", "its router passed a score-correction bias", classification=False, experts=True, float32_inside=True
     ),
     Family("afmoe", "its router's logits from a Linear inside it", classification=False, experts=True),
+    Family("hunyuan_v1_moe", "its router's logits from a Linear inside it", HEAD_DIM_8, experts=True),
     Family("llama4_text", "every token through every expert", classification=False, experts=True, float32_inside=True),
     Family(
         "phimoe",

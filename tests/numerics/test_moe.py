@@ -336,6 +336,25 @@ def test_planted_a_router_reading_its_linear_s_weight_outside_its_call_is_refuse
             PipelineDPTrainer(model, token_loss, stages=2, expected_batch_size=4)
 
 
+def test_dbrx_s_bank_is_refused_by_name_and_trains_what_is_around_it_once_frozen():
+    """DBRX keeps its experts as [E h, d] matrices sliced per expert inside the bank's loop (no fused layout):
+    refused by name, and with its expert blocks frozen the rest matches the loop oracle (docs/models.md)."""
+    sizes = {"ffn_hidden_size": 16, "moe_num_experts": 4, "moe_top_k": 2, "moe_jitter_eps": None}
+    attention = {"kv_n_heads": 1, "rope_theta": 10000.0, "clip_qkv": 8.0}
+    config = {"d_model": 16, "n_heads": 2, "n_layers": 3, "max_seq_len": 32, "ffn_config": sizes}
+    torch.manual_seed(0)
+    config = tiny_config(Family("dbrx", config={**config, "attn_config": attention}))
+    model = transformers.AutoModelForCausalLM.from_config(config).double()
+    with pytest.raises(UnsupportedModelError, match=r"DbrxForCausalLM: transformer.blocks.0.ffn \(DbrxFFN\) .*freeze"):
+        PipelineDPTrainer(copy.deepcopy(model), token_loss, stages=2, expected_batch_size=4)
+    for block in model.transformer.blocks:
+        block.ffn.requires_grad_(False)
+    inputs, labels = padded_batch("right")
+    want = loop_clipped_sum(copy.deepcopy(model), hf_loss, inputs, labels, CLIP)
+    got = pipedp_clipped_sum(model, token_loss, inputs, labels, CLIP, stages=2, microbatches=2)
+    assert max_relative_error(got, want) < 1e-12
+
+
 def test_planted_a_bank_read_in_the_wrong_layout_is_refused_at_construction():
     model = mixtral()
     for layer in model.model.layers:
