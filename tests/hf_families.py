@@ -132,8 +132,8 @@ FAMILIES = [
         attention=("eager",),
         classification=False,
         experts=True,
-        status="refused: its attention owns trainable sinks, called with keyword arguments",
-        refusal="self_attn is called with keyword arguments",
+        status="refused: its attention owns trainable sinks, called with keyword arguments (exact with them frozen)",
+        refusal=r"self_attn owns trainable \['sinks'\] itself and is called with keyword arguments",
     ),
     Family("cohere", "logit scale", {"logit_scale": 0.5}, classification=False, float32_inside=True),
     Family(

@@ -24,7 +24,7 @@ import torch
 import torch.nn as nn
 
 from ..errors import UnsupportedModelError
-from ..privacy.rules import holds_below, rule_for
+from ..privacy.rules import holds_below, layer_parameters, rule_for
 from .hf_runs import read_outside_calls, standing_in, trainable_of
 
 
@@ -59,9 +59,14 @@ def find_fixes(
             "model a pipeline_blocks() method"
         )
     for path, keys in seen.keywords.items():
+        owner = layer.get_submodule(path)
+        own = [n for n, p in layer_parameters(owner) if p.requires_grad] if not holds_below(owner) else []
+        named = f" owns trainable {own} itself and" if own else ""
+        what = f"freeze {own} in every layer (requires_grad_(False); the module's child layers still train)"
+        what = what if own else "freeze it"
         raise UnsupportedModelError(
-            f"{where}.{path} is called with keyword arguments {keys}, which per-sample capture cannot replay: freeze "
-            "it, or give the model a pipeline_blocks() method"
+            f"{where}.{path}{named} is called with keyword arguments {keys}, which per-sample capture cannot replay: "
+            f"{what}, or give the model a pipeline_blocks() method"
         )
     # a router or expert bank takes the tokens flattened by design: its capture folds them (rules/experts.py)
     rules = {p: rule_for(layer.get_submodule(p)) for p in seen.first_dims}
