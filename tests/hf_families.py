@@ -120,6 +120,28 @@ FAMILIES = [
     ),
     Family("afmoe", "its router's logits from a Linear inside it", classification=False, experts=True),
     Family("hunyuan_v1_moe", "its router's logits from a Linear inside it", HEAD_DIM_8, experts=True),
+    Family(
+        "dots1",
+        "a dense first layer; grouped routing",
+        {
+            **HEAD_DIM_8,
+            "n_routed_experts": 4,
+            "n_shared_experts": 1,
+            "first_k_dense_replace": 1,
+            "n_group": 1,
+            "topk_group": 1,
+        },
+        classification=False,
+        experts=True,
+        float32_inside=True,
+    ),
+    Family(
+        "lfm2_moe",
+        "attention layers only (its convolution layers are refused as lfm2's)",
+        {"layer_types": ["full_attention"] * 3, "num_dense_layers": 1},
+        classification=False,
+        experts=True,
+    ),
     Family("llama4_text", "every token through every expert", classification=False, experts=True, float32_inside=True),
     Family(
         "phimoe",
