@@ -135,12 +135,11 @@ def rule_rows() -> List[List[str]]:
     def layer_name(layer: type) -> str:
         return f"`nn.{layer.__name__}`" if layer.__module__.startswith("torch.nn") else f"`{layer.__qualname__}`"
 
-    from pipedp.privacy.rules import EXPERTS, ROUTER, ROUTER_LINEAR
+    from pipedp.privacy.rules import EXPERTS, ROUTER
     from pipedp.privacy.rules.dense_experts import DENSE_EXPERTS, SCORING_ROUTER
 
     per_class = (
         (ROUTER, "a mixture of experts' router"),
-        (ROUTER_LINEAR, "the Linear inside a router that computes its logits (AFMoE's)"),
         (EXPERTS, "a fused expert bank"),
         (SCORING_ROUTER, "a router scoring every expert (Llama-4's)"),
         (DENSE_EXPERTS, "an expert bank every token passes through (Llama-4's)"),
@@ -170,12 +169,11 @@ def rule_rows() -> List[List[str]]:
     rows += [
         [
             "Layer rules",
-            f"`{rule.name}`: {what}, registered for each {kind} split/hf_experts.py checks",
-            f"registered per checked {kind}",
+            f"`{rule.name}`: {what}, registered for each class split/hf_experts.py checks",
+            "registered per checked class",
             source(rule),
         ]
         for rule, what in per_class
-        for kind in ["module" if rule is ROUTER_LINEAR else "class"]
     ]
     opacus = sorted(t.__name__ for t in generic.GRAD_SAMPLERS if t not in RULES)
     rows.append(

@@ -16,14 +16,15 @@ from __future__ import annotations
 
 import re
 from contextlib import contextmanager
-from typing import Callable, Iterator, List, Optional, Tuple
+from dataclasses import dataclass, field
+from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
 from ..errors import UnsupportedModelError
-from ..privacy.rules import EXPERTS, ROUTER, ROUTER_LINEAR, register
+from ..privacy.rules import EXPERTS, ROUTER, register
 from ..privacy.rules.dense_experts import (
     DENSE_EXPERTS,
     SCORING_ROUTER,
@@ -90,11 +91,12 @@ def accept_experts(model: nn.Module, path: str, module: nn.Module) -> None:
                 f"[experts, out, in]): {FREEZE}, or use a dense model"
             )
         router = _router(where, block, bank)
+        logits = _logits_layer(router)
         if outer is not bank:
             _refuse_adapter_states(where, outer, bank)
-        _check(where, router, _as_called(block, router), bank, outer)
-        logits = _logits_layer(router)
-        register(type(router), ROUTER) if logits is router else register(logits, ROUTER_LINEAR)
+        _check(where, logits, _as_called(where, block, router, logits), bank, outer)
+        if logits is router:  # (a Linear child computing the logits is a Linear on flattened tokens: hf_capturable)
+            register(type(router), ROUTER)
         register(type(bank), EXPERTS)
 
 
@@ -159,7 +161,7 @@ def _router(where: str, block: nn.Module, bank: nn.Module) -> nn.Module:
             f"{where}: expert parallelism and a norm after each expert are not supported: use a plain expert bank"
         )
     logits = _logits_layer(router)
-    read = {id(logits.weight), id(getattr(logits, "bias", None))}  # (what the router's rule trains)
+    read = {id(logits.weight), id(getattr(logits, "bias", None))}  # (what computes the logits)
     extra = [n for n, p in router.named_parameters() if p.requires_grad and id(p) not in read]
     if extra:
         raise UnsupportedModelError(
@@ -169,38 +171,92 @@ def _router(where: str, block: nn.Module, bank: nn.Module) -> nn.Module:
     return router
 
 
-class _Called(Exception):
-    """Ends the block's call at its router (the call's arguments are all that was wanted)."""
+class _Called(BaseException):
+    """Ends the block's call at its router (the call's arguments are all that was wanted; a BaseException, so
+    that no ``except Exception`` in the block takes it)."""
 
 
-def _as_called(block: nn.Module, router: nn.Module) -> Callable[[torch.Tensor], object]:
-    """The router called as its block calls it, on tokens [T, hidden]: with the other arguments the block
-    passes (MiniMax-M2 and HY-V3 pass their ``e_score_correction_bias``) and the hidden states in the block's
-    layout (AFMoE's router takes them [batch, T, hidden]), read from one call of the block itself on one token,
+@contextmanager
+def _modes_kept(*modules: nn.Module) -> Iterator[None]:
+    """Each of the modules, and every module below them, back in its own training mode after."""
+    modes = {m: m.training for top in modules for m in top.modules()}
+    try:
+        yield
+    finally:
+        for m, mode in modes.items():
+            m.training = mode
+
+
+@dataclass
+class _RouterCall:
+    """The router as its block calls it: the hidden states in the block's layout (``dim``: AFMoE's router
+    takes them [batch, T, hidden]) and the other arguments the block passes (MiniMax-M2 and HY-V3 pass their
+    ``e_score_correction_bias``), on tokens [T, hidden]."""
+
+    router: nn.Module
+    dim: int = 2
+    args: tuple = ()
+    kwargs: Dict[str, Any] = field(default_factory=dict)
+
+    def __call__(self, hidden: torch.Tensor, others: Optional[Tuple[tuple, dict]] = None) -> Any:
+        args, kwargs = others if others is not None else (self.args, self.kwargs)
+        return self.router(hidden.reshape((1,) * (self.dim - 2) + tuple(hidden.shape)), *args, **kwargs)
+
+    def others(self, g: torch.Generator) -> Tuple[tuple, dict]:
+        """The other arguments with every float in them drawn at random."""
+
+        def drawn(v: Any) -> Any:
+            if isinstance(v, torch.Tensor) and v.is_floating_point():
+                return torch.randn(v.shape, generator=g, dtype=torch.float64).to(v.device, v.dtype)
+            return 1.7 * v + 0.3 if isinstance(v, float) else v
+
+        return tuple(drawn(a) for a in self.args), {k: drawn(v) for k, v in self.kwargs.items()}
+
+
+def _as_called(where: str, block: nn.Module, router: nn.Module, logits: nn.Module) -> _RouterCall:
+    """The router as its block calls it, read from one call of the block itself on one token (in eval mode),
     stopped at the router; on the tokens alone when the block cannot be called on the hidden states alone.
-    Only the hidden states are read by the router's rule; the other arguments choose the experts, which the
-    bank's rule takes from the forward's own choice."""
-    weight = _logits_layer(router).weight
-    calls: List[Tuple[int, tuple, dict]] = []
+    The router's rule reads the hidden states only: a tensor the block passes besides them must be the
+    block's own frozen buffer or parameter (one that only chooses experts, which the bank's rule takes from
+    the forward's own choice; _check verifies the logits do not depend on it), anything else is refused."""
+    weight = logits.weight
+    calls: List[_RouterCall] = []
 
     def seen(module: nn.Module, args: tuple, kwargs: dict) -> None:
-        calls.append((args[0].dim(), args[1:], kwargs))
+        calls.append(_RouterCall(router, args[0].dim(), args[1:], kwargs))
         raise _Called
 
-    if not weight.is_meta:
-        x = torch.zeros(1, 1, weight.shape[1], dtype=weight.dtype, device=weight.device)
-        handle, was = router.register_forward_pre_hook(seen, with_kwargs=True), block.training
-        block.eval()
-        try:
-            with torch.no_grad():
-                block(x)
-        except Exception:  # _Called, or a block that needs more than the hidden states
-            pass
-        finally:
-            handle.remove()
-            block.train(was)
-    dim, args, kwargs = calls[0] if calls else (2, (), {})
-    return lambda hidden: router(hidden.reshape((1,) * (dim - 2) + tuple(hidden.shape)), *args, **kwargs)
+    if weight.is_meta:
+        return _RouterCall(router)
+    x = torch.zeros(1, 1, weight.shape[1], dtype=weight.dtype, device=weight.device)
+    handle = router.register_forward_pre_hook(seen, with_kwargs=True)
+    try:
+        with torch.no_grad(), _modes_kept(block):
+            block.eval()(x)
+    except _Called:
+        pass
+    except Exception:  # a block that needs more than the hidden states: its router is called on them alone
+        pass
+    finally:
+        handle.remove()
+    call = calls[0] if calls else _RouterCall(router)
+    owned = {id(t): (n, t.requires_grad) for n, t in [*block.named_parameters(), *block.named_buffers()]}
+    for value in [*call.args, *call.kwargs.values()]:
+        if not isinstance(value, torch.Tensor):
+            continue
+        name, trained = owned.get(id(value), (None, False))
+        if name is None:
+            raise UnsupportedModelError(
+                f"{where}: its block passes its router ({type(router).__name__}) a tensor besides the hidden states "
+                f"that is not the block's own (computed in the forward), which pipedp's per-sample rule for the "
+                f"router does not read: {FREEZE}"
+            )
+        if trained:
+            raise UnsupportedModelError(
+                f"{where}: its block passes its router {name}, a trainable tensor that sets which experts a token goes "
+                "to (bias balancing), not its output's gradient: freeze it (requires_grad_(False))"
+            )
+    return call
 
 
 def _refuse_adapter_states(where: str, outer: nn.Module, bank: nn.Module) -> None:
@@ -256,52 +312,57 @@ def _random_factors(outer: nn.Module) -> Iterator[None]:
                 t.copy_(was)
 
 
-def _check(where: str, router: nn.Module, call: Callable, bank: nn.Module, outer: nn.Module) -> None:
-    """The router's first output (``call``: the router as its block calls it) is a Linear's logits and the
-    rule reads the bank as its own forward does (``outer``, PEFT's LoRA wrapping the bank, with random
-    factors as the bank's weights plus their product), on a few random tokens (skipped for weights not
-    loaded yet: the self-check compares every checked sample's gradient with its own backward anyway)."""
-    logits_layer = _logits_layer(router)
-    weight = logits_layer.weight
+def _check(where: str, logits_layer: nn.Module, call: _RouterCall, bank: nn.Module, outer: nn.Module) -> None:
+    """The router's first output (``call``: the router as its block calls it) is the logits of
+    ``logits_layer`` (the router, or its Linear child), whatever else the block passes it, and the rule reads
+    the bank as its own forward does (``outer``, PEFT's LoRA wrapping the bank, with random factors as the
+    bank's weights plus their product), on a few random tokens (skipped for weights not loaded yet: the
+    self-check compares every checked sample's gradient with its own backward anyway)."""
+    router, weight = call.router, logits_layer.weight
     if weight.is_meta or bank.down_proj.is_meta:
         return
     g = torch.Generator(device="cpu").manual_seed(0)
     x = torch.randn(CHECK_TOKENS, weight.shape[1], generator=g, dtype=torch.float64).to(weight.device, weight.dtype)
-    was = (router.training, bank.training)
-    router.eval(), bank.eval()
-    try:
-        with torch.no_grad():
-            try:
-                out = call(x)
-            except TypeError as exc:  # a forward that needs more than the hidden states (a bias, the token ids)
-                raise UnsupportedModelError(
-                    f"{where}: its router ({type(router).__name__}) cannot be called on the hidden states alone "
-                    f"({exc}), as pipedp's per-sample rule for it calls it: {FREEZE}, or use a model whose router "
-                    "takes the hidden states"
-                ) from exc
-            if not isinstance(out, tuple) or len(out) < 3:
-                raise UnsupportedModelError(
-                    f"{where}: its router returns {type(out).__name__}, not (logits, weights, experts): {FREEZE}"
-                )
-            logits, weights, index = out[0], out[1], out[2]
-            want = F.linear(x, weight, getattr(logits_layer, "bias", None))
-            if logits.shape != want.shape or not torch.allclose(logits.to(want.dtype), want, rtol=1e-3, atol=1e-5):
-                raise UnsupportedModelError(
-                    f"{where}: its router's first output is not F.linear(hidden, weight, bias), which pipedp's "
-                    f"per-sample rule for it assumes: {FREEZE}"
-                )
-            own = bank(x, index, weights)
-            try:
-                recomputed = recomputed_output(bank, x, index, weights)
-            except RuntimeError:  # (the weights' shapes do not fit the layout the flags describe)
-                recomputed = None
-            if recomputed is None or not torch.allclose(recomputed.to(own.dtype), own, rtol=1e-3, atol=1e-5):
-                raise UnsupportedModelError(
-                    f"{where}: its experts ({type(bank).__name__}) do not compute what pipedp's per-sample rule reads "
-                    f"from their weights (the fused layout's gate, activation and routing weights): {FREEZE}"
-                )
-            if outer is not bank:
-                _check_adapters(where, outer, bank, (x, index, weights))
+    with torch.no_grad(), _modes_kept(router, bank):
+        router.eval(), bank.eval()
+        try:
+            out = call(x)
+        except Exception as exc:  # a forward that needs more than the hidden states (the token ids)
+            passed = [type(v).__name__ for v in [*call.args, *call.kwargs.values()]]
+            raise UnsupportedModelError(
+                f"{where}: its router ({type(router).__name__}) cannot be called on the hidden states with what its "
+                f"block passes it besides them ({passed}): {type(exc).__name__}: {exc}; pipedp's per-sample rule "
+                f"for it calls it so: {FREEZE}, or use a model whose router takes the hidden states"
+            ) from exc
+        if not isinstance(out, tuple) or len(out) < 3:
+            raise UnsupportedModelError(
+                f"{where}: its router returns {type(out).__name__}, not (logits, weights, experts): {FREEZE}"
+            )
+        logits, weights, index = out[0], out[1], out[2]
+        want = F.linear(x, weight, getattr(logits_layer, "bias", None))
+        if logits.shape != want.shape or not torch.allclose(logits.to(want.dtype), want, rtol=1e-3, atol=1e-5):
+            raise UnsupportedModelError(
+                f"{where}: its router's first output is not F.linear(hidden, weight, bias), which pipedp's "
+                f"per-sample rule for it assumes: {FREEZE}"
+            )
+        if (call.args or call.kwargs) and not torch.allclose(call(x, call.others(g))[0], logits, rtol=1e-6, atol=0):
+            raise UnsupportedModelError(
+                f"{where}: its router's logits change with what its block passes it besides the hidden states, which "
+                f"pipedp's per-sample rule for the router does not read: {FREEZE}"
+            )
+        own = bank(x, index, weights)
+        try:
+            recomputed = recomputed_output(bank, x, index, weights)
+        except RuntimeError:  # (the weights' shapes do not fit the layout the flags describe)
+            recomputed = None
+        if recomputed is None or not torch.allclose(recomputed.to(own.dtype), own, rtol=1e-3, atol=1e-5):
+            raise UnsupportedModelError(
+                f"{where}: its experts ({type(bank).__name__}) do not compute what pipedp's per-sample rule reads "
+                f"from their weights (the fused layout's gate, activation and routing weights): {FREEZE}"
+            )
+        if outer is not bank:
+            _check_adapters(where, outer, bank, (x, index, weights))
+    with _modes_kept(router):
         router.train()
         if _draws_random_numbers(call, x):
             raise UnsupportedModelError(
@@ -309,8 +370,6 @@ def _check(where: str, router: nn.Module, call: Callable, bank: nn.Module, outer
                 f"sparsemixer), which pipedp's oracles cannot reproduce and it has not verified: {FREEZE}, or use a "
                 "model with top-k routing"
             )
-    finally:
-        router.train(was[0]), bank.train(was[1])
 
 
 def _check_dense(where: str, router: nn.Module, bank: nn.Module) -> None:
@@ -346,13 +405,10 @@ def _check_dense(where: str, router: nn.Module, bank: nn.Module) -> None:
             f"{where}: its router ({type(router).__name__}) cannot be replayed as one F.linear of its input and "
             f"weight and a function of the logits ({exc}), as pipedp's per-sample rule for it does: {FREEZE}"
         ) from exc
-    was = router.training
-    router.train()
-    try:
+    with _modes_kept(router):
+        router.train()
         if _draws_random_numbers(router, x[0]):
             raise UnsupportedModelError(f"{where}: its router draws random numbers in training: {FREEZE}")
-    finally:
-        router.train(was)
 
 
 def _check_router_gradients(where: str, router: nn.Module, x: torch.Tensor, grad_scores: torch.Tensor) -> None:

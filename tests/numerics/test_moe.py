@@ -11,6 +11,7 @@ from unittest import mock
 import pytest
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
 
 transformers = pytest.importorskip("transformers")
 from hf_families import CLIP, FAMILIES, Family, build, padded_batch, tiny_config  # noqa: E402
@@ -332,12 +333,87 @@ def test_a_router_passed_its_score_correction_bias_matches_the_loop(model_type):
     assert max_relative_error(got, want) < family.tolerance
 
 
-def test_planted_a_router_reading_its_linear_s_weight_outside_its_call_is_refused():
-    """AFMoE's router's Linear child has the router-Linear rule, which reads the Linear's calls: a router that
-    computes its logits from the Linear's weight without calling it (a planted F.linear) is refused, not
-    trained with no per-sample gradient."""
-    import torch.nn.functional as F
+def routers_passed(passed):
+    """Mixtral's router and block forwards with the block passing its router ``passed(block, hidden)`` too;
+    the router divides its logits by it when ``scales`` (a temperature) and only adds it to the scores
+    that choose the experts otherwise (a score-correction bias)."""
+    from transformers.models.mixtral import modeling_mixtral as mm
 
+    def router_forward(self, hidden_states, extra, scales=False):
+        logits = F.linear(hidden_states.reshape(-1, self.hidden_dim), self.weight)
+        logits = logits / extra if scales else logits
+        probs = torch.softmax(logits.float(), dim=-1)
+        index = torch.topk(probs + (0 if scales else extra), self.top_k, dim=-1)[1]
+        top = probs.gather(1, index)
+        return logits, top / top.sum(dim=-1, keepdim=True), index
+
+    def block_forward(self, hidden_states):
+        b, t, d = hidden_states.shape
+        h = hidden_states.view(-1, d)
+        _, weights, index = self.gate(h, *passed(self, h))
+        return self.experts(h, index, weights).reshape(b, t, d)
+
+    return mock.patch.multiple(mm.MixtralTopKRouter, forward=router_forward), mock.patch.multiple(
+        mm.MixtralSparseMoeBlock, forward=block_forward
+    )
+
+
+@pytest.mark.parametrize(
+    "passed, refusal",
+    [
+        (lambda block, h: (block.temperature, True), "router's logits change with what its block passes it"),
+        (lambda block, h: (h.sum(0), False), "a tensor besides the hidden states that is not the block's own"),
+        (lambda block, h: (block.balance, False), "passes its router balance, a trainable tensor .* freeze it"),
+    ],
+    ids=["a temperature buffer", "a tensor computed in the forward", "a trainable bias"],
+)
+def test_planted_what_a_block_passes_its_router_besides_the_hidden_states_is_refused_unless_it_only_chooses(
+    passed, refusal
+):
+    """The router's rule reads its hidden states only: what else its block passes it must be the block's own
+    frozen tensor and leave the logits as they are (checked with it drawn at random: a temperature that is 1
+    at construction would otherwise pass and train wrong gradients once changed, as the review of 2026-12-06
+    showed). A frozen score-correction bias is accepted and matches the loop oracle."""
+    model = mixtral()
+    for layer in model.model.layers:
+        layer.mlp.register_buffer("temperature", torch.tensor(1.0, dtype=torch.float64))
+        layer.mlp.balance = nn.Parameter(torch.zeros(4, dtype=torch.float64))
+        layer.mlp.register_buffer("correction", torch.rand(4, dtype=torch.float64))
+    router, block = routers_passed(passed)
+    with router, block, pytest.raises(UnsupportedModelError, match=rf"model.layers.0.mlp .*{refusal}"):
+        PipelineDPTrainer(model, token_loss, stages=2, expected_batch_size=4)
+    for layer in model.model.layers:
+        layer.mlp.balance.requires_grad_(False)
+    router, block = routers_passed(lambda block, h: (block.correction, False))
+    with router, block:
+        inputs, labels = padded_batch("right")
+        want = loop_clipped_sum(copy.deepcopy(model), hf_loss, inputs, labels, CLIP)
+        got = pipedp_clipped_sum(model, token_loss, inputs, labels, CLIP, stages=2, microbatches=2)
+    assert max_relative_error(got, want) < 1e-12
+
+
+def test_deepseek_v4_s_hash_router_on_the_token_ids_is_refused_by_name():
+    torch.manual_seed(0)
+    config = tiny_config(Family("deepseek_v4"))
+    model = transformers.AutoModelForCausalLM.from_config(config, experts_implementation="eager")
+    with pytest.raises(UnsupportedModelError, match=r"DeepseekV4HashRouter\) cannot be called on the hidden states"):
+        PipelineDPTrainer(model, token_loss, stages=2, expected_batch_size=4)
+
+
+def test_construction_leaves_every_module_in_its_own_training_mode():
+    model = mixtral().train()
+    for layer in model.model.layers:
+        layer.mlp.experts.eval()  # (a user's choice below a block the checks run in eval mode)
+        layer.mlp.gate.eval()
+    PipelineDPTrainer(model, token_loss, stages=2, expected_batch_size=4)
+    assert all(not layer.mlp.experts.training and not layer.mlp.gate.training for layer in model.model.layers)
+    assert all(layer.mlp.training and layer.self_attn.training for layer in model.model.layers)
+
+
+def test_planted_a_router_reading_its_linear_s_weight_outside_its_call_is_refused():
+    """AFMoE's router computes its logits with a Linear child, captured as any Linear called on flattened
+    tokens (from its calls): a router that computes them from the Linear's weight without calling it (a
+    planted F.linear) is refused, not trained with no per-sample gradient."""
     model = build(FAMILIES_BY_NAME["afmoe"])
     router_type = type(next(layer.mlp.router for layer in model.model.layers if hasattr(layer.mlp, "router")))
 

@@ -24,7 +24,7 @@ from __future__ import annotations
 import torch.nn as nn
 
 from . import embedding, expert_lora, generic, layer_norm, linear  # noqa: F401  (each registers its rules)
-from .experts import EXPERTS, ROUTER, ROUTER_LINEAR  # (registered per class by the adapter that checks a model's bank)
+from .experts import EXPERTS, ROUTER  # (registered per class by the adapter that checks a model's bank)
 from .registry import (
     RULES,
     Grads,
@@ -47,7 +47,6 @@ __all__ = [
     "holds_below",
     "EXPERTS",
     "ROUTER",
-    "ROUTER_LINEAR",
 ]
 
 

@@ -47,8 +47,8 @@ def _on_linear(fn):
     return lambda router, *args: fn(_as_linear(router), *args)
 
 
-def _flat_costs(layer, inputs, backprops) -> Dict[str, float]:
-    table = linear.costs(layer, inputs, backprops)
+def _router_costs(router, inputs, backprops) -> Dict[str, float]:
+    table = linear.costs(_as_linear(router), inputs, backprops)
     table.pop("keep", None)  # (the router's capture is freed at W like any other's)
     return table
 
@@ -61,23 +61,10 @@ ROUTER = LayerRule(
     _on_linear(linear.norms),
     pools_positions=True,
     add_weight=_on_linear(linear.add_weight),
-    costs=_on_linear(_flat_costs),
+    costs=_router_costs,
     flat_tokens=True,
     reads_inputs=1,  # the hidden states (MiniMax-M2's router is also passed its experts' score-correction bias)
     output_part=0,
-)
-
-# the Linear a router computes its logits with on the flattened tokens (AFMoE's router.gate): the Linear rule
-# on the tokens folded per sample, registered for that module only (a Linear elsewhere takes batch-first inputs)
-ROUTER_LINEAR = LayerRule(
-    "router (its Linear)",
-    linear.grads,
-    linear.weight,
-    linear.norms,
-    pools_positions=True,
-    add_weight=linear.add_weight,
-    costs=_flat_costs,
-    flat_tokens=True,
 )
 
 

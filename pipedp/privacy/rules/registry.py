@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import weakref
 from dataclasses import dataclass
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
@@ -57,26 +56,19 @@ class LayerRule:
 
 RULES: Dict[type, LayerRule] = {}
 PREDICATES: List[Tuple[Callable[[nn.Module], bool], LayerRule]] = []
-# rules for one module, not its type: a router's Linear that computes its logits on the flattened tokens
-# (registered by the adapter that checked it; forgotten with the module)
-MODULES: "weakref.WeakKeyDictionary[nn.Module, LayerRule]" = weakref.WeakKeyDictionary()
 
 
-def register(layer: "type | nn.Module | Callable[[nn.Module], bool]", rule: LayerRule) -> None:
-    """Register ``rule`` for a layer type (exact type match), for one module, or for every module a predicate
-    accepts."""
+def register(layer: "type | Callable[[nn.Module], bool]", rule: LayerRule) -> None:
+    """Register ``rule`` for a layer type (exact type match), or for every module a predicate accepts."""
     if isinstance(layer, type):
         RULES[layer] = rule
-    elif isinstance(layer, nn.Module):
-        MODULES[layer] = rule
     else:
         PREDICATES.append((layer, rule))
 
 
 def typed_rule(module: nn.Module) -> Optional[LayerRule]:
-    """The rule registered for the module itself, else for its exact type, else the first registered
-    predicate's that accepts it."""
-    rule = MODULES.get(module) or RULES.get(type(module))
+    """The rule registered for the module's exact type, else the first registered predicate's that accepts it."""
+    rule = RULES.get(type(module))
     if rule is not None:
         return rule
     return next((rule for accepts, rule in PREDICATES if accepts(module)), None)

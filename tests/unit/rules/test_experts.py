@@ -86,25 +86,3 @@ def test_a_frozen_projection_is_left_out():
     bank.gate_up_proj.requires_grad_(False)
     hidden, index, weights = routed(router)
     check(bank, (hidden, index, weights), torch.randn_like(hidden))
-
-
-def test_a_router_linear_registered_for_itself_matches_per_sample_autograd_and_no_other_linear_takes_it():
-    """AFMoE's router computes its logits with a Linear child on the flattened tokens: the router-Linear rule,
-    registered for that module only, against per-sample autograd; another Linear keeps the Linear rule, and the
-    registration goes with the module."""
-    import gc
-
-    import torch.nn as nn
-
-    from pipedp.privacy.rules import ROUTER_LINEAR
-    from pipedp.privacy.rules.registry import MODULES
-
-    gate, other = nn.Linear(16, 4, bias=False).double(), nn.Linear(16, 4, bias=False).double()
-    register(gate, ROUTER_LINEAR)
-    assert rule_for(gate) is ROUTER_LINEAR and rule_for(other).name == "linear"
-    hidden = torch.randn(4, 5, 16, dtype=torch.float64)
-    check(gate, (hidden,), torch.randn(4, 5, 4, dtype=torch.float64))
-    registered = len(MODULES)
-    del gate
-    gc.collect()
-    assert len(MODULES) == registered - 1
