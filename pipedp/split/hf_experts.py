@@ -226,9 +226,7 @@ def _as_called(where: str, block: nn.Module, router: nn.Module, logits: nn.Modul
         calls.append(_RouterCall(router, args[0].dim(), args[1:], kwargs))
         raise _Called
 
-    if weight.is_meta:
-        return _RouterCall(router)
-    x = torch.zeros(1, 1, weight.shape[1], dtype=weight.dtype, device=weight.device)
+    x = torch.zeros(1, 1, weight.shape[1], dtype=weight.dtype, device=weight.device)  # (meta too: shapes only)
     handle = router.register_forward_pre_hook(seen, with_kwargs=True)
     try:
         with torch.no_grad(), _modes_kept(block):
