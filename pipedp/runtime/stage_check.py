@@ -13,6 +13,7 @@ import torch.nn as nn
 
 from ..privacy.per_sample import clipped_grad_sum, full_precision
 from ..split.hf_drive import rng_kept
+from ..split.hf_runs import modes_kept
 from . import self_check
 from .layer_errors import named_layer_errors
 from .microbatch import Activation, gradient_message, tensors_of
@@ -59,10 +60,10 @@ class StageCheck:
         if not self.stage.blocks:
             return
         device = tensors_of(x)[0].device
-        modes = [(m, m.training) for b in self.stage.blocks for m in b.module.modules()]
-        try:
-            for m, _ in modes:
-                m.training = False
+        with modes_kept(*(b.module for b in self.stage.blocks)):
+            for b in self.stage.blocks:
+                for m in b.module.modules():
+                    m.training = False
             with rng_kept(device):
                 whole = self.stage.evaluate(x, targets, side_inputs, size, loss=False)
             with rng_kept(device):
@@ -83,9 +84,6 @@ class StageCheck:
                 with rng_kept(device):
                     alone = self.stage.evaluate(one, part, side, span.stop - span.start, loss=False)
                 self_check.refuse_mixed(self.stage.index, self_check.rows(whole, span, size), alone, span)
-        finally:
-            for m, training in modes:
-                m.training = training
 
     def conclude(self, conclusive: bool) -> None:
         """The step ended; ``conclusive``: every stage's check of it compared every unit of its micro-batch, each

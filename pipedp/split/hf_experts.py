@@ -34,6 +34,7 @@ from ..privacy.rules.dense_experts import (
 )
 from ..privacy.rules.expert_lora import ADAPTED_EXPERTS, adapted, computed_weights, factors, wrapped_bank, wrappers
 from ..privacy.rules.experts import first_weights, recomputed_output, second_weights, weight_names
+from .hf_runs import Stop, modes_kept
 
 # a mixture-of-experts block's class (Mixtral's SparseMoeBlock, JetMoe's MoE, a Router), not e.g. Qwen2MoeAttention
 ROUTING = re.compile(r"expert|router|sparse_?moe|moe(block|layer|mlp)?$", re.IGNORECASE)
@@ -79,7 +80,7 @@ def accept_experts(model: nn.Module, path: str, module: nn.Module) -> None:
                     f"{where}: PEFT's LoRA on the weights of experts every token passes through (Llama-4's) has no "
                     "per-sample rule yet: put the adapters on the attention and other Linear layers (target_modules)"
                 )
-            router = _router(where, block, bank)
+            router, _ = _router(where, block, bank)
             _check_dense(where, router, bank)
             register(type(router), SCORING_ROUTER)
             register(type(bank), DENSE_EXPERTS)
@@ -90,8 +91,7 @@ def accept_experts(model: nn.Module, path: str, module: nn.Module) -> None:
                 "expert banks: transformers' use_experts_implementation layout, gate_up_proj / down_proj of shape "
                 f"[experts, out, in]): {FREEZE}, or use a dense model"
             )
-        router = _router(where, block, bank)
-        logits = _logits_layer(router)
+        router, logits = _router(where, block, bank)
         if outer is not bank:
             _refuse_adapter_states(where, outer, bank)
         _check(where, logits, _as_called(where, block, router, logits), bank, outer)
@@ -146,11 +146,13 @@ def _logits_layer(router: nn.Module) -> nn.Module:
     return linears[0] if len(linears) == 1 and not any(p.requires_grad for p in router.parameters(False)) else router
 
 
-def _router(where: str, block: nn.Module, bank: nn.Module) -> nn.Module:
+def _router(where: str, block: nn.Module, bank: nn.Module) -> Tuple[nn.Module, nn.Module]:
+    """The block's router, and what computes its logits (_logits_layer)."""
     experts = bank.down_proj.shape[0]
     found = [m for n, m in block.named_children() if n in ROUTER_NAMES and m is not bank]
     router: Optional[nn.Module] = found[0] if found else None
-    weight = getattr(_logits_layer(router), "weight", None) if router is not None else None
+    logits = _logits_layer(router) if router is not None else None
+    weight = getattr(logits, "weight", None)
     if router is None or not isinstance(weight, nn.Parameter) or weight.dim() != 2 or weight.shape[0] != experts:
         raise UnsupportedModelError(
             f"{where}: no router (a child named {' or '.join(ROUTER_NAMES)} with a weight [{experts}, hidden], or one "
@@ -160,31 +162,14 @@ def _router(where: str, block: nn.Module, bank: nn.Module) -> nn.Module:
         raise UnsupportedModelError(
             f"{where}: expert parallelism and a norm after each expert are not supported: use a plain expert bank"
         )
-    logits = _logits_layer(router)
-    read = {id(logits.weight), id(getattr(logits, "bias", None))}  # (what computes the logits)
+    read = {id(weight), id(getattr(logits, "bias", None))}  # (what computes the logits)
     extra = [n for n, p in router.named_parameters() if p.requires_grad and id(p) not in read]
     if extra:
         raise UnsupportedModelError(
             f"{where}: the router's {extra} are trainable, but they set which experts a token goes to (bias "
             "balancing), not its output's gradient: freeze them (requires_grad_(False))"
         )
-    return router
-
-
-class _Called(BaseException):
-    """Ends the block's call at its router (the call's arguments are all that was wanted; a BaseException, so
-    that no ``except Exception`` in the block takes it)."""
-
-
-@contextmanager
-def _modes_kept(*modules: nn.Module) -> Iterator[None]:
-    """Each of the modules, and every module below them, back in its own training mode after."""
-    modes = {m: m.training for top in modules for m in top.modules()}
-    try:
-        yield
-    finally:
-        for m, mode in modes.items():
-            m.training = mode
+    return router, logits
 
 
 @dataclass
@@ -224,16 +209,14 @@ def _as_called(where: str, block: nn.Module, router: nn.Module, logits: nn.Modul
 
     def seen(module: nn.Module, args: tuple, kwargs: dict) -> None:
         calls.append(_RouterCall(router, args[0].dim(), args[1:], kwargs))
-        raise _Called
+        raise Stop()
 
     x = torch.zeros(1, 1, weight.shape[1], dtype=weight.dtype, device=weight.device)  # (meta too: shapes only)
     handle = router.register_forward_pre_hook(seen, with_kwargs=True)
     try:
-        with torch.no_grad(), _modes_kept(block):
+        with torch.no_grad(), modes_kept(block):
             block.eval()(x)
-    except _Called:
-        pass
-    except Exception:  # a block that needs more than the hidden states: its router is called on them alone
+    except Exception:  # Stop (the call is recorded), or a block that needs more than the hidden states
         pass
     finally:
         handle.remove()
@@ -321,7 +304,7 @@ def _check(where: str, logits_layer: nn.Module, call: _RouterCall, bank: nn.Modu
         return
     g = torch.Generator(device="cpu").manual_seed(0)
     x = torch.randn(CHECK_TOKENS, weight.shape[1], generator=g, dtype=torch.float64).to(weight.device, weight.dtype)
-    with torch.no_grad(), _modes_kept(router, bank):
+    with torch.no_grad(), modes_kept(router, bank):
         router.eval(), bank.eval()
         try:
             out = call(x)
@@ -360,7 +343,7 @@ def _check(where: str, logits_layer: nn.Module, call: _RouterCall, bank: nn.Modu
             )
         if outer is not bank:
             _check_adapters(where, outer, bank, (x, index, weights))
-    with _modes_kept(router):
+    with modes_kept(router):
         router.train()
         if _draws_random_numbers(call, x):
             raise UnsupportedModelError(
@@ -403,7 +386,7 @@ def _check_dense(where: str, router: nn.Module, bank: nn.Module) -> None:
             f"{where}: its router ({type(router).__name__}) cannot be replayed as one F.linear of its input and "
             f"weight and a function of the logits ({exc}), as pipedp's per-sample rule for it does: {FREEZE}"
         ) from exc
-    with _modes_kept(router):
+    with modes_kept(router):
         router.train()
         if _draws_random_numbers(router, x[0]):
             raise UnsupportedModelError(f"{where}: its router draws random numbers in training: {FREEZE}")

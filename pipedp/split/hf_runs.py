@@ -37,11 +37,23 @@ LayerCall = Tuple[tuple, dict]  # what the forward gives a layer besides the hid
 
 
 class Stop(Exception):
-    """Ends a run at a decoder layer, carrying a value out of the model's forward."""
+    """Ends a run at a decoder layer (or at a router, split/hf_experts.py), carrying a value out of the
+    model's forward."""
 
     def __init__(self, value=None):
         super().__init__("run stopped at a decoder layer")
         self.value = value
+
+
+@contextmanager
+def modes_kept(*modules: nn.Module) -> Iterator[None]:
+    """Each of the modules, and every module below them, back in its own training mode after."""
+    modes = [(m, m.training) for top in modules for m in top.modules()]
+    try:
+        yield
+    finally:
+        for m, mode in modes:
+            m.training = mode
 
 
 class LayerStub(nn.Module):
