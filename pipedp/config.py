@@ -1,8 +1,8 @@
 """The one typed configuration of a run: how the model is pipelined, and its privacy.
 
-Every option the trainer, the CLI, the rank-agreement check and the checkpoint check know
-is a field here, written once, with its help text, its choices and whether it is a CLI
-flag. ``validate()`` is the one place where options are checked; ``FitConfig.planned_steps`` is
+Every option the trainer, the rank-agreement check and the checkpoint check know is a field
+here, written once, with its help text, its choices and whether it is a CLI flag (the command
+line's own job options, its data, optimizer and run folder, are fields of pipedp/cli/options.py). ``validate()`` is the one place where options are checked; ``FitConfig.planned_steps`` is
 the one rule for the run's length (``steps`` or ``epochs``). The classes are frozen: a resolved option
 (e.g. the calibrated noise multiplier) is a new object, made with ``dataclasses.replace``.
 
@@ -158,13 +158,13 @@ class PipelineConfig:
     )
 
     def validate(self) -> "PipelineConfig":
-        _at_least(self, "stages", 1)
-        _at_least(self, "microbatches", 1)
-        _at_least(self, "replicas", 1)
-        _at_least(self, "tensor_parallel", 1)
+        at_least(self, "stages", 1)
+        at_least(self, "microbatches", 1)
+        at_least(self, "replicas", 1)
+        at_least(self, "tensor_parallel", 1)
         if self.microbatch_size is not None:
-            _at_least(self, "microbatch_size", 1)
-        _one_of(self, "schedule", schedules.canonical_name(self.schedule))
+            at_least(self, "microbatch_size", 1)
+        one_of(self, "schedule", schedules.canonical_name(self.schedule))
         if self.schedule_costs is not None and (
             len(self.schedule_costs) != 3
             or not all(isinstance(c, (int, float)) and math.isfinite(c) and c >= 0 for c in self.schedule_costs)
@@ -172,16 +172,16 @@ class PipelineConfig:
             raise ConfigError(
                 f"schedule_costs: three finite costs (F, I, W) >= 0, got {self.schedule_costs!r}", "schedule_costs"
             )
-        _one_of(self, "grad_mode")
-        _one_of(self, "transport")
-        _one_of(self, "device")
+        one_of(self, "grad_mode")
+        one_of(self, "transport")
+        one_of(self, "device")
         if self.device != "auto" and any(not str(d).startswith(self.device) for d in self.devices or ()):
             raise ConfigError(f"device {self.device!r} but devices {list(self.devices or ())}: drop one", "device")
         if self.devices is not None and len(self.devices) != self.stages:
             raise ConfigError(f"devices: one per stage ({self.stages}), got {list(self.devices)}", "devices")
-        _one_of(self, "precision")
-        _finite(self, "timeout", minimum=0.0, strict=True)
-        _finite(self, "keep_memory_ratio", minimum=0.0)
+        one_of(self, "precision")
+        finite(self, "timeout", minimum=0.0, strict=True)
+        finite(self, "keep_memory_ratio", minimum=0.0)
         return self
 
 
@@ -262,8 +262,8 @@ class PrivacyConfig:
                 "semantics); pass the expected logical batch size, e.g. sample_rate * dataset size",
                 "expected_batch_size",
             )
-        _at_least(self, "expected_batch_size", 1)
-        _finite(self, "noise_multiplier", minimum=0.0)
+        at_least(self, "expected_batch_size", 1)
+        finite(self, "noise_multiplier", minimum=0.0)
         norms = (
             self.max_grad_norm
             if isinstance(self.max_grad_norm, (tuple, list))
@@ -272,19 +272,19 @@ class PrivacyConfig:
         for c in norms:
             if not (isinstance(c, (int, float)) and math.isfinite(c) and c > 0):
                 raise ConfigError(f"max_grad_norm: must be > 0 and finite, got {self.max_grad_norm}", "max_grad_norm")
-        _one_of(self, "clipping")
-        _one_of(self, "accountant")
-        _at_least(self, "unit_rows", 1)
+        one_of(self, "clipping")
+        one_of(self, "accountant")
+        at_least(self, "unit_rows", 1)
         if self.seed is not None:
-            _at_least(self, "seed", 0)
+            at_least(self, "seed", 0)
         if self.sample_rate is not None and not (math.isfinite(self.sample_rate) and 0 < self.sample_rate <= 1):
             raise ConfigError(f"sample_rate: must be in (0, 1], got {self.sample_rate}", "sample_rate")
         if not (math.isfinite(self.delta) and 0 < self.delta < 1):
             raise ConfigError(f"delta: must be in (0, 1), got {self.delta}", "delta")
         if self.sampling is not None:
-            _one_of(self, "sampling")
+            one_of(self, "sampling")
         if self.dataset_size is not None:
-            _at_least(self, "dataset_size", 1)
+            at_least(self, "dataset_size", 1)
             if self.enabled and self.delta >= 1 / self.dataset_size:
                 raise ConfigError(
                     f"delta: {self.delta:g} is not below 1/N = 1/{self.dataset_size} (N records): a mechanism that "
@@ -301,7 +301,7 @@ class PrivacyConfig:
 
         for name in ("target_epsilon", "max_epsilon"):
             if getattr(self, name) is not None:
-                _finite(self, name, minimum=0.0, strict=True)
+                finite(self, name, minimum=0.0, strict=True)
             if getattr(self, name) is not None and not self.enabled:
                 raise ConfigError(f"{name}: a run with DP disabled (enabled=False) spends no epsilon: drop it", name)
         if self.max_epsilon is not None and self.sample_rate is None and self.sampling == "poisson":
@@ -359,12 +359,12 @@ class FitConfig:
         if (self.steps is None) == (self.epochs is None):
             raise ConfigError("fit() takes exactly one of steps or epochs", "steps")
         if self.steps is not None:
-            _at_least(self, "steps", 1)
+            at_least(self, "steps", 1)
         if self.epochs is not None:
-            _finite(self, "epochs", minimum=0.0, strict=True)
+            finite(self, "epochs", minimum=0.0, strict=True)
         for name in ("checkpoint_every", "max_logical_batch", "keep_last"):
             if getattr(self, name) is not None:
-                _at_least(self, name, 1)
+                at_least(self, name, 1)
         if self.resume and self.checkpoint_dir is None:
             raise ConfigError("resume needs checkpoint_dir", "resume")
         return self
@@ -442,8 +442,8 @@ def describe(config: Any, only_resume: bool = False) -> Dict[str, Any]:
     return out
 
 
-# ---- checks shared by the two classes ---------------------------------------------------------
-def _at_least(config: Any, name: str, minimum: int) -> None:
+# ---- checks shared by the config classes (here and pipedp/cli/options.py) -----------------------------
+def at_least(config: Any, name: str, minimum: int) -> None:
     value = getattr(config, name)
     if isinstance(value, bool) or not isinstance(value, int):
         raise ConfigError(f"{name}: must be an integer, got {value!r}", name)
@@ -451,182 +451,15 @@ def _at_least(config: Any, name: str, minimum: int) -> None:
         raise ConfigError(f"{name}: must be >= {minimum}, got {value!r}", name)
 
 
-def _finite(config: Any, name: str, minimum: float, strict: bool = False) -> None:
+def finite(config: Any, name: str, minimum: float, strict: bool = False) -> None:
     value = getattr(config, name)
     ok = isinstance(value, (int, float)) and math.isfinite(value) and (value > minimum if strict else value >= minimum)
     if not ok:
         raise ConfigError(f"{name}: must be {'>' if strict else '>='} {minimum:g} and finite, got {value!r}", name)
 
 
-def _one_of(config: Any, name: str, value: Any = None) -> None:
+def one_of(config: Any, name: str, value: Any = None) -> None:
     value = getattr(config, name) if value is None else value
     choices = next(f.metadata["choices"] for f in fields(config) if f.name == name)
     if value not in choices:
         raise ConfigError(f"unknown {name} {getattr(config, name)!r}: choose one of {list(choices)}", name)
-
-
-# ---- the command line's job: its data and its optimizer (pipedp train; the Python API takes its own) -------------
-FORMATS = ("auto", "text", "instruction", "chat")
-PRIVACY_UNITS = ("record", "user")
-OPTIMIZERS = ("adamw", "adam", "sgd")
-LR_SCHEDULES = ("constant", "linear", "cosine")
-NO_DECAY_KINDS = ("bias", "norm", "embedding")
-
-
-@dataclass(frozen=True)
-class DataConfig:
-    """What ``pipedp train`` trains on: where the records come from, how one becomes a row, and the privacy unit."""
-
-    data: Optional[str] = option(
-        None,
-        "training records: a .txt file (one record per line), a .jsonl / .json / .csv / .parquet file of records, "
-        "or a folder written by datasets' save_to_disk (one split); default: the generated corpus",
-    )
-    format: str = option(
-        "auto",
-        "record format: text (the --text-field column), instruction (prompt + completion: trains on the completion "
-        "only), chat (messages, rendered with the tokenizer's chat template: trains on the assistant turns only), "
-        "or auto (from the first record's fields)",
-        choices=FORMATS,
-    )
-    text_field: str = option("text", "the field holding a text record's text")
-    seq_len: Optional[int] = option(
-        None,
-        "tokens per row: each record is one row, truncated or right-padded to this length (default: 36 for "
-        "tiny-gpt; for a Hugging Face model, from the training records' token lengths: see docs/cli.md)",
-    )
-    privacy_unit: str = option(
-        "record",
-        "what DP protects: record (each record is one sample, sampled and clipped alone) or user (every record of "
-        "one --user-field value forms one unit, sampled and clipped as one: user-level DP)",
-        choices=PRIVACY_UNITS,
-    )
-    user_field: Optional[str] = option(None, "the field naming a record's user (with --privacy-unit user)")
-    max_records_per_user: Optional[int] = option(
-        None, "rows per user unit (--privacy-unit user): a user's first K records; fewer are padded with empty rows"
-    )
-    eval_data: Optional[str] = option(
-        None, "evaluation records (any --data source); their loss is published without noise", exclusive="eval"
-    )
-    eval_fraction: Optional[float] = option(
-        None,
-        "hold out this fraction of the privacy units for evaluation (seeded); their loss is not differentially private",
-        exclusive="eval",
-    )
-    eval_every: Optional[int] = option(None, "steps between evaluations (default: only at the end)")
-    cache_dir: Optional[str] = option(
-        None,
-        "where tokenised data is cached, keyed by a hash of the data, tokenizer and options (default: RUN/data-cache)",
-    )
-
-    def validate(self) -> "DataConfig":
-        _one_of(self, "format")
-        _one_of(self, "privacy_unit")
-        if self.seq_len is not None:
-            _at_least(self, "seq_len", 1)
-        if not self.text_field:
-            raise ConfigError("text_field: must name a field, got ''", "text_field")
-        if self.privacy_unit == "user":
-            if not self.user_field:
-                raise ConfigError(
-                    "privacy_unit: 'user' needs user_field, the field that names each record's user", "privacy_unit"
-                )
-            if self.max_records_per_user is None:
-                raise ConfigError(
-                    "privacy_unit: 'user' needs max_records_per_user K: each user's unit is K rows (the user's first K "
-                    "records, padded with empty rows), so that every unit has the same sensitivity",
-                    "privacy_unit",
-                )
-        elif self.user_field is not None or self.max_records_per_user is not None:
-            name = "user_field" if self.user_field is not None else "max_records_per_user"
-            raise ConfigError(f"{name}: only with privacy_unit 'user' (the unit is now one record)", name)
-        if self.max_records_per_user is not None:
-            _at_least(self, "max_records_per_user", 1)
-        if self.eval_fraction is not None and not (
-            isinstance(self.eval_fraction, (int, float)) and 0 < self.eval_fraction < 1
-        ):
-            raise ConfigError(f"eval_fraction: must be in (0, 1), got {self.eval_fraction!r}", "eval_fraction")
-        if self.eval_every is not None:
-            _at_least(self, "eval_every", 1)
-            if self.eval_data is None and self.eval_fraction is None:
-                raise ConfigError("eval_every: give evaluation data (eval_data or eval_fraction)", "eval_every")
-        return self
-
-
-@dataclass(frozen=True)
-class OptimizerConfig:
-    """The optimizer every stage builds for its own parameters, and its learning-rate schedule."""
-
-    optimizer: str = option(
-        "adamw",
-        "adamw (decoupled weight decay), adam (weight decay added to the gradient), both torch's fused kernel on "
-        "CPU and CUDA, or sgd",
-        choices=OPTIMIZERS,
-    )
-    lr: float = option(3e-3, "learning rate (the peak, after any warmup)")
-    weight_decay: float = option(0.0, "weight decay, except on the parameter kinds of --no-decay")
-    no_decay: str = option(
-        "bias,norm,embedding",
-        "parameters without weight decay, comma-separated kinds: bias, norm (LayerNorm / RMSNorm / GroupNorm "
-        "weights), embedding; '' decays every parameter",
-    )
-    momentum: float = option(0.0, "SGD momentum")
-    adam_beta1: float = option(0.9, "Adam(W) beta1")
-    adam_beta2: float = option(0.999, "Adam(W) beta2")
-    adam_epsilon: float = option(1e-8, "Adam(W) epsilon")
-    lr_schedule: str = option(
-        "constant", "constant, or linear / cosine decay to 0 at the last step (after any warmup)", choices=LR_SCHEDULES
-    )
-    warmup_steps: Optional[int] = option(
-        None, "steps of linear warmup: step s (from 0) uses lr x (s + 1) / warmup", exclusive="warmup"
-    )
-    warmup_ratio: Optional[float] = option(None, "warmup as a fraction of the total steps", exclusive="warmup")
-
-    def validate(self) -> "OptimizerConfig":
-        _one_of(self, "optimizer")
-        _one_of(self, "lr_schedule")
-        _finite(self, "lr", minimum=0.0, strict=True)
-        for name in ("weight_decay", "momentum", "adam_epsilon"):
-            _finite(self, name, minimum=0.0)
-        for name in ("adam_beta1", "adam_beta2"):
-            value = getattr(self, name)
-            if not (isinstance(value, (int, float)) and 0 <= value < 1):
-                raise ConfigError(f"{name}: must be in [0, 1), got {value!r}", name)
-        unknown = [k for k in self.no_decay_kinds() if k not in NO_DECAY_KINDS]
-        if unknown:
-            raise ConfigError(
-                f"no_decay: unknown kind(s) {unknown}: choose among {list(NO_DECAY_KINDS)} (comma-separated)",
-                "no_decay",
-            )
-        if self.warmup_steps is not None:
-            _at_least(self, "warmup_steps", 0)
-        if self.warmup_ratio is not None and not (
-            isinstance(self.warmup_ratio, (int, float)) and 0 <= self.warmup_ratio < 1
-        ):
-            raise ConfigError(f"warmup_ratio: must be in [0, 1), got {self.warmup_ratio!r}", "warmup_ratio")
-        return self
-
-    def no_decay_kinds(self) -> Tuple[str, ...]:
-        return tuple(k.strip() for k in self.no_decay.split(",") if k.strip())
-
-    def warmup(self, total_steps: int) -> int:
-        """Warmup steps of a run of ``total_steps``."""
-        if self.warmup_steps is not None:
-            return self.warmup_steps
-        if self.warmup_ratio is not None:
-            return math.ceil(self.warmup_ratio * total_steps)
-        return 0
-
-    def lr_factor(self, step: int, total_steps: int) -> float:
-        """The learning rate of step ``step`` (0-based) as a fraction of ``lr``: (s + 1) / warmup during the
-        warmup, then constant, or decayed linearly / along a half cosine to 0 at step ``total_steps``
-        (never 0 at a step that runs)."""
-        warmup = self.warmup(total_steps)
-        if step < warmup:
-            return (step + 1) / warmup
-        if self.lr_schedule == "constant":
-            return 1.0
-        progress = min(1.0, (step - warmup) / max(1, total_steps - warmup))
-        if self.lr_schedule == "linear":
-            return 1.0 - progress
-        return 0.5 * (1.0 + math.cos(math.pi * progress))

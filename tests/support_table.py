@@ -197,7 +197,8 @@ def rule_rows() -> List[List[str]]:
 
 def _takers(values: Sequence[str]) -> str:
     """The config fields (and their flags) whose choices are exactly ``values``."""
-    from pipedp.cli.flags import JOB_CLASSES, flag_of
+    from pipedp.cli.flags import flag_of
+    from pipedp.cli.options import JOB_CLASSES
 
     takers = []
     for cls in JOB_CLASSES:
@@ -212,6 +213,7 @@ def _takers(values: Sequence[str]) -> str:
 def option_rows() -> List[List[str]]:
     import schedules
     from pipedp import config
+    from pipedp.cli import options
     from schedules.registry import COST_AWARE
 
     def names(values: Sequence[str]) -> str:
@@ -225,7 +227,7 @@ def option_rows() -> List[List[str]]:
         ("Precisions", config.PRECISIONS, "`pipedp.config.PRECISIONS`", ""),
         ("Sampling declarations", config.SAMPLINGS, "`pipedp.config.SAMPLINGS`", ""),
         ("Accountants", config.ACCOUNTANTS, "`pipedp.config.ACCOUNTANTS`", ""),
-        ("Privacy units", config.PRIVACY_UNITS, "`pipedp.config.PRIVACY_UNITS`", ""),
+        ("Privacy units", options.PRIVACY_UNITS, "`pipedp.cli.options.PRIVACY_UNITS`", ""),
     ]
     rows = []
     for what, values, source, note in options:

@@ -267,7 +267,7 @@ def test_lora_on_a_local_llama_on_chat_records_with_a_schedule(tmp_path, cli):
     assert out.returncode == 0, out.stderr[-3000:]
     assert "40 chat records -> 40 rows of 40 tokens" in out.stdout and "8 of 40 privacy units held out" in out.stdout
     assert "stage 0: loading the whole model" in out.stdout and "stage 0: loaded in" in out.stdout
-    from pipedp.config import OptimizerConfig
+    from pipedp.cli.options import OptimizerConfig
 
     schedule = OptimizerConfig(lr_schedule="cosine", warmup_steps=1)
     assert [line["lr"] for line in metrics(tmp_path / "ck") if "lr" in line] == [

@@ -1,6 +1,8 @@
 """The pieces of ``pipedp train`` in one process: light parsing, config files, weight decay, the schedule."""
 
+import json
 import os
+import re
 import subprocess
 import sys
 import types
@@ -9,9 +11,12 @@ import pytest
 import torch
 
 from pipedp.cli.configfile import dumps
+from pipedp.cli.flags import flag_name
 from pipedp.cli.main import parse
-from pipedp.cli.record import sections
-from pipedp.config import OptimizerConfig
+from pipedp.cli.options import OnResume, OptimizerConfig, on_resume
+from pipedp.cli.record import CONFIG_JSON, IGNORED, RunFolder, job_fields, sections
+from pipedp.config import PipelineConfig, PrivacyConfig
+from pipedp.errors import ConfigError
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -154,3 +159,45 @@ def test_the_schedule_runs_step_by_step_and_a_resume_takes_the_new_options():
     opt2.step()
     sched2.step()
     assert opt2.param_groups[0]["lr"] == pytest.approx(0.2 * new.lr_factor(6, 10))
+
+
+def _changed(f, value):
+    """Another valid-looking value of a flag's field (what a user might pass on --resume)."""
+    if f.metadata["choices"]:
+        return next(c for c in f.metadata["choices"] if c != value)
+    if isinstance(value, bool):
+        return not value
+    if isinstance(value, (int, float)):
+        return value + 1
+    return "another"  # a path, a list, or None: any other string
+
+
+def test_resume_reads_each_flags_rule_from_its_field_and_an_old_record_misses_newer_flags(tmp_path):
+    """Every flag of pipedp train says on its field what changing it does to a resumed run (cli/options.py): each
+    refused one must be refused, each other one listed, or not even compared; a flag the record predates ran as
+    its default."""
+    args = parse(["train"])
+    was = {k: v for k, v in vars(args).items() if k not in IGNORED}
+    for newer in ("save_strategy", "disable_dp", "export_merged"):  # as a record written before these flags
+        was.pop(newer)
+    (tmp_path / CONFIG_JSON).write_text(json.dumps({"flags": was, "resolved": {}}))
+    folder = RunFolder(str(tmp_path))
+    job = types.SimpleNamespace(pipeline=PipelineConfig(), privacy=PrivacyConfig(max_grad_norm=1.0), train_rows=None)
+    assert folder.compare(args, job) == []  # unchanged, missing keys included
+    rules = set()
+    for f in job_fields():
+        rule = on_resume(f)
+        rules.add(rule)
+        now = types.SimpleNamespace(**{**vars(args), f.name: _changed(f, getattr(args, f.name))})
+        if rule.refused:
+            with pytest.raises(ConfigError, match=re.escape(rule.reason)):
+                folder.compare(now, job)
+        else:
+            notes = folder.compare(now, job)
+            if f.name in IGNORED:
+                assert notes == [], f.name
+            else:
+                old, new = getattr(args, f.name), getattr(now, f.name)
+                shown = "(default)" if old is None else repr(old)
+                assert notes == [f"{flag_name(f.name)}: {shown} -> {new!r} ({rule.reason})"], f.name
+    assert rules == set(OnResume)  # every rule is exercised

@@ -2,7 +2,7 @@
 optimizer each stage builds and its learning-rate schedule; and resuming it.
 
 Weight decay is decided per parameter before the trainer is built, by module type and parameter
-identity (pipedp.config.OptimizerConfig.no_decay): biases, the weights of normalisation layers
+identity (pipedp.cli.options.OptimizerConfig.no_decay): biases, the weights of normalisation layers
 (LayerNorm, RMSNorm, GroupNorm: any module class named *Norm*) and embeddings get none unless asked.
 The optimizer factory receives one stage's trainable parameters and puts them in two groups.
 """
@@ -17,8 +17,8 @@ from typing import Iterator, List, Sequence, Set
 import torch
 import torch.nn as nn
 
-from ..config import OptimizerConfig
 from ..train.lora import with_lora
+from .options import OptimizerConfig
 from .spec import TINY_GPT, TINY_GPT_SEQ_LEN, TINY_GPT_SHAPE, Job
 
 LOADING_HEARTBEAT_S = 15.0

@@ -2,9 +2,10 @@
 
 A field of a config dataclass marked ``cli`` becomes ``--field-name`` with the field's help,
 choices and default; fields of one ``exclusive`` group are mutually exclusive. The classes are
-PipelineConfig / PrivacyConfig (the trainer's), FitConfig (the fit loop's) and DataConfig /
-OptimizerConfig (``pipedp train``'s job); ``CLI_DEFAULTS`` gives the command line's own defaults
-where they differ from the Python API's. ``config_from_args`` turns the parsed flags back into a
+PipelineConfig / PrivacyConfig (the trainer's), FitConfig (the fit loop's) and the job's own
+(cli/options.py); a field's metadata may also name its ``--help`` group and an argparse ``parse``
+and ``metavar``. ``CLI_DEFAULTS`` gives the command line's own defaults where they differ from the
+Python API's. ``config_from_args`` turns the parsed flags back into a
 config.
 
 Imports no torch: ``--help`` and flag errors stay fast.
@@ -18,10 +19,9 @@ import typing
 from dataclasses import MISSING, Field, fields
 from typing import Any, Dict, Optional, Sequence, Tuple, Type, TypeVar
 
-from ..config import DataConfig, FitConfig, OptimizerConfig, PipelineConfig, PrivacyConfig
+from ..config import PipelineConfig, PrivacyConfig
 
 CONFIG_CLASSES = (PipelineConfig, PrivacyConfig)  # the trainer's options (the default of add_config_flags)
-JOB_CLASSES = (PipelineConfig, PrivacyConfig, FitConfig, DataConfig, OptimizerConfig)  # pipedp train's
 DEFAULT_STEPS = 300  # pipedp train without --steps or --epochs
 DEFAULT_RUNS = os.path.join("runs", "pipedp-train")  # without --checkpoint-dir: DEFAULT_RUNS-TIME, and -latest
 CLI_DEFAULTS: Dict[str, Any] = {  # FitConfig's fields as pipedp train sets them
@@ -54,6 +54,12 @@ ALIASES: Dict[str, Tuple[str, ...]] = {
     "lr_schedule": ("--lr-scheduler-type",),
     "activation_checkpointing": ("--gradient-checkpointing",),
     "seq_len": ("--max-seq-length",),
+    "model": ("--model-name-or-path",),
+    "eval_batch_size": ("--per-device-eval-batch-size",),
+    "eval_strategy": ("--evaluation-strategy",),
+    "overwrite": ("--overwrite-output-dir",),
+    "epsilon_every": ("--logging-steps",),
+    "no_progress": ("--disable-tqdm",),
 }
 
 C = TypeVar("C")
@@ -94,7 +100,8 @@ def add_config_flags(
 ) -> None:
     """One flag per ``cli`` field of ``classes``; ``defaults`` overrides a field's default on the command
     line; ``skip`` names fields the caller defines itself; ``groups`` puts each field's flag in an argument
-    group (for --help), keyed by field name or else by class; ``aliases``: more names of a field's flag."""
+    group (for --help), keyed by the group its field names, by field name or else by class; ``aliases``: more
+    names of a field's flag."""
     defaults = defaults or {}
     exclusive: Dict[str, Any] = {}
     flagged = [(cls, f) for cls in classes for f in cli_fields(cls) if f.name not in skip]
@@ -102,7 +109,8 @@ def add_config_flags(
     flagged.sort(key=lambda cf: cf[1].metadata["exclusive"] or "")
     for cls, f in flagged:
         kind = _scalar_type(cls, f)
-        home = (groups or {}).get(f.name) or (groups or {}).get(cls, parser)
+        homes = groups or {}
+        home = homes.get(f.metadata.get("group")) or homes.get(f.name) or homes.get(cls, parser)
         names = (flag_of(f), *(aliases or {}).get(f.name, ()))
         target = home
         group = f.metadata["exclusive"]
@@ -123,9 +131,10 @@ def add_config_flags(
             target.add_argument(
                 *names,
                 dest=f.name,
-                type=kind,
+                type=f.metadata.get("parse") or kind,
                 default=default,
                 choices=f.metadata["choices"],
+                metavar=f.metadata.get("metavar"),
                 help=help_text,
             )
 

@@ -7,14 +7,14 @@ training stack only once its flags are known to be valid.
 from __future__ import annotations
 
 import argparse
-import math
 import sys
 from typing import Any, Dict, List, Optional
 
-from ..config import DataConfig, FitConfig, OptimizerConfig, PipelineConfig, PrivacyConfig
+from ..config import FitConfig, PipelineConfig, PrivacyConfig
 from ..errors import ConfigError, PipeDPError
-from .flags import ALIASES, CLI_DEFAULTS, JOB_CLASSES, add_config_flags, flag_name
+from .flags import ALIASES, CLI_DEFAULTS, add_config_flags, flag_name
 from .names import normalize, unknown_message
+from .options import JOB_CLASSES, positive_float, positive_int
 from .plan import add_plan_flags
 
 HELP_GROUPS = {  # pipedp train --help's argument groups, in this order
@@ -25,28 +25,8 @@ HELP_GROUPS = {  # pipedp train --help's argument groups, in this order
     "pipeline": "how the model is split and run",
     "run": "the run folder, checkpoints, resuming and logging",
 }
-CLASS_GROUPS = {
-    PipelineConfig: "pipeline",
-    PrivacyConfig: "privacy",
-    FitConfig: "run",
-    DataConfig: "data",
-    OptimizerConfig: "optimization",
-}
+CLASS_GROUPS = {PipelineConfig: "pipeline", PrivacyConfig: "privacy", FitConfig: "run"}  # (the job's: on each field)
 FIELD_GROUPS = {"steps": "optimization", "epochs": "optimization", "max_logical_batch": "privacy"}
-
-
-def _positive_int(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
-    return value
-
-
-def _positive_float(text: str) -> float:
-    value = float(text)
-    if not (value > 0 and math.isfinite(value)):
-        raise argparse.ArgumentTypeError(f"must be > 0 and finite, got {value}")
-    return value
 
 
 class _Parser(argparse.ArgumentParser):
@@ -79,119 +59,20 @@ def _innermost(parser: argparse.ArgumentParser, parsed: argparse.Namespace) -> a
         parser = sub.choices[chosen]  # type: ignore[union-attr]
 
 
-STRATEGIES = ("steps", "epoch", "no")  # Hugging Face's eval_strategy / save_strategy values
-
-
 def add_train_flags(t: argparse.ArgumentParser) -> None:
     group = {name: t.add_argument_group(f"{name} options", about) for name, about in HELP_GROUPS.items()}
-    model, data, optimization, pipeline, run = (group[n] for n in ("model", "data", "optimization", "pipeline", "run"))
-    run.add_argument(
+    group["run"].add_argument(
         "--config",
         default=None,
         help="a TOML file with any of these flags as keys (e.g. seq-len = 128, in any [table]); flags given here "
         "override it. Each run writes its own to RUN/config.toml",
     )
     homes: Dict[Any, Any] = {
+        **group,
         **{cls: group[name] for cls, name in CLASS_GROUPS.items()},
         **{f: group[n] for f, n in FIELD_GROUPS.items()},
     }
     add_config_flags(t, JOB_CLASSES, CLI_DEFAULTS, groups=homes, aliases=ALIASES)
-    model.add_argument(
-        "--model",
-        "--model-name-or-path",
-        default="tiny-gpt",
-        help="'tiny-gpt' (built in) or a local Hugging Face model folder (nothing is downloaded)",
-    )
-    model.add_argument(
-        "--lora-r",
-        type=_positive_int,
-        default=None,
-        help="train PEFT LoRA adapters of this rank (base weights frozen); needs a Hugging Face --model",
-    )
-    model.add_argument(
-        "--lora-targets",
-        default="q_proj,v_proj",
-        help="comma-separated module names LoRA adapts (GPT-2: c_attn), or an expert bank's weights "
-        "(experts.gate_up_proj, experts.down_proj)",
-    )
-    model.add_argument(
-        "--export",
-        default=None,
-        help="after training, write the Hugging Face model (config + safetensors + tokenizer; with --lora-r the "
-        "adapter folder, naming its base model by absolute path) to this folder; a folder holding files is refused "
-        "without --overwrite",
-    )
-    model.add_argument(
-        "--export-merged",
-        default=None,
-        metavar="DIR",
-        help="with --lora-r: after training, write the whole model with the adapter merged into its weights (config "
-        "+ safetensors + tokenizer: loads without peft) to this folder; rank 0 loads the full base model to merge",
-    )
-    group["privacy"].add_argument(
-        "--disable-dp",
-        action="store_true",
-        help="a non-private baseline: the same pipeline without clipping or noise (epsilon is infinite; no "
-        "accountant charge), for utility comparisons",
-    )
-    rate = optimization.add_mutually_exclusive_group()
-    rate.add_argument("--sample-rate", type=_positive_float, default=None, help="Poisson sampling rate q")
-    rate.add_argument(
-        "--batch-size", type=_positive_int, default=32, help="expected logical batch size in privacy units (q = B / N)"
-    )
-    data.add_argument(
-        "--eval-batch-size",
-        "--per-device-eval-batch-size",
-        type=_positive_int,
-        default=None,
-        help="rows per evaluation batch, over the whole pipeline (default --batch-size)",
-    )
-    pipeline.add_argument("--inprocess", action="store_true", help="run every stage in this one process (debugging)")
-    pipeline.add_argument("--threads", type=_positive_int, default=1, help="torch threads per process")
-    run.add_argument(
-        "--overwrite",
-        "--overwrite-output-dir",
-        action="store_true",
-        help="start afresh in a --checkpoint-dir that holds another run: that run is moved aside to DIR.previous-TIME",
-    )
-    run.add_argument(
-        "--no-checkpoint",
-        action="store_true",
-        help="save no checkpoints (the run cannot be resumed); the run's config, metrics and plot still go to "
-        "--checkpoint-dir",
-    )
-    data.add_argument(
-        "--eval-strategy",
-        "--evaluation-strategy",
-        choices=STRATEGIES,
-        default="steps",
-        help="when to evaluate during training: steps (every --eval-every), epoch (every epoch's steps: ceil(1 / q) "
-        "Poisson steps), no (only at the end, when there is evaluation data)",
-    )
-    run.add_argument(
-        "--save-strategy",
-        choices=STRATEGIES,
-        default="steps",
-        help="when to checkpoint: steps (every --checkpoint-every), epoch (every epoch's steps), no (as "
-        "--no-checkpoint)",
-    )
-    run.add_argument(
-        "--report-to",
-        default="none",
-        metavar="none|all|LIST",
-        help="also log the metrics to trackers: a comma-separated list of tensorboard (RUN/tensorboard), wandb "
-        "(WANDB_MODE=offline works offline), mlflow (MLFLOW_TRACKING_URI, default sqlite:///RUN/mlflow.db); all: "
-        "every one installed. Each needs its package",
-    )
-    run.add_argument(
-        "--epsilon-every",
-        "--logging-steps",
-        type=_positive_int,
-        default=None,
-        help="steps between epsilon evaluations and progress lines (metrics.jsonl gets every step; default: about "
-        "20 per run, and always the last step; the prv accountant takes ~0.1 s each)",
-    )
-    run.add_argument("--no-progress", "--disable-tqdm", action="store_true", help="no progress bars")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -208,18 +89,18 @@ def build_parser() -> argparse.ArgumentParser:
         choices=["whitebox", "blackbox"],
         help="whitebox: gradient canaries on their own coordinates; blackbox: canary sequences on the GPT job",
     )
-    a.add_argument("--canaries", type=_positive_int, default=1000, help="canaries, each included with probability 1/2")
-    a.add_argument("--steps", type=_positive_int, default=None, help="DP steps (default: whitebox 10, blackbox 100)")
-    a.add_argument("--sample-rate", type=_positive_float, default=None, help="default: whitebox 0.5, blackbox 0.01")
+    a.add_argument("--canaries", type=positive_int, default=1000, help="canaries, each included with probability 1/2")
+    a.add_argument("--steps", type=positive_int, default=None, help="DP steps (default: whitebox 10, blackbox 100)")
+    a.add_argument("--sample-rate", type=positive_float, default=None, help="default: whitebox 0.5, blackbox 0.01")
     a.add_argument("--noise-multiplier", type=float, default=3.0, help="sigma of the audited run")
-    a.add_argument("--max-grad-norm", type=_positive_float, default=1.0, help="clipping norm C of the audited run")
-    a.add_argument("--lr", type=_positive_float, default=0.1, help="SGD learning rate of the audited run")
+    a.add_argument("--max-grad-norm", type=positive_float, default=1.0, help="clipping norm C of the audited run")
+    a.add_argument("--lr", type=positive_float, default=0.1, help="SGD learning rate of the audited run")
     a.add_argument(
-        "--delta", type=_positive_float, default=1e-5, help="delta of the accountant's epsilon and of the bound"
+        "--delta", type=positive_float, default=1e-5, help="delta of the accountant's epsilon and of the bound"
     )
-    a.add_argument("--confidence", type=_positive_float, default=0.95, help="confidence of the epsilon lower bound")
-    a.add_argument("--stages", type=_positive_int, default=2, help="pipeline stages (one process each)")
-    a.add_argument("--microbatches", type=_positive_int, default=4, help="micro-batches per step")
+    a.add_argument("--confidence", type=positive_float, default=0.95, help="confidence of the epsilon lower bound")
+    a.add_argument("--stages", type=positive_int, default=2, help="pipeline stages (one process each)")
+    a.add_argument("--microbatches", type=positive_int, default=4, help="micro-batches per step")
     a.add_argument("--seed", type=int, default=0, help="seed of the canaries, the sampling and the noise")
     a.add_argument("--inprocess", action="store_true", help="every stage in this process")
     a.add_argument("--png", default=None, help="draw the score histograms (included vs excluded) here")
@@ -234,8 +115,8 @@ def build_parser() -> argparse.ArgumentParser:
     ssub = s.add_subparsers(dest="schedule_command", required=True, parser_class=_Parser)
     show = ssub.add_parser("show", help="per-rank timeline, bubble fraction and peak in-flight micro-batches")
     show.add_argument("name", help="gpipe, 1f1b, dp-zb or dp-zb-2x")
-    show.add_argument("--stages", type=_positive_int, required=True)
-    show.add_argument("--microbatches", type=_positive_int, required=True)
+    show.add_argument("--stages", type=positive_int, required=True)
+    show.add_argument("--microbatches", type=positive_int, required=True)
     show.add_argument("--costs", default="F=1,I=1,W=1", help="relative action costs, e.g. F=1,I=2,W=1")
     show.add_argument("--png", default=None, help="also draw the timeline into this PNG file")
     return parser

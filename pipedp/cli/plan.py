@@ -8,18 +8,13 @@ import json
 import math
 import re
 
-from ..config import OptimizerConfig, PipelineConfig
-from .flags import add_config_flags
+from ..config import PipelineConfig
+from .flags import add_config_flags, config_from_args
+from .options import JobConfig, OptimizerConfig, positive_int
 
 PLAN_SKIP = ("microbatch_size", "timeout", "transport", "device")  # (timeout, transport: no flags)
 OPTIMIZER_FLAGS = ("optimizer", "momentum", "weight_decay")
-
-
-def _positive_int(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
-    return value
+JOB_FLAGS = ("lora_r", "lora_targets")
 
 
 _UNITS = {"": 1, "K": 10**3, "M": 10**6, "G": 10**9, "T": 10**12, "KI": 2**10, "MI": 2**20, "GI": 2**30, "TI": 2**40}
@@ -38,10 +33,9 @@ def add_plan_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--model", required=True, help="a local Hugging Face model folder (config.json is enough), or tiny-gpt"
     )
-    p.add_argument("--microbatch-size", type=_positive_int, required=True, help="rows per micro-batch (B)")
-    p.add_argument("--seq-len", type=_positive_int, required=True, help="tokens per row (T)")
-    p.add_argument("--lora-r", type=_positive_int, default=None, help="plan PEFT LoRA adapters of this rank")
-    p.add_argument("--lora-targets", default="q_proj,v_proj", help="comma-separated module names LoRA adapts")
+    p.add_argument("--microbatch-size", type=positive_int, required=True, help="rows per micro-batch (B)")
+    p.add_argument("--seq-len", type=positive_int, required=True, help="tokens per row (T)")
+    add_config_flags(p, (JobConfig,), skip=[f for f in JobConfig.__dataclass_fields__ if f not in JOB_FLAGS])
     p.add_argument(
         "--device-memory",
         type=parse_bytes,
@@ -60,7 +54,6 @@ def add_plan_flags(p: argparse.ArgumentParser) -> None:
 def run(args) -> int:
     # here, not at the top: parsing the flags imports no torch (pipedp --help stays fast)
     from ..planner import estimate, format_plan
-    from .flags import config_from_args
 
     pipeline = config_from_args(PipelineConfig, args).validate()
     optim = config_from_args(OptimizerConfig, args).validate()

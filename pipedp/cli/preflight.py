@@ -17,11 +17,12 @@ from contextlib import ExitStack
 from dataclasses import fields, replace
 from typing import Callable, List, Optional, Tuple
 
-from ..config import DataConfig, FitConfig, OptimizerConfig, PipelineConfig, PrivacyConfig
+from ..config import FitConfig, PipelineConfig, PrivacyConfig
 from ..errors import ConfigError, PipeDPError
 from .configfile import STRATEGY_STEPS
 from .export import merge_scratch
 from .flags import DEFAULT_STEPS, config_from_args, flag_name
+from .options import DataConfig, OptimizerConfig
 from .record import RunFolder, default_run_dir, link_latest
 from .spec import TINY_GPT, TINY_GPT_SEQ_LEN, TINY_GPT_SHAPE, Job, Model
 from .trackers import check_installed, parse

@@ -25,13 +25,14 @@ import json
 import os
 import shutil
 import time
-from dataclasses import fields
+from dataclasses import MISSING, Field
 from typing import Any, Dict, Iterator, List, Optional
 
-from ..config import DataConfig, FitConfig, OptimizerConfig, PipelineConfig, PrivacyConfig, describe
+from ..config import describe
 from ..errors import ConfigError
 from .configfile import NOT_SAVED, dumps
-from .flags import DEFAULT_RUNS, cli_fields, flag_name
+from .flags import CLI_DEFAULTS, DEFAULT_RUNS, cli_fields, flag_name
+from .options import TABLES, OnResume, on_resume
 from .spec import TINY_GPT
 from .trackers import OUTPUTS as TRACKER_OUTPUTS
 
@@ -39,39 +40,19 @@ CONFIG_TOML, CONFIG_JSON = "config.toml", "config.json"
 METRICS, SUMMARY, PLOT, CACHE = ("metrics.jsonl", "summary.json", "training.png", "data-cache")
 RECORD_FILES = (CONFIG_TOML, CONFIG_JSON, METRICS, SUMMARY, PLOT, *TRACKER_OUTPUTS)
 
-# flags that decide which records are trained on, and how: a resumed run must keep them
-SAME_DATA = {f.name for f in fields(DataConfig)} - {"eval_data", "eval_every", "cache_dir"} | {
-    "model",
-    "lora_r",
-    "lora_targets",
-    "optimizer",
-}
-# flags whose change alters the updates from the resumed step on, but not the privacy accounting
-FROM_HERE_ON = {f.name for f in fields(OptimizerConfig)} - {"optimizer"}
-IGNORED = set(NOT_SAVED) | {"no_progress", "command"}
-JOB_FLAGS = (
-    "model",
-    "sample_rate",
-    "batch_size",
-    "export",
-    "export_merged",
-    "lora_r",
-    "lora_targets",
-    "no_checkpoint",
-    "disable_dp",
-)
-# flags newer than some run records: absent there means this value
-ADDED = {"disable_dp": False, "eval_strategy": "steps", "save_strategy": "steps", "export_merged": None}
-RUN_FLAGS = (
-    "report_to",
-    "save_strategy",
-    "eval_strategy",
-    "epsilon_every",
-    "eval_batch_size",
-    "inprocess",
-    "threads",
-    "no_progress",
-)
+
+def job_fields() -> List[Field]:
+    """Every field that is a flag of pipedp train."""
+    return [f for _, cls in TABLES for f in cli_fields(cls)]
+
+
+def cli_default(f: Field) -> Any:
+    """A field's value when its flag is not given."""
+    return CLI_DEFAULTS.get(f.name, None if f.default is MISSING else f.default)
+
+
+# flags that are neither recorded in config.json nor compared on --resume
+IGNORED = set(NOT_SAVED) | {"command"} | {f.name for f in job_fields() if on_resume(f) is OnResume.NOT_COMPARED}
 
 
 LATEST = DEFAULT_RUNS + "-latest"
@@ -212,26 +193,23 @@ class RunFolder:
         now = {k: v for k, v in vars(args).items() if k not in IGNORED}
         was = before.get("flags", {})
         resolved = before.get("resolved", {})
-        notes, refused = [], []
-        for key, value in ADDED.items():
-            was.setdefault(key, value)
+        notes: List[str] = []
+        refused: List[str] = []
+        fields_by_name = {f.name: f for f in job_fields()}
         for key in sorted(set(now) | set(was)):
+            if key in fields_by_name and key not in was:  # a flag newer than the record: it ran as the default
+                was[key] = cli_default(fields_by_name[key])
             if key in IGNORED or now.get(key) == was.get(key):
                 continue
             change = f"{flag_name(key)}: {_shown(was.get(key))} -> {_shown(now.get(key))}"
-            if key == "disable_dp":
-                refused.append(f"{change} (a private run and a non-private one cannot continue each other)")
-            elif key == "model" and _moved(resolved, now[key]):
+            rule = on_resume(fields_by_name[key]) if key in fields_by_name else OnResume.FREE
+            if key == "model" and _moved(resolved, now[key]):
                 notes.append(
                     f"{change} (the model folder moved: its config and tokenizer files are the same; the checkpoint "
                     "checks the sha256 of every frozen tensor)"
                 )
-            elif key in SAME_DATA:
-                refused.append(f"{change} (the resumed run must train the same model on the same records)")
-            elif key in FROM_HERE_ON:
-                notes.append(f"{change} (applies from the resumed step on; the privacy accounting is unaffected)")
             else:
-                notes.append(f"{change} (does not change the update)")
+                (refused if rule.refused else notes).append(f"{change} ({rule.reason})")
         for name, config in (("pipeline", job.pipeline), ("privacy", job.privacy)):
             shaping = describe(config, only_resume=True)
             for field, value in shaping.items():
@@ -292,20 +270,10 @@ def _moved(resolved: Dict[str, Any], model: Any) -> bool:
 def sections(flags: Dict[str, Any]) -> Dict[str, Dict[str, Any]]:
     """The flags grouped as config.toml's tables."""
     out: Dict[str, Dict[str, Any]] = {}
-    classes = (
-        ("pipeline", PipelineConfig),
-        ("privacy", PrivacyConfig),
-        ("data", DataConfig),
-        ("optimizer", OptimizerConfig),
-    )
     placed: set = set()
-    for name, cls in classes:
+    for name, cls in TABLES:
         out[name] = {f.name: flags[f.name] for f in cli_fields(cls) if f.name in flags and f.name not in placed}
         placed |= set(out[name])
-    out["fit"] = {f.name: flags[f.name] for f in cli_fields(FitConfig) if f.name in flags and f.name not in placed}
-    out["job"] = {k: flags[k] for k in JOB_FLAGS if k in flags}
-    out["run"] = {k: flags[k] for k in RUN_FLAGS if k in flags}
-    placed |= set(out["fit"]) | set(out["job"]) | set(out["run"])
     rest = {k: v for k, v in flags.items() if k not in placed and k not in IGNORED}
     if rest:
         out["other"] = rest

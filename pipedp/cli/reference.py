@@ -22,9 +22,9 @@ COMMAND = "python -m pipedp.cli.reference > docs/cli-reference.md"
 HEADER = (
     "# `pipedp` command-line reference\n\n"
     f"<!-- generated from the parser by `{COMMAND}`; do not edit (tests/test_docs.py checks it) -->\n\n"
-    "Every subcommand and flag, as `pipedp ... --help` knows them. Flags of `pipedp train` marked as config "
-    "options are generated from the fields of `pipedp/config.py`; any of them may also be a key of the "
-    "`--config` TOML file."
+    "Every subcommand and flag, as `pipedp ... --help` knows them. Every flag of `pipedp train` but `--config` is "
+    "generated from a config field (the trainer's in `pipedp/config.py`, the job's own in "
+    "`pipedp/cli/options.py`); any of them may also be a key of the `--config` TOML file."
 )
 ARGPARSE_GROUPS = {"positional arguments": "arguments", "options": "options", "optional arguments": "options"}
 

@@ -8,12 +8,11 @@ from typing import Optional, Tuple
 from ..config import (  # noqa: F401 - the built-in model's name and shape, as the CLI's modules import them
     TINY_GPT,
     TINY_GPT_SHAPE,
-    DataConfig,
     FitConfig,
-    OptimizerConfig,
     PipelineConfig,
     PrivacyConfig,
 )
+from .options import DataConfig, OptimizerConfig
 
 TINY_GPT_SEQ_LEN = 36  # its --seq-len default (a Hugging Face model's comes from the data)
 

@@ -74,7 +74,7 @@ def _trainer(model, pipeline, transport=None):
 
     from pipedp import PipelineDPTrainer, PrivacyConfig
     from pipedp.cli.build import no_decay_parameters, optimizer_factory
-    from pipedp.config import OptimizerConfig
+    from pipedp.cli.options import OptimizerConfig
     from pipedp.models import token_loss
 
     optim = OptimizerConfig(optimizer="adamw")

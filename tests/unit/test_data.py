@@ -6,7 +6,7 @@ import os
 import pytest
 import torch
 
-from pipedp.config import DataConfig, OptimizerConfig
+from pipedp.cli.options import DataConfig, OptimizerConfig
 from pipedp.data import (
     DataError,
     Records,

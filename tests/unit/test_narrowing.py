@@ -129,7 +129,7 @@ def test_the_planner_counts_a_copy_exactly_where_the_trainer_makes_one(optimizer
     """The planner's model of the update (planner/static.py) and the trainer's choice (steps_without_temporaries on
     the optimizer the CLI builds) agree: narrowed in place, or a bf16 copy beside the sums."""
     from pipedp.cli.build import optimizer_factory
-    from pipedp.config import OptimizerConfig
+    from pipedp.cli.options import OptimizerConfig
     from pipedp.planner.static import static_bytes
     from pipedp.split.adapters import model_blocks
 
