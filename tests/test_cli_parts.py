@@ -201,3 +201,9 @@ def test_resume_reads_each_flags_rule_from_its_field_and_an_old_record_misses_ne
                 shown = "(default)" if old is None else repr(old)
                 assert notes == [f"{flag_name(f.name)}: {shown} -> {new!r} ({rule.reason})"], f.name
     assert rules == set(OnResume)  # every rule is exercised
+    # a record every run writes with --model: without it the record is damaged, and resuming is refused (not read
+    # as the default model)
+    damaged = {k: v for k, v in was.items() if k != "model"}
+    (tmp_path / CONFIG_JSON).write_text(json.dumps({"flags": damaged, "resolved": {}}))
+    with pytest.raises(ConfigError, match=r"--model: \(default\) -> 'tiny-gpt' \(the resumed run must train the same"):
+        folder.compare(args, job)

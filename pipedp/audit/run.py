@@ -17,6 +17,7 @@ their loss after training; such audits are loose by nature, and reported as such
 from __future__ import annotations
 
 import math
+import time
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any, Dict, List, Optional
 
@@ -24,6 +25,8 @@ import numpy as np
 import torch
 
 from ..config import PipelineConfig, PrivacyConfig
+from ..data import CharTokenizer, generated_corpus, windows
+from ..models import GPTConfig, tiny_gpt, token_loss
 from ..privacy.streams import Stream, stream_seed
 from ..train.trainer import PipelineDPTrainer
 from .bounds import Guesses, NoiseCheck, best_guesses, guess_sizes, noise_checks
@@ -151,8 +154,6 @@ def audit_rank(rank: int, config: AuditConfig) -> Optional[Dict[str, Any]]:
 
 def run_audit(config: AuditConfig, rank: int = 0) -> Optional[AuditResult]:
     """The audit on this rank (in-process: every stage here). Rank 0 returns the result."""
-    import time
-
     start = time.perf_counter()
     if config.kind == "whitebox":
         result = _whitebox(config, rank)
@@ -233,9 +234,6 @@ def whitebox_scores(z: np.ndarray, q: float, stage_of: np.ndarray) -> Dict[str, 
 
 
 def _blackbox(config: AuditConfig, rank: int) -> Optional[AuditResult]:
-    from ..data import CharTokenizer, generated_corpus, windows
-    from ..models import GPTConfig, tiny_gpt, token_loss
-
     seq = 16
     text = generated_corpus(seed=config.seed)
     tok = CharTokenizer.fit(text)

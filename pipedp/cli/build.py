@@ -12,12 +12,19 @@ from __future__ import annotations
 import threading
 import time
 from contextlib import contextmanager
+from dataclasses import replace
 from typing import Iterator, List, Sequence, Set
 
 import torch
 import torch.nn as nn
 
+from ..models import GPTConfig, tiny_gpt, token_loss
+from ..split.adapters import model_blocks
+from ..split.hf_loading import load_local_model, load_pipeline_stage, resident_parameter_bytes
+from ..split.partition import block_costs
+from ..train.checkpoint import exists
 from ..train.lora import with_lora
+from ..train.trainer import PipelineDPTrainer
 from .options import OptimizerConfig
 from .spec import TINY_GPT, TINY_GPT_SEQ_LEN, TINY_GPT_SHAPE, Job
 
@@ -48,12 +55,8 @@ def build_model(job: Job, rank: int) -> nn.Module:
     stages = job.pipeline.stages
     stage = (rank // job.pipeline.tensor_parallel) % stages  # runtime/distributed.py's Mesh
     if job.model.name == TINY_GPT:
-        from ..models import GPTConfig, tiny_gpt
-
         torch.manual_seed(job.privacy.public_seed())
         return tiny_gpt(GPTConfig(vocab_size=256, seq_len=job.data.seq_len or TINY_GPT_SEQ_LEN, **TINY_GPT_SHAPE))
-    from ..split.hf_loading import load_local_model, load_pipeline_stage, resident_parameter_bytes
-
     if job.inprocess:
         with loading(0, f"the whole model from {job.model.name}"):
             return load_local_model(job.model.name)
@@ -128,17 +131,10 @@ def scheduler_factory(optim: OptimizerConfig, total_steps: int):
 
 
 def build_trainer(job: Job, rank: int):
-    from ..models import token_loss
-    from ..split.adapters import model_blocks
-    from ..split.partition import block_costs
-    from ..train.trainer import PipelineDPTrainer
-
     model = build_model(job, rank)
     pipeline = job.pipeline
     if job.lora_r is not None:
         # split where the stage loader split the base model, whatever parameters LoRA adds
-        from dataclasses import replace
-
         pipeline = replace(pipeline, balance=block_costs(model_blocks(model, pipeline.untie_weights), "compute"))
         model = with_lora(model, job.lora_r, job.lora_targets, job.privacy.public_seed())
     no_decay = no_decay_parameters(model, job.optim.no_decay_kinds())
@@ -154,8 +150,6 @@ def build_trainer(job: Job, rank: int):
 
 def resume(trainer, job: Job, lead: bool) -> None:
     """Load the newest checkpoint; the optimizer options and the schedule given now apply from its step on."""
-    from ..train.checkpoint import exists
-
     directory = job.fit.checkpoint_dir
     assert directory is not None
     if not exists(directory):

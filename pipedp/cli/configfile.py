@@ -15,6 +15,8 @@ import json
 import math
 from typing import Any, Dict, List, Sequence
 
+from .names import close_keys
+
 # Hugging Face's --eval-strategy / --save-strategy and the step flags they replace (cli/preflight.py refuses both
 # on one command line; a file's one gives way to the command line's other)
 STRATEGY_STEPS = {"eval_strategy": "eval_every", "save_strategy": "checkpoint_every"}
@@ -126,8 +128,6 @@ def flag_of_key(key: str) -> str:
 
 
 def _hint(parser: argparse.ArgumentParser, dest: str) -> str:
-    from .names import close_keys
-
     names = [s[2:] for s in parser._option_string_actions if s.startswith("--")]
     close = close_keys(dest.replace("_", "-"), names)
     return f": did you mean {close}?" if close else " (not a flag of this command)"

@@ -6,6 +6,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Optional, Tuple
 
+from ..data import UnitGroups, assemble, hold_out, record_units, user_units
+from ..data.cache import load
 from ..errors import PipeDPError
 from .spec import Job
 
@@ -21,8 +23,6 @@ class RankData:
 
 
 def _rows(path: Optional[str]):
-    from ..data.cache import load
-
     rows = load(path) if path else None
     if rows is None:
         raise PipeDPError(f"the tokenised rows {path!r} are missing or unreadable: run the job again to rebuild them")
@@ -36,8 +36,6 @@ def _inputs(job: Job, ids, mask):
 
 
 def rank_data(job: Job) -> RankData:
-    from ..data import UnitGroups, assemble, hold_out, record_units, user_units
-
     rows = _rows(job.train_rows)
     data = job.data
     units = user_units(rows, job.privacy.unit_rows) if data.privacy_unit == "user" else record_units(rows)

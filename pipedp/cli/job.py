@@ -4,6 +4,9 @@ torchrun, or this process).
 A rank's work, one module each: ``build`` (the model, LoRA, the optimizer and its schedule),
 ``dataset`` (the rank's rows), ``monitor`` (the per-step callback: progress, metrics log, evaluation),
 ``export`` (the Hugging Face folder), ``summary`` (the last report and the plot).
+
+The training stack is imported inside the functions that use it: ``pipedp train`` imports this module
+before its flags are checked, and a flag error answers before torch loads.
 """
 
 from __future__ import annotations

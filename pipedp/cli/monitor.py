@@ -26,9 +26,11 @@ import time
 from typing import Any, Dict, List, Optional
 
 from ..privacy.accounting import adjacency
+from ..runtime.microbatch import rows, take
 from .dataset import RankData
 from .record import CONFIG_JSON, METRICS
 from .spec import Job
+from .trackers import close_all, log_all, open_trackers, tags
 
 
 def _finite(value: Optional[float]) -> Optional[float]:
@@ -86,8 +88,6 @@ class Monitor:
         return f
 
     def _open_trackers(self) -> list:
-        from .trackers import open_trackers
-
         try:  # the run's flags, as config.json saved them, are each tracker's config / params
             with open(os.path.join(self.job.run_dir, CONFIG_JSON)) as f:
                 config = json.load(f)["flags"]
@@ -103,8 +103,6 @@ class Monitor:
             self.log.write(json.dumps(line) + "\n")
             self.log.flush()
         if self.trackers:
-            from .trackers import log_all, tags
-
             self.trackers = log_all(self.trackers, tags(line), line["step"])
 
     # ---- the callback -----------------------------------------------------------------------------
@@ -157,8 +155,6 @@ class Monitor:
 
     def evaluate(self, step: int) -> Optional[dict]:
         """Loss and perplexity on the evaluation rows (every rank takes part; rank 0 reports)."""
-        from ..runtime.microbatch import rows, take
-
         assert self.data.eval is not None
         inputs, targets = self.data.eval
         k = self.data.unit_rows
@@ -199,7 +195,5 @@ class Monitor:
             self.log.close()
             self.log = None
         if self.trackers:
-            from .trackers import close_all
-
             trackers, self.trackers = self.trackers, []
             close_all(trackers)

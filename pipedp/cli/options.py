@@ -63,11 +63,21 @@ def job_option(
     metavar: Optional[str] = None,
     choices: Optional[Sequence[str]] = None,
     exclusive: Optional[str] = None,
+    newer_than_records: bool = False,
 ) -> Any:
     """A config.option with what only the command line needs: its ``--help`` group, its rule on --resume, and
-    ``parse`` / ``metavar`` for argparse (a flag refused while parsing, e.g. a batch size of 0)."""
+    ``parse`` / ``metavar`` for argparse (a flag refused while parsing, e.g. a batch size of 0).
+
+    newer_than_records: a refused-on-resume flag that early run records lack (they ran at its default); any other
+    refused flag missing from a record is a damaged record, and refused as a change."""
     base = option(default, help, choices=choices, exclusive=exclusive)
-    extra = {"group": group, "on_resume": on_resume, "parse": parse, "metavar": metavar}
+    extra = {
+        "group": group,
+        "on_resume": on_resume,
+        "parse": parse,
+        "metavar": metavar,
+        "newer_than_records": newer_than_records,
+    }
     return field(default=default, metadata={**base.metadata, **extra})
 
 
@@ -299,6 +309,7 @@ class JobConfig:
         "accountant charge), for utility comparisons",
         group="privacy",
         on_resume=OnResume.SAME_PRIVACY,
+        newer_than_records=True,
     )
     sample_rate: Optional[float] = job_option(
         None, "Poisson sampling rate q", group="optimization", parse=positive_float, exclusive="rate"

@@ -6,6 +6,9 @@ config.json and split by pipedp's adapter: an unsupported family or more stages 
 here), the data (read, tokenised once into the cache, grouped into privacy units), the privacy
 (delta < 1/N for N units, the sample rate, the steps, the noise calibration with its progress), and on
 --resume the previous run's configuration (what changed, and whether the update allows it).
+
+Imports that load torch stay inside the later steps' functions: a flag error answers before torch loads
+(tests/test_cli_parts.py's no-torch test checks it).
 """
 
 from __future__ import annotations

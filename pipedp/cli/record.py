@@ -16,6 +16,9 @@ On --resume, the previous run's config.json says what changed: options that do n
 learning rate and its schedule apply from the resumed step on; the model, the data, the privacy unit
 and every option that shapes the mechanism (the checkpoint's own check compares those too) are refused
 before any process starts.
+
+The checkpoint code (torch) is imported inside the methods that use it: the preflight imports this module
+while it checks the flags, before torch loads.
 """
 
 from __future__ import annotations
@@ -44,6 +47,12 @@ RECORD_FILES = (CONFIG_TOML, CONFIG_JSON, METRICS, SUMMARY, PLOT, *TRACKER_OUTPU
 def job_fields() -> List[Field]:
     """Every field that is a flag of pipedp train."""
     return [f for _, cls in TABLES for f in cli_fields(cls)]
+
+
+def _ran_as_default(f: Field) -> bool:
+    """Whether a run record without this flag ran at its default: a flag newer than the record; but a flag that
+    must not change on resume and that every record holds is missing only from a damaged record."""
+    return not on_resume(f).refused or f.metadata.get("newer_than_records", False)
 
 
 def cli_default(f: Field) -> Any:
@@ -197,7 +206,7 @@ class RunFolder:
         refused: List[str] = []
         fields_by_name = {f.name: f for f in job_fields()}
         for key in sorted(set(now) | set(was)):
-            if key in fields_by_name and key not in was:  # a flag newer than the record: it ran as the default
+            if key in fields_by_name and key not in was and _ran_as_default(fields_by_name[key]):
                 was[key] = cli_default(fields_by_name[key])
             if key in IGNORED or now.get(key) == was.get(key):
                 continue

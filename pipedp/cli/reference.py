@@ -58,7 +58,7 @@ def _value(action: argparse.Action) -> str:
         name = "text"
     elif kind in (int, float):
         name = kind.__name__
-    else:  # a converter: _positive_int -> "positive int", parse_bytes -> "bytes"
+    else:  # a converter: positive_int -> "positive int", parse_bytes -> "bytes"
         name = getattr(kind, "__name__", type(kind).__name__).strip("_")
         name = name.removeprefix("parse_").replace("_", " ")
     if action.nargs not in (None, 1):

@@ -10,6 +10,7 @@ from typing import Optional
 
 from ..privacy.accounting import adjacency
 from .monitor import Monitor, rate_text
+from .preflight import WEAK_EPSILON
 from .record import CONFIG_TOML, METRICS, PLOT, SUMMARY
 from .spec import Job
 
@@ -92,8 +93,6 @@ def plot(job: Job, monitor: Monitor) -> Optional[str]:
 
 def final_warnings(job: Job, epsilon: Optional[float]) -> list:
     """The privacy warnings said before the run, the epsilon one replaced by the epsilon actually spent."""
-    from .preflight import WEAK_EPSILON
-
     out = [w for w in job.privacy_warnings if not w.startswith("the run will end at epsilon")]
     if job.privacy.enabled and epsilon is not None and epsilon > WEAK_EPSILON:
         out.append(f"epsilon {epsilon:.3g} is above {WEAK_EPSILON:g}: a weak guarantee (see docs/privacy.md)")

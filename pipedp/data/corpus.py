@@ -19,6 +19,8 @@ from typing import List
 
 import torch
 
+from .sources import check_source, read_records
+
 _SUBJECTS = ["the cat", "a dog", "the old man", "my sister", "the bird", "a child", "the farmer", "our teacher"]
 _VERBS = ["sees", "likes", "finds", "paints", "follows", "carries", "greets", "watches"]
 _OBJECTS = ["the red ball", "a small house", "the river", "a green tree", "the moon", "an apple", "the road"]
@@ -47,8 +49,6 @@ def generated_records(records: int = 4000, seed: int = 0) -> List[dict]:
 
 def read_text(path: str) -> str:
     """A local .txt file, or the 'text' fields of a .jsonl file joined by newlines."""
-    from .sources import check_source, read_records
-
     if path.endswith(".jsonl"):
         return "\n".join(r["text"] for r in read_records(path, text_field="text", require_text=True).records)
     check_source(path)

@@ -23,7 +23,9 @@ import time
 import warnings
 from typing import Callable, List, Optional, Sequence, Tuple
 
-from opacus.accountants import IAccountant, create_accountant
+from opacus.accountants import IAccountant, RDPAccountant, create_accountant
+from opacus.accountants.analysis.rdp import get_privacy_spent
+from opacus.accountants.utils import get_noise_multiplier
 
 from ..config import FitConfig, PrivacyConfig, steps_per_epoch
 from ..errors import ConfigError, PipeDPError
@@ -237,9 +239,6 @@ def calibrate_noise(
 def _rdp_floor(delta: float) -> float:
     """The rdp accountant's epsilon with no privacy loss at all (every order's RDP 0): its conversion to (epsilon,
     delta) alone, which no noise multiplier goes below (Opacus's own conversion and orders)."""
-    from opacus.accountants import RDPAccountant
-    from opacus.accountants.analysis.rdp import get_privacy_spent
-
     orders = RDPAccountant.DEFAULT_ALPHAS
     with warnings.catch_warnings():  # "the optimal order is the largest": it is, with no loss at all
         warnings.simplefilter("ignore")
@@ -276,8 +275,6 @@ def calibrated(
 def _gaussian_dp_guess(target_epsilon: float, delta: float, sample_rate: float, steps: int) -> float:
     """A starting noise multiplier from the Gaussian-DP (central limit) estimate; any failure: 1."""
     try:
-        from opacus.accountants.utils import get_noise_multiplier
-
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             guess = float(

@@ -35,7 +35,7 @@ class SplitModel(nn.Module):
 def captured_blocks(model: nn.Module) -> Optional[List[Block]]:
     if not isinstance(model, SplitModel):
         return None
-    from torch.distributed.pipelining import pipeline
+    from torch.distributed.pipelining import pipeline  # (here: torch's pipelining loads only for captured models)
 
     try:
         pipe = pipeline(model.model, mb_args=(model.example_input,), split_spec=model.split_spec)
