@@ -14,6 +14,7 @@ import torch
 import torch.nn as nn
 
 from ..errors import CheckpointError
+from ..parallel.plan import sliced_parameters
 from .adapters import model_blocks
 from .hf_buffers import compute_buffers
 from .safetensors_read import Stored
@@ -114,8 +115,6 @@ def _split_later(model: nn.Module, tensor_parallel: int, untie_weights: bool) ->
     """The parameters the tensor-parallel split will cut (parallel/plan.py), to be read slice by slice."""
     if tensor_parallel == 1:
         return set()
-    from ..parallel.plan import sliced_parameters
-
     return set(sliced_parameters(model, model_blocks(model, untie_weights), tensor_parallel))
 
 

@@ -160,3 +160,64 @@ def test_the_command_line_loads_no_torch_to_show_a_schedule():
     code = "import sys, pipedp.cli; from pipedp.cli.main import main; print('torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=60)
     assert out.stdout.strip() == "False", out.stderr
+
+
+# imports that may stay inside functions: optional dependencies (pipedp installs without them), and torch's
+# pipelining, which loads (and registers its ops) only for a model that is captured
+OPTIONAL = (
+    "transformers",
+    "safetensors",
+    "peft",
+    "datasets",
+    "pyarrow",
+    "matplotlib",
+    "tqdm",
+    "wandb",
+    "mlflow",
+    "torch.utils.tensorboard",
+    "tomllib",
+    "tomli",
+    "importlib",  # the packages' lazy attributes (pipedp/__init__.py, pipedp/data/__init__.py)
+    "torch.distributed.pipelining",
+)
+# modules whose imports stay lazy on purpose, each saying why in its docstring: the command line checks its flags
+# before torch loads (main, plan's flags, job, preflight, record); process groups are made only for a distributed
+# runtime
+LAZY = (
+    "pipedp.cli.main",
+    "pipedp.cli.plan",
+    "pipedp.cli.job",
+    "pipedp.cli.preflight",
+    "pipedp.cli.record",
+    "pipedp.runtime.create",
+)
+
+
+def local_imports(source: str) -> List[str]:
+    """The modules a source imports inside its functions, other than optional dependencies."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            for inner in ast.walk(node):
+                if isinstance(inner, ast.Import):
+                    names = [alias.name for alias in inner.names]
+                elif isinstance(inner, ast.ImportFrom):
+                    names = ["." * inner.level + (inner.module or "")]
+                else:
+                    continue
+                found += [n for n in names if not any(n == o or n.startswith(o + ".") for o in OPTIONAL)]
+    return found
+
+
+def test_imports_are_at_the_top_but_optional_ones_and_the_lazy_modules():
+    planted = "def f():\n    from ..runtime import stage\n    import transformers\n    return stage\n"
+    assert local_imports(planted) == ["..runtime"]  # the checker catches an internal import inside a function
+    wrong = [
+        f"{m}: {name}"
+        for m, path in module_files().items()
+        if m not in LAZY
+        for name in local_imports(open(path).read())
+    ]
+    assert not wrong, "function-local imports (move them to the top, or say why the module is lazy):\n  " + "\n  ".join(
+        wrong
+    )
