@@ -1,8 +1,8 @@
 """Test tiers. ``python -m pytest -q -m "not exhaustive"`` (the README's command, as CI) runs every test but the
 rest of the grids beyond their pairwise covering subsets (``-m exhaustive``: every pair of settings still meets in
-CI; ``python -m pytest -q`` runs both). The fast tier, ``-m "not slow and not dist"``, is the unit tests, the
-documentation's command lines, bad-input errors and the pairwise subset of the Opacus parity grid — under a minute
-on 2 cores; ``dist`` tests start processes (gloo on loopback); ``slow`` is the rest: whole grids, every model
+CI; ``python -m pytest -q`` runs both). The fast tier, ``-m "not slow and not dist"``, is the unit tests (but the
+mypy run and most of the narrowing grid, marked slow), the documentation's command lines, bad-input errors and the
+pairwise subset of the Opacus parity grid — under a minute on 2 cores; ``dist`` tests start processes (gloo on loopback); ``slow`` is the rest: whole grids, every model
 family, the CLI's jobs, the audit, the benchmarks' smoke runs."""
 
 import pathlib

@@ -7,6 +7,13 @@ import torch.nn.functional as F
 from pipedp import PipelineDPTrainer
 
 
+def class_data(n: int, features: int, classes: int, seed: int = 0):
+    """n float64 rows of ``features`` standard normals and their labels in [0, classes), from one seeded
+    generator (the rows first, then the labels)."""
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(n, features, generator=g, dtype=torch.float64), torch.randint(0, classes, (n,), generator=g)
+
+
 def class_loss(out, y):
     """Per-sample cross-entropy of [n, classes] logits."""
     return F.cross_entropy(out, y, reduction="none")

@@ -132,7 +132,7 @@ def test_weight_decay_skips_biases_norms_and_embeddings_unless_asked():
 
 
 def test_the_schedule_runs_step_by_step_and_a_resume_takes_the_new_options():
-    from pipedp.cli.build import optimizer_factory, reposition, scheduler_factory
+    from pipedp.cli.build import optimizer_factory, resume_optimizers, scheduler_factory
 
     optim = OptimizerConfig(lr=0.1, lr_schedule="linear", warmup_steps=2, weight_decay=0.01).validate()
     weight = torch.nn.Parameter(torch.zeros(3))
@@ -152,7 +152,7 @@ def test_the_schedule_runs_step_by_step_and_a_resume_takes_the_new_options():
     opt2.load_state_dict(state["opt"])
     sched2.load_state_dict(state["sched"])
     trainer = types.SimpleNamespace(state=types.SimpleNamespace(optimizers=[opt2], schedulers=[sched2]))
-    lines = reposition(trainer, new, 10, 5)
+    lines = resume_optimizers(trainer, new, 10, 5)
     assert "optimizer: --lr 0.2 replaces the checkpoint's 0.1" in lines
     assert "optimizer: --weight-decay 0.0 replaces the checkpoint's 0.01" in lines
     assert opt2.param_groups[0]["lr"] == pytest.approx(0.2 * new.lr_factor(5, 10))

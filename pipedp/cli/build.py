@@ -119,7 +119,7 @@ def optimizer_factory(optim: OptimizerConfig, no_decay: Set[int], keep: List[nn.
 def scheduler_factory(optim: OptimizerConfig, total_steps: int):
     """``factory(optimizer) -> LambdaLR``: step s (from 0) runs at lr x optim.lr_factor(s, total_steps). The
     factor is a plain function, so the scheduler's state holds only its position (a resumed run's schedule
-    is the one given now: see reposition)."""
+    is the one given now: see resume_optimizers)."""
 
     def factor(step: int) -> float:
         return optim.lr_factor(step, total_steps)
@@ -156,14 +156,14 @@ def resume(trainer, job: Job, lead: bool) -> None:
         return
     trainer.load_checkpoint(directory, job.fit.checkpoint_key)
     step = trainer.steps_taken
-    changes = reposition(trainer, job.optim, job.steps, step)
+    changes = resume_optimizers(trainer, job.optim, job.steps, step)
     if lead:
         print(f"resumed from step {step} in {directory}", flush=True)
         for line in changes:
             print(line, flush=True)
 
 
-def reposition(trainer, optim: OptimizerConfig, total_steps: int, step: int) -> List[str]:
+def resume_optimizers(trainer, optim: OptimizerConfig, total_steps: int, step: int) -> List[str]:
     """Set every optimizer group's options from ``optim`` and its schedule to step ``step``; return the
     options that differ from the checkpoint's, as lines."""
     changed: dict = {}

@@ -106,7 +106,7 @@ class Executor:
         self.position = 0
         self.state = PassState(batch, zero, zero.clone(), zero.clone(), evaluating=evaluating)
         batch = batch.to(self.stage.device)  # in one process, stages may sit on several devices
-        probe = None if evaluating else self.stage.check.plan(batch.inputs[0], batch.masks[0])
+        probe = None if evaluating else self.stage.check.probe_for(batch.inputs[0], batch.masks[0])
         self.state = PassState(batch, zero, zero.clone(), zero.clone(), evaluating=evaluating, probe=probe)
         # every parameter's and buffer's version and every buffer's digest around each pass; the parameters'
         # digests too at a checked pass and at the run's first (state_watch.py)
@@ -222,7 +222,7 @@ class Executor:
     def _behind(self, mb: int) -> Tuple[bool, int]:
         """What follows micro-batch ``mb``'s gradient: the tie's message (or not), and how many probes."""
         state = self._pass
-        return self.tie is not None, len(state.probe.rows) if mb == 0 and state.probe is not None else 0
+        return self.tie is not None, len(state.probe.units) if mb == 0 and state.probe is not None else 0
 
     def _here(self, message: Activation) -> Activation:
         """A message from a stage on another device (one process), on this stage's device."""
@@ -239,10 +239,10 @@ class Executor:
             out = stage.evaluate(x, targets, side, size)
         else:
             # every micro-batch (a dict of versions: no cost), self-checked or not
-            rows = state.probe.rows if mb == 0 and state.probe is not None else ()
-            out = stage.forward(mb, x, targets, side, size=size, check_state=True, probe_rows=rows)
-            if rows:  # the checked micro-batch: each unit alone must give its rows of the output
-                stage.check.refuse_mixed_samples(x, targets, side, size, rows)
+            units = state.probe.units if mb == 0 and state.probe is not None else ()
+            out = stage.forward(mb, x, targets, side, size=size, check_state=True, probe_units=units)
+            if units:  # the checked micro-batch: each unit alone must give its rows of the output
+                stage.check.refuse_mixed_samples(x, targets, side, size, units)
         if stage.is_last:
             real = state.batch.masks[mb] > 0
             state.loss_sum += torch.where(real, out.detach().to(torch.float64), 0.0).sum()
@@ -255,7 +255,7 @@ class Executor:
         grad = state.batch.masks[mb] if incoming is None else incoming.grad
         probe = None
         if mb == 0 and state.probe is not None:
-            probe = Probe(state.probe.rows, incoming.probes if incoming is not None else ())
+            probe = Probe(state.probe.units, incoming.probes if incoming is not None else ())
         result = self.stage.backward_input(mb, grad, probe)
         norms, tie = result.squared_norms, None
         if self.tie is not None:  # ||g_emb + g_head||^2 = ||g_emb||^2 + ||g_head||^2 + 2 <g_emb, g_head>

@@ -106,7 +106,7 @@ def replica_rows(n: int, replicas: int, replica: int) -> slice:
     return slice(start, start + base + (1 if replica < extra else 0))
 
 
-def plan_passes(n: int, microbatches: int, microbatch_size: Optional[int]) -> List[slice]:
+def pass_slices(n: int, microbatches: int, microbatch_size: Optional[int]) -> List[slice]:
     """Row ranges of the pipeline passes for n rows (none when n == 0)."""
     if n == 0:
         return []

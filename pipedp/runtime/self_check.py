@@ -41,10 +41,10 @@ TOLERANCE = {
 
 @dataclass(frozen=True)
 class Probe:
-    """Which rows of a micro-batch are checked, and (off the last stage) the gradient of each row's
+    """Which privacy units of a micro-batch are checked, and (off the last stage) the gradient of each unit's
     loss alone with respect to this stage's output, received behind the gradient message."""
 
-    rows: Tuple[int, ...]
+    units: Tuple[int, ...]
     messages: Tuple[Activation, ...] = ()
 
 
@@ -56,8 +56,9 @@ def signature(inputs: Inputs) -> tuple:
     return (tuple(inputs.shape), inputs.dtype)
 
 
-def rows_to_check(mask: torch.Tensor) -> Tuple[int, ...]:
-    """Every real row (privacy unit) of the micro-batch: a model that mixes two rows is caught whichever."""
+def units_to_check(mask: torch.Tensor) -> Tuple[int, ...]:
+    """Every real privacy unit of the micro-batch (``mask``: one entry per unit): a model that mixes two units is
+    caught whichever."""
     return tuple(torch.nonzero(mask > 0).flatten().tolist())
 
 
@@ -188,7 +189,7 @@ class Comparison:
         self.stage = stage
         self.rtol, self.floor = TOLERANCE.get(dtype, TOLERANCE[torch.float32])
         self.findings: Dict[nn.Parameter, Finding] = {}
-        self.non_finite_rows = False  # the micro-batch holds a sample whose squared norm is not finite
+        self.non_finite_units = False  # the micro-batch holds a sample whose squared norm is not finite
         self.unverified: List[str] = []  # parameters that sample's non-finite values made uncheckable
 
     @staticmethod
@@ -213,7 +214,7 @@ class Comparison:
         """One parameter of one row: pipedp's per-sample gradient ``have`` and squared norm against the
         row's own gradient ``want``; ``computed_in``: the dtypes its layer's outputs had, where the tightest of
         their tolerances is looser than the stage's (a router computing in float32 inside a float64 model)."""
-        if self.non_finite_rows and want is not None and not bool(torch.isfinite(want).all()):
+        if self.non_finite_units and want is not None and not bool(torch.isfinite(want).all()):
             if name not in self.unverified:
                 self.unverified.append(name)
             return

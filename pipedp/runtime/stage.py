@@ -235,14 +235,14 @@ class Stage:
         side_inputs: Optional[Dict[str, torch.Tensor]] = None,
         size: Optional[int] = None,
         check_state: bool = False,
-        probe_rows: Sequence[int] = (),
+        probe_units: Sequence[int] = (),
     ):
         """``x``: the micro-batch's inputs (first stage: a tensor or a dict of tensors) or the previous
         stage's output (a tensor or a tuple of tensors); ``side_inputs``: the micro-batch's input dict,
         handed to every block whose forward takes ``side_inputs`` (e.g. Hugging Face layers reading the
         attention mask); ``size``: the micro-batch's rows (default: read from ``x``); ``check_state``:
         refuse a forward that changes a parameter or a buffer in place (a function of the private batch,
-        un-noised); ``probe_rows``: the self-checked units, whose losses alone must equal theirs in the batch (their
+        un-noised); ``probe_units``: the self-checked units, whose losses alone must equal theirs in the batch (their
         forward alone is the executor's to compare: refuse_mixed_samples)."""
         if not self.is_first:  # the received tensors become leaves whose gradients go back
             x = tuple(_leaf(t) for t in x) if isinstance(x, tuple) else _leaf(x)
@@ -270,8 +270,8 @@ class Stage:
                 "the training forward",
             )
         state.output = self._checked_losses(losses, size) if self.is_last else self._checked_output(out)
-        if self.is_last and probe_rows and self.loss_fn is not None:
-            spans = [self.units.rows_of(r) for r in probe_rows]
+        if self.is_last and probe_units and self.loss_fn is not None:
+            spans = [self.units.rows_of(r) for r in probe_units]
             with torch.no_grad(), self._compute_precision(first.device), rng_kept(first.device):
                 self_check.refuse_coupled_loss(self.index, self.loss_fn, out, targets, state.output, size, spans)
         self.pending[mb] = state
@@ -377,7 +377,7 @@ class Stage:
             targets.append(call.output)
         targets.extend(state.inputs)
         outputs, output_grads = self._differentiable(state.output, grad_output)
-        checking = probe is not None and bool(probe.rows)  # every stage of the pass takes part (it relays probes)
+        checking = probe is not None and bool(probe.units)  # every stage of the pass takes part (it relays probes)
         grads: List[Optional[torch.Tensor]] = []
         if targets and outputs:  # a checked micro-batch keeps its graph for each row's own backward after
             grads = list(torch.autograd.grad(outputs, targets, output_grads, retain_graph=checking, allow_unused=True))

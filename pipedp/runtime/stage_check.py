@@ -36,7 +36,7 @@ class StageCheck:
         """A failed step: what it was checking is checked again."""
         self.checking.clear()
 
-    def plan(self, inputs, mask: torch.Tensor) -> Optional[Probe]:
+    def probe_for(self, inputs, mask: torch.Tensor) -> Optional[Probe]:
         """Every real privacy unit of a pass's first micro-batch, at the first pass of a new input signature
         (its rows included) until a check of it concludes (``conclude``)."""
         if not self.stage.options.self_check:  # (the same decision on every stage: the probes travel through all)
@@ -44,7 +44,7 @@ class StageCheck:
         key = self_check.signature(inputs)
         if key in self.checked or key in self.checking:
             return None
-        units = self_check.rows_to_check(self.stage.units.mask(mask))
+        units = self_check.units_to_check(self.stage.units.mask(mask))
         if not units:
             return None
         self.checking.add(key)
@@ -103,9 +103,9 @@ class StageCheck:
         probe: Probe,
         per_param: Dict[nn.Parameter, torch.Tensor],
     ) -> List[Activation]:
-        """Each checked row's own gradient by a separate backward through the retained graph (seeded on
-        the last stage by the row's loss, elsewhere by the row's probe message), compared parameter by
-        parameter with what pipedp computed for the row; returns each row's gradient message to the
+        """Each checked unit's own gradient by a separate backward through the retained graph (seeded on
+        the last stage by the unit's loss, elsewhere by the unit's probe message), compared parameter by
+        parameter with what pipedp computed for the unit; returns each unit's gradient message to the
         previous stage. Refuses the model on a mismatch (self_check.py)."""
         names = self.stage.names()
         owners = {
@@ -117,13 +117,13 @@ class StageCheck:
             self.stage.index, self_check.compute_dtype(self.stage.precision, self.stage.trainable, [])
         )
         # a sample with a non-finite norm is left out of the update (clip factor 0), but its NaN or inf
-        # reaches every row's own gradient of the parameters it flows into (0 * NaN is NaN)
-        comparison.non_finite_rows = any(not bool(torch.isfinite(v).all()) for v in per_param.values())
+        # reaches every unit's own gradient of the parameters it flows into (0 * NaN is NaN)
+        comparison.non_finite_units = any(not bool(torch.isfinite(v).all()) for v in per_param.values())
         messages: List[Activation] = []
-        for k, row in enumerate(probe.rows):
+        for k, unit in enumerate(probe.units):
             grads: Sequence[Optional[torch.Tensor]] = [None] * (len(self.stage.trainable) + len(leaves))
             if outputs:
-                seeds = self._seeds(outputs, selected, probe, k, row)
+                seeds = self._seeds(outputs, selected, probe, k, unit)
                 wrt = list(self.stage.trainable) + list(leaves)
                 with full_precision():  # the reference in the norms' own precision (no TF32)
                     grads = torch.autograd.grad(outputs, wrt, seeds, retain_graph=True, allow_unused=True)
@@ -132,40 +132,40 @@ class StageCheck:
             reference = {p: g for p, g in zip(self.stage.trainable, grads) if g is not None}
             scale = comparison.scale(reference)
             summed: Dict[nn.Parameter, torch.Tensor] = {}  # parameters several layers use: compared once, summed
-            for name, got in self._row_gradients(state, row):  # one layer at a time
+            for name, got in self._unit_gradients(state, unit):  # one layer at a time
                 for p, have in got.items():
                     if id(p) in self.stage._shared:
                         summed[p] = summed[p] + have if p in summed else have
                         continue
-                    squared = float(per_param[p][row]) if p in per_param else 0.0
+                    squared = float(per_param[p][unit]) if p in per_param else 0.0
                     want = reference.pop(p, None)
                     computed_in = self.stage.capture.output_dtypes.get(name)
                     comparison.add(p, names[id(p)], owners[p], name in called, want, have, squared, scale, computed_in)
             for p, have in summed.items():
-                squared = float(per_param[p][row]) if p in per_param else 0.0
+                squared = float(per_param[p][unit]) if p in per_param else 0.0
                 comparison.add(p, names[id(p)], owners[p], True, reference.pop(p, None), have, squared, scale)
             for p, want in reference.items():  # reached by autograd, by no layer call pipedp captured
                 comparison.add(p, names[id(p)], owners[p], owners[p][0] in called, want, None, 0.0, scale)
         comparison.refuse_if_any(lambda: self._sums(state, outputs, output_grads))
         # every unit real and finite: a padding row (or a sample left out) could hide a flow between samples
-        finite = [r for r in probe.rows if all(bool(torch.isfinite(v[r])) for v in per_param.values())]
+        finite = [r for r in probe.units if all(bool(torch.isfinite(v[r])) for v in per_param.values())]
         self.conclusive = len(finite) == state.units and not comparison.unverified
         return messages
 
-    def _seeds(self, outputs, selected: List[bool], probe: Probe, k: int, row: int) -> List[torch.Tensor]:
-        if self.stage.is_last:  # the loss of unit ``row`` alone: the sum of its rows' losses
+    def _seeds(self, outputs, selected: List[bool], probe: Probe, k: int, unit: int) -> List[torch.Tensor]:
+        if self.stage.is_last:  # the loss of the unit alone: the sum of its rows' losses
             seed = torch.zeros_like(outputs[0])
-            seed[self.stage.units.rows_of(row)] = 1
+            seed[self.stage.units.rows_of(unit)] = 1
             return [seed]
         incoming = [g for g, carries in zip(tensors_of(probe.messages[k]), selected) if carries]
         return [g.to(t.dtype) for t, g in zip(outputs, incoming)]
 
-    def _row_gradients(self, state: "MicroBatchState", row: int):
-        """(layer, {param: the per-sample gradient of unit ``row``}) as pipedp's W would use it: the kept
-        tensor's row, or the layer's rule on the unit's rows alone (one-hot clip factors)."""
-        span = self.stage.units.rows_of(row)
+    def _unit_gradients(self, state: "MicroBatchState", unit: int):
+        """(layer, {param: the per-sample gradient of ``unit``}) as pipedp's W would use it: the kept
+        tensor's entry for it, or the layer's rule on the unit's rows alone (one-hot clip factors)."""
+        span = self.stage.units.rows_of(unit)
         for name, grads in state.kept.items():
-            yield name, {p: g[row] for p, g in grads.items()}
+            yield name, {p: g[unit] for p, g in grads.items()}
         for name, calls in state.calls.items():
             layer = self.stage.layers[name]
             got: Grads = {}

@@ -38,7 +38,7 @@ from ..runtime.microbatch import (
     make_pass,
     microbatch_size_for,
     padding_pass,
-    plan_passes,
+    pass_slices,
     replica_rows,
     take,
 )
@@ -357,14 +357,14 @@ class PipelineDPTrainer:
         rows = slice(mine.start * size_of, mine.stop * size_of)
         own_inputs, own_targets = take(inputs, rows), targets[rows]
         static = pipeline.microbatch_size // size_of if pipeline.microbatch_size is not None else None
-        parts = plan_passes(mine.stop - mine.start, pipeline.microbatches, static)
+        parts = pass_slices(mine.stop - mine.start, pipeline.microbatches, static)
         for part in parts:
             size = microbatch_size_for(part.stop - part.start, pipeline.microbatches, static) * size_of
             span = slice(part.start * size_of, part.stop * size_of)
             yield make_pass(take(own_inputs, span), own_targets[span], pipeline.microbatches, size)
         # every replica runs as many passes as replica 0 (the largest share): a pass's collectives span the replicas
         most = replica_rows(n, pipeline.replicas, 0)
-        for _ in range(len(plan_passes(most.stop - most.start, pipeline.microbatches, static)) - len(parts)):
+        for _ in range(len(pass_slices(most.stop - most.start, pipeline.microbatches, static)) - len(parts)):
             size = microbatch_size_for(1, pipeline.microbatches, static) * size_of
             yield padding_pass(inputs, targets, pipeline.microbatches, size)
 

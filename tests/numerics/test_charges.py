@@ -9,15 +9,14 @@ import pytest
 import torch
 from opacus.accountants import create_accountant
 from opacus.accountants.utils import get_noise_multiplier
-from steps import class_loss
+from steps import class_data, class_loss
 
 from pipedp import ConfigError, PipeDPError, PipelineDPTrainer
 from pipedp.models import mlp
 
 
 def data(n, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    return torch.randn(n, 8, generator=g, dtype=torch.float64), torch.randint(0, 4, (n,), generator=g)
+    return class_data(n, 8, 4, seed)
 
 
 def trainer(**kw):

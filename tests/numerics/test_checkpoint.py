@@ -9,15 +9,14 @@ import pytest
 import torch
 import torch.nn as nn
 from oracles import max_relative_error
-from steps import class_loss
+from steps import class_data, class_loss
 
 from pipedp import CheckpointError, PipelineDPTrainer
 from pipedp.models import token_loss
 
 
 def data(n=80, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    return torch.randn(n, 6, generator=g, dtype=torch.float64), torch.randint(0, 3, (n,), generator=g)
+    return class_data(n, 6, 3, seed)
 
 
 def model(frozen_seed=5, frozen="weight"):

@@ -11,7 +11,7 @@ import shutil
 
 import pytest
 import torch
-from steps import class_loss
+from steps import class_data, class_loss
 
 from pipedp import CheckpointError, PipelineDPTrainer
 from pipedp.models import mlp
@@ -21,8 +21,7 @@ KEY = "secret"
 
 
 def data(n=60, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    return torch.randn(n, 8, generator=g, dtype=torch.float64), torch.randint(0, 4, (n,), generator=g)
+    return class_data(n, 8, 4, seed)
 
 
 def model():

@@ -10,7 +10,7 @@ import warnings
 import pytest
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
+from steps import class_data, class_loss
 
 from pipedp import CheckpointError, PipelineDPTrainer
 from pipedp.data.rows import to_rows
@@ -21,8 +21,7 @@ from pipedp.train.checkpoint import tensorfile
 
 
 def data(n=40):
-    g = torch.Generator().manual_seed(0)
-    return torch.randn(n, 6, generator=g, dtype=torch.float64), torch.randint(0, 3, (n,), generator=g)
+    return class_data(n, 6, 3, 0)
 
 
 def model():
@@ -35,7 +34,7 @@ def model():
 def trainer(net=None, lr=0.05):
     return PipelineDPTrainer(
         net or model(),
-        lambda out, y: F.cross_entropy(out, y, reduction="none"),
+        class_loss,
         lambda p: torch.optim.SGD(p, lr=lr),
         stages=2,
         microbatches=2,

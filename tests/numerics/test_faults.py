@@ -5,15 +5,14 @@ against Opacus on the batch without the bad sample (the independent oracle)."""
 import pytest
 import torch
 from oracles import max_relative_error, opacus_step
-from steps import class_loss
+from steps import class_data, class_loss
 
 from pipedp import BatchError, ConfigError, NonFiniteError, PipeDPError, PipelineDPTrainer
 from pipedp.models import mlp
 
 
 def data(n=60, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    return torch.randn(n, 8, generator=g, dtype=torch.float64), torch.randint(0, 4, (n,), generator=g)
+    return class_data(n, 8, 4, seed)
 
 
 def model():

@@ -6,7 +6,7 @@ import pytest
 import torch
 from opacus.accountants import create_accountant
 from oracles import max_relative_error
-from steps import class_loss
+from steps import class_data, class_loss
 
 from pipedp import ConfigError, PipeDPError, PipelineDPTrainer, PrivacyBudgetExceeded, PrivacyConfig
 from pipedp.models import mlp
@@ -15,8 +15,7 @@ from pipedp.privacy.sampling import shuffled_indices, steps_per_epoch
 
 
 def data(n=256, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    return torch.randn(n, 8, generator=g, dtype=torch.float64), torch.randint(0, 4, (n,), generator=g)
+    return class_data(n, 8, 4, seed)
 
 
 def trainer(**kw):

@@ -7,7 +7,7 @@ import torch
 from opacus.accountants import create_accountant
 from opacus.accountants.utils import get_noise_multiplier
 from oracles import max_relative_error, opacus_step
-from steps import class_loss
+from steps import class_data, class_loss
 
 from pipedp import CheckpointError, PipeDPError, PipelineDPTrainer
 from pipedp.models import mlp
@@ -17,8 +17,7 @@ N_DATA = 200
 
 
 def data(n=N_DATA, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    return torch.randn(n, 8, generator=g, dtype=torch.float64), torch.randint(0, 4, (n,), generator=g)
+    return class_data(n, 8, 4, seed)
 
 
 def model():

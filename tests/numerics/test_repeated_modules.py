@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.nn as nn
 from oracles import loop_clipped_sum, max_relative_error
-from steps import class_loss
+from steps import class_data, class_loss
 
 import pipedp.train.prepare as prepare_module
 from pipedp import PartitionError, PipelineDPTrainer
@@ -30,8 +30,7 @@ def repeated_model():
 
 
 def data(n=8, seed=1):
-    g = torch.Generator().manual_seed(seed)
-    return torch.randn(n, 4, generator=g, dtype=torch.float64), torch.randint(0, 3, (n,), generator=g)
+    return class_data(n, 4, 3, seed)
 
 
 def own_loss(model, x, y):

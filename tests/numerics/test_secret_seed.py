@@ -9,7 +9,7 @@ import json
 import os
 
 import torch
-from steps import class_loss
+from steps import class_data, class_loss
 
 from pipedp import PipelineDPTrainer
 from pipedp.models import mlp
@@ -17,8 +17,7 @@ from pipedp.privacy.noise import add_noise
 
 
 def data(n=40):
-    g = torch.Generator().manual_seed(0)
-    return torch.randn(n, 6, generator=g, dtype=torch.float64), torch.randint(0, 3, (n,), generator=g)
+    return class_data(n, 6, 3, 0)
 
 
 def trainer(**kw):

@@ -90,7 +90,7 @@ def test_every_row_of_the_checked_micro_batch_is_compared(monkeypatch):
     t = trainer(MixesTwoRows(), microbatches=1)
     with pytest.raises(UnsupportedModelError, match="its forward mixes samples: the output of rows 1..1"):
         t.step(*batch(5))
-    monkeypatch.setattr(self_check, "rows_to_check", lambda mask: (0, 2, 4))  # planted: the old first/middle/last
+    monkeypatch.setattr(self_check, "units_to_check", lambda mask: (0, 2, 4))  # planted: the old first/middle/last
     trainer(MixesTwoRows(), microbatches=1).step(*batch(5))  # trained, 0.24 off the oracle as reported
 
 

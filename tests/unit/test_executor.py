@@ -22,8 +22,8 @@ class FakeCheck:
     def __init__(self, stage):
         self.stage = stage
 
-    def plan(self, inputs, mask):
-        return Probe(self.stage.probe_rows) if self.stage.probe_rows else None
+    def probe_for(self, inputs, mask):
+        return Probe(self.stage.probe_units) if self.stage.probe_units else None
 
     def refuse_mixed_samples(self, x, targets, side, size, rows):
         self.stage.calls.append("alone")
@@ -32,11 +32,11 @@ class FakeCheck:
 class FakeStage:
     """A middle stage: forward doubles, backward returns fixed norms; records what it was asked."""
 
-    def __init__(self, probe_rows=()):
+    def __init__(self, probe_units=()):
         self.is_first, self.is_last, self.index = False, False, 1
         self.tie, self.units, self.device = None, Units(), torch.device("cpu")
         self.clip = ClipRule.make("flat", 1.0, 3).for_stage(1, [])
-        self.calls, self.pending, self.probe_rows = [], {}, probe_rows
+        self.calls, self.pending, self.probe_units = [], {}, probe_units
         self.check = FakeCheck(self)
 
     def watch_values(self, parameters=True):
@@ -46,13 +46,13 @@ class FakeStage:
     def refuse_changed_values(self, before, parameters=True):
         self.calls.append("values compared")
 
-    def forward(self, mb, x, targets, side, size, check_state=False, probe_rows=()):
+    def forward(self, mb, x, targets, side, size, check_state=False, probe_units=()):
         self.calls.append(("F", mb, check_state))
         return 2 * x
 
     def backward_input(self, mb, grad, probe=None):
         self.calls.append(("I", mb, probe))
-        messages = tuple(torch.full((2, 1), float(r)) for r in probe.rows) if probe else ()
+        messages = tuple(torch.full((2, 1), float(r)) for r in probe.units) if probe else ()
         return BackwardResult(grad * 3, torch.ones(2, dtype=torch.float64), messages)
 
     def weight(self, mb, factors):
@@ -86,7 +86,7 @@ def actions(mb):
 
 
 def test_a_middle_stage_runs_its_actions_and_sends_probes_behind_the_gradient():
-    stage = FakeStage(probe_rows=(0, 1))
+    stage = FakeStage(probe_units=(0, 1))
     inbox = {
         (Kind.RECV_F, 0): [torch.ones(2, 1)],
         (Kind.RECV_B, 0): [torch.ones(2, 1), torch.zeros(2, 1), torch.zeros(2, 1)],  # gradient, then 2 probes
@@ -107,7 +107,7 @@ def test_a_middle_stage_runs_its_actions_and_sends_probes_behind_the_gradient():
     ]
     stage.calls = [c for c in stage.calls[1:] if c != "alone"]
     assert stage.calls[0][2] is True  # every micro-batch's versions are watched
-    assert stage.calls[1][2].rows == (0, 1) and len(stage.calls[1][2].messages) == 2
+    assert stage.calls[1][2].units == (0, 1) and len(stage.calls[1][2].messages) == 2
     assert executor.totals()[3] == 0  # the fake's check was conclusive
     sent = [(kind, message) for kind, _, message in transport.sent]
     assert sent[0][0] is Kind.SEND_F and torch.equal(sent[0][1], 2 * torch.ones(2, 1))

@@ -5,7 +5,7 @@ import torch
 
 from pipedp import BatchError
 from pipedp.privacy.units import Units
-from pipedp.runtime.microbatch import make_pass, microbatch_size_for, plan_passes, replica_rows
+from pipedp.runtime.microbatch import make_pass, microbatch_size_for, pass_slices, replica_rows
 
 
 def test_a_pass_is_padded_with_masked_copies_of_the_last_row():
@@ -24,9 +24,9 @@ def test_dict_inputs_are_cut_row_wise():
 
 
 def test_passes_and_sizes():
-    assert plan_passes(0, 4, None) == []
-    assert plan_passes(10, 4, None) == [slice(0, 10)]
-    assert plan_passes(10, 2, 3) == [slice(0, 6), slice(6, 10)]  # static micro-batches: several passes
+    assert pass_slices(0, 4, None) == []
+    assert pass_slices(10, 4, None) == [slice(0, 10)]
+    assert pass_slices(10, 2, 3) == [slice(0, 6), slice(6, 10)]  # static micro-batches: several passes
     assert microbatch_size_for(10, 4, None) == 3 and microbatch_size_for(10, 4, 8) == 8
 
 

@@ -39,7 +39,7 @@ def test_a_non_finite_reference_is_a_mismatch_unless_a_sample_of_the_micro_batch
     with pytest.raises(UnsupportedModelError):
         strict.refuse_if_any(_no_sums)
     tainted = Comparison(1, torch.float64)
-    tainted.non_finite_rows = True  # a sample left out of the update made this row's reference NaN
+    tainted.non_finite_units = True  # a sample left out of the update made this row's reference NaN
     _add(tainted, nan, have)
     with pytest.warns(UserWarning, match="stage 1: the self-check could not verify w for this input shape"):
         tainted.refuse_if_any(_no_sums)
@@ -53,7 +53,7 @@ def test_a_parameter_with_a_finite_gradient_is_still_judged_beside_a_non_finite_
     scale = Comparison.scale({**nan, nn.Parameter(torch.zeros(3)): finite})
     assert scale == float(finite.norm())
     tainted = Comparison(0, torch.float64)
-    tainted.non_finite_rows = True
+    tainted.non_finite_units = True
     p = nn.Parameter(torch.zeros(3, dtype=torch.float64))
     tainted.add(p, "w", ("layer", "Linear"), True, finite, finite.clone(), float(finite.pow(2).sum()), scale)
     tainted.refuse_if_any(_no_sums)  # agreement: nothing to refuse

@@ -242,8 +242,8 @@ def load(
         )
     files: Dict[str, tensorfile.TensorFile] = {}
     try:
-        plans = _together(runtime, lambda: _naming(base, lambda: _plan(manifest, base, state, runtime, files)))
-        _together(runtime, lambda: _apply(plans, state, files, runtime))
+        loads = _together(runtime, lambda: _naming(base, lambda: _checked_loads(manifest, base, state, runtime, files)))
+        _together(runtime, lambda: _apply(loads, state, files, runtime))
     finally:
         for f in files.values():
             f.close()
@@ -287,16 +287,16 @@ def _shown(value: Any, absent: object) -> str:
     return "(not set)" if value is absent else repr(value)
 
 
-class _StagePlan:
+class _StageLoad:
     def __init__(
         self, params: List[Tuple[torch.nn.Parameter, StageRecord, str, Optional[Shard]]], optimizer: Any, scheduler: Any
     ):
         self.params, self.optimizer, self.scheduler = params, optimizer, scheduler
 
 
-def _plan(
+def _checked_loads(
     manifest: Manifest, base: str, state: TrainingState, runtime: Runtime, files: Dict[str, tensorfile.TensorFile]
-) -> List[_StagePlan]:
+) -> List[_StageLoad]:
     """Check everything this rank will load (names, shapes, files' hashes, frozen tensors, optimizer
     groups) without changing anything."""
     where, frozen = manifest.where(), manifest.frozen()
@@ -308,7 +308,7 @@ def _plan(
         return files[record.file]
 
     schedulers = list(state.schedulers) or [None] * len(state.optimizers)
-    plans = []
+    loads = []
     for stage, opt, scheduler in zip(runtime.local_stages, state.optimizers, schedulers):
         names = stage.parameter_names()
         sources: Dict[str, Tuple[StageRecord, str]] = {}
@@ -357,8 +357,8 @@ def _plan(
             )
             if scheduler is not None:
                 sched = optim.scheduler_state(origins, stage.index, scheduler.state_dict())
-        plans.append(_StagePlan([(p, r, k, split.get(n)) for (p, r, k), n in zip(params, names)], optimizer, sched))
-    return plans
+        loads.append(_StageLoad([(p, r, k, split.get(n)) for (p, r, k), n in zip(params, names)], optimizer, sched))
+    return loads
 
 
 def _deferred(open_file: Callable, split: Dict[str, Shard], record: StageRecord, key: str) -> "_Deferred":
@@ -382,17 +382,17 @@ class _Deferred:
 
 
 def _apply(
-    plans: List[_StagePlan], state: TrainingState, files: Dict[str, tensorfile.TensorFile], runtime: Runtime
+    loads: List[_StageLoad], state: TrainingState, files: Dict[str, tensorfile.TensorFile], runtime: Runtime
 ) -> None:
     schedulers = list(state.schedulers) or [None] * len(state.optimizers)
     owners = state.owners or [None] * len(state.optimizers)
-    for plan, opt, scheduler, stage, owner in zip(plans, state.optimizers, schedulers, runtime.local_stages, owners):
+    for load, opt, scheduler, stage, owner in zip(loads, state.optimizers, schedulers, runtime.local_stages, owners):
         with torch.no_grad():
-            for p, record, key, shard in plan.params:
+            for p, record, key, shard in load.params:
                 value = files[record.file].read(key)
                 p.copy_(shard.of(value) if shard is not None else value)
         if opt is not None:
-            optimizer = plan.optimizer
+            optimizer = load.optimizer
             if owner is not None:  # a sharded optimizer: the state of the parameters this replica owns, no other
                 mine = {id(p) for p, o in zip(stage.parameters, owner) if o == runtime.replica}
                 order = [p for group in opt.param_groups for p in group["params"]]
@@ -403,7 +403,7 @@ def _apply(
                         values[k] = v.read()
             opt.load_state_dict(optimizer)
         if scheduler is not None:
-            scheduler.load_state_dict(plan.scheduler)
+            scheduler.load_state_dict(load.scheduler)
 
 
 __all__ = ["check_compatible", "load", "save"]
