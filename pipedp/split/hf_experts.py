@@ -32,7 +32,17 @@ from ..privacy.rules.dense_experts import (
     is_dense_bank,
     recomputed_bank_output,
 )
-from ..privacy.rules.expert_lora import ADAPTED_EXPERTS, adapted, computed_weights, factors, wrapped_bank, wrappers
+from ..privacy.rules.expert_lora import (
+    ADAPTED_DENSE_EXPERTS,
+    ADAPTED_EXPERTS,
+    DENSE_WEIGHTS,
+    adapted,
+    computed_weights,
+    dense_computed_weights,
+    factors,
+    wrapped_bank,
+    wrappers,
+)
 from ..privacy.rules.experts import first_weights, recomputed_output, second_weights, weight_names
 from .hf_runs import Stop, modes_kept
 
@@ -75,13 +85,10 @@ def accept_experts(model: nn.Module, path: str, module: nn.Module) -> None:
                 "adapters on the attention and other Linear layers (target_modules)"
             )
         if isinstance(bank, nn.Module) and is_dense_bank(bank):  # Llama-4: every token through every expert
-            if outer is not bank:
-                raise UnsupportedModelError(
-                    f"{where}: PEFT's LoRA on the weights of experts every token passes through (Llama-4's) has no "
-                    "per-sample rule yet: put the adapters on the attention and other Linear layers (target_modules)"
-                )
             router, _ = _router(where, block, bank)
-            _check_dense(where, router, bank)
+            if outer is not bank:
+                _refuse_adapter_states(where, outer, bank)
+            _check_dense(where, router, bank, outer)
             register(type(router), SCORING_ROUTER)
             register(type(bank), DENSE_EXPERTS)
             continue
@@ -243,8 +250,10 @@ def _as_called(where: str, block: nn.Module, router: nn.Module, logits: nn.Modul
 def _refuse_adapter_states(where: str, outer: nn.Module, bank: nn.Module) -> None:
     """PEFT's LoRA on the bank's weights as privacy/rules/expert_lora.py reads it: one adapter on each of the
     bank's two weights at most, active and unmerged, and no other trainable tensor below the wrappers."""
-    names = weight_names(bank)
-    read = {id(p) for p in (*first_weights(bank), *second_weights(bank)) if p is not None}
+    dense = is_dense_bank(bank)
+    names = DENSE_WEIGHTS if dense else weight_names(bank)
+    tensors = [getattr(bank, n) for n in DENSE_WEIGHTS] if dense else [*first_weights(bank), *second_weights(bank)]
+    read = {id(p) for p in tensors if p is not None}
     for wrapper in wrappers(outer):
         name = wrapper.parameter_name
         if name not in names or wrapper.get_param().dim() != 3:
@@ -353,10 +362,11 @@ def _check(where: str, logits_layer: nn.Module, call: _RouterCall, bank: nn.Modu
             )
 
 
-def _check_dense(where: str, router: nn.Module, bank: nn.Module) -> None:
+def _check_dense(where: str, router: nn.Module, bank: nn.Module, outer: nn.Module) -> None:
     """Llama-4's bank computes what privacy/rules/dense_experts.py reads from its weights, and its router's
     per-sample gradients from the rule are autograd's through its own forward, on a few random tokens
-    (skipped for weights not loaded yet: the self-check compares every checked sample's gradient anyway)."""
+    (skipped for weights not loaded yet: the self-check compares every checked sample's gradient anyway);
+    ``outer``: PEFT's LoRA wrapping the bank, checked as _check_adapters does for a routed bank."""
     if router.weight.is_meta or bank.down_proj.is_meta:
         return
     weight = router.weight
@@ -377,6 +387,8 @@ def _check_dense(where: str, router: nn.Module, bank: nn.Module) -> None:
             f"{where}: its experts ({type(bank).__name__}) do not compute what pipedp's per-sample rule reads from "
             f"their weights (per expert, up * act(gate) of x @ gate_up_proj, then @ down_proj): {FREEZE}"
         )
+    if outer is not bank:
+        _check_dense_adapters(where, outer, bank, routed)
     x = randn(2, CHECK_TOKENS, weight.shape[1])
     try:
         if weight.requires_grad:  # (a frozen router is no layer: no rule reads it)
@@ -424,7 +436,11 @@ def _check_adapters(where: str, outer: nn.Module, bank: nn.Module, call: tuple) 
                 "per-sample rule reads its factors: put the adapters on the attention and other Linear layers "
                 "(target_modules)"
             )
-        wrong = _wrong_per_sample(outer, x, index, weights)
+        n = x.shape[0] // 2 if x.shape[0] >= 2 else 1  # samples of 2 (or 1) tokens
+        inputs = tuple(
+            t[: 2 * n].reshape(n, -1, *t.shape[1:]) if x.shape[0] >= 2 else t.unsqueeze(0) for t in (x, index, weights)
+        )
+        wrong = _wrong_per_sample(outer, ADAPTED_EXPERTS, inputs, lambda i, *sample: outer(*sample))
     if wrong:
         raise UnsupportedModelError(
             f"{where}: {named}: pipedp's per-sample gradients of {wrong} differ from autograd's on random tokens: "
@@ -432,17 +448,59 @@ def _check_adapters(where: str, outer: nn.Module, bank: nn.Module, call: tuple) 
         )
 
 
-def _wrong_per_sample(outer: nn.Module, x: torch.Tensor, index: torch.Tensor, weights: torch.Tensor) -> List[str]:
-    """The tensors whose per-sample gradients or squared norms from the rule differ from autograd's through
-    ``outer``'s own forward, the tokens taken as samples of 2 (or 1) tokens."""
-    n = x.shape[0] // 2 if x.shape[0] >= 2 else 1
-    inputs = tuple(
-        t[: 2 * n].reshape(n, -1, *t.shape[1:]) if x.shape[0] >= 2 else t.unsqueeze(0) for t in (x, index, weights)
-    )
+def _check_dense_adapters(where: str, outer: nn.Module, bank: nn.Module, routed: torch.Tensor) -> None:
+    """_check_adapters for Llama-4's bank: with random factors, PEFT's forward on routed tokens [E N, d] computes
+    what the rule reads (each weight plus s B_e A_e as stored), and the rule's per-sample gradients and norms
+    are autograd's, samples of 2 tokens folded as the capture folds them (sample i's position t E + e)."""
+    named = f"PEFT's LoRA on its experts ({', '.join(w.parameter_name for w in wrappers(outer))})"
+    count = experts_of(bank)
+    with _random_factors(outer), torch.no_grad():
+        own = outer(routed)
+        recomputed = recomputed_bank_output(bank, routed, dense_computed_weights(bank, adapted(outer), routed.dtype))
+    if not torch.allclose(recomputed.to(own.dtype), own, rtol=1e-3, atol=1e-5):
+        raise UnsupportedModelError(
+            f"{where}: {named} does not compute the bank's weights plus s B_e A_e per expert as stored, as "
+            "pipedp's per-sample rule reads its factors: put the adapters on the attention and other Linear "
+            "layers (target_modules)"
+        )
+    tokens = routed.shape[0] // count
+    n = tokens // 2
+
+    def folded(t: torch.Tensor) -> torch.Tensor:  # [E N, d] -> [n, 2 E, d]: sample i's tokens 2i, 2i + 1
+        return (
+            t.reshape(count, tokens, -1)[:, : 2 * n]
+            .reshape(count, n, 2, -1)
+            .permute(1, 2, 0, 3)
+            .reshape(n, 2 * count, -1)
+        )
+
+    def call(i: int, x: torch.Tensor) -> torch.Tensor:  # one sample: unfolded, through PEFT's forward, folded
+        rows = x.reshape(2, count, -1).transpose(0, 1).reshape(2 * count, -1)
+        return outer(rows).reshape(count, 2, -1).transpose(0, 1).reshape(2 * count, -1)
+
+    try:
+        with _random_factors(outer):
+            wrong = _wrong_per_sample(outer, ADAPTED_DENSE_EXPERTS, (folded(routed),), call)
+    except (RuntimeError, IndexError) as exc:  # (factors whose shapes do not fit the reading)
+        raise UnsupportedModelError(
+            f"{where}: {named}: pipedp's per-sample rule cannot read its factors ({exc}): put the adapters on the "
+            "attention and other Linear layers (target_modules)"
+        ) from exc
+    if wrong:
+        raise UnsupportedModelError(
+            f"{where}: {named}: pipedp's per-sample gradients of {wrong} differ from autograd's on random tokens: "
+            "put the adapters on the attention and other Linear layers (target_modules)"
+        )
+
+
+def _wrong_per_sample(outer: nn.Module, rule, inputs: Tuple[torch.Tensor, ...], call) -> List[str]:
+    """The tensors whose per-sample gradients or squared norms from ``rule`` differ from autograd's through
+    ``outer``'s own forward (``call(i, *inputs of sample i)``), for random output-gradients (a bank's output
+    is as wide as its input)."""
+    x, n = inputs[0], inputs[0].shape[0]
     g = torch.Generator(device="cpu").manual_seed(2)
-    backprops = torch.randn(inputs[0].shape, generator=g, dtype=torch.float64).to(x.device, x.dtype)
+    backprops = torch.randn(x.shape, generator=g, dtype=torch.float64).to(x.device, x.dtype)
     named = [(name, p) for name, p in outer.named_parameters() if p.requires_grad]
-    rule = ADAPTED_EXPERTS
     with torch.no_grad():
         grads = rule.grads(outer, inputs, backprops)
         norms = rule.norms(outer, inputs, backprops) if rule.norms is not None else None
@@ -451,7 +509,7 @@ def _wrong_per_sample(outer: nn.Module, x: torch.Tensor, index: torch.Tensor, we
         want = []
         for i in range(n):
             with torch.enable_grad():
-                out = outer(*(t[i] for t in inputs))
+                out = call(i, *(t[i] for t in inputs))
                 (grad,) = torch.autograd.grad((out * backprops[i]).sum(), [p], allow_unused=True)
             want.append(torch.zeros_like(p) if grad is None else grad)
         expected = torch.stack(want).to(torch.float64)

@@ -133,11 +133,10 @@ def test_lora_on_one_expert_weight_with_the_bank_trained_too_matches_the_loop():
     assert float(got["model.layers.0.mlp.experts.base_layer.gate_up_proj"].abs().max()) > 0
 
 
-# (Llama-4's experts, which every token passes through, refuse LoRA on their weights by name: tested below)
-FUSED = [f for f in FAMILIES if f.experts and f.exact and f.model_type != "llama4_text"]
+MOE_FAMILIES = [f for f in FAMILIES if f.experts and f.exact]  # (Llama-4's too: every token through every expert)
 
 
-@pytest.mark.parametrize("family", FUSED, ids=lambda f: f.name)
+@pytest.mark.parametrize("family", MOE_FAMILIES, ids=lambda f: f.name)
 def test_lora_on_the_experts_and_the_attention_of_every_moe_family_matches_the_loop(family):
     model = lora_on_the_experts(build(family))
     inputs, labels = padded_batch("left" if len(family.model_type) % 2 else "right")
@@ -629,9 +628,48 @@ def test_planted_llama4_bank_layouts_and_routers_and_lora_on_its_experts_are_ref
         router.__class__ = type("Planted", (type(router),), {"forward": forward})
         with pytest.raises(UnsupportedModelError, match=r"feed_forward .*router \(Planted\)"):
             PipelineDPTrainer(model, token_loss, stages=2, expected_batch_size=4)
-    peft = pytest.importorskip("peft")
-    config = peft.LoraConfig(r=2, target_parameters=["feed_forward.experts.down_proj"])
-    with pytest.raises(UnsupportedModelError, match=r"LoRA on the weights of experts every token passes through"):
-        PipelineDPTrainer(
-            peft.get_peft_model(llama4(), config).base_model.model, token_loss, stages=2, expected_batch_size=4
+
+
+def test_lora_on_llama4s_experts_matches_the_loop_in_both_grad_modes_on_three_stages_and_with_units():
+    """PEFT reads Llama-4's [E, in, out] weights as [E, out, in]: B's factor meets the input first
+    (rules/expert_lora.py); both factors of both weights train, and match the loop oracle."""
+    for stages, mode, side, rows in ((2, "ghost", "right", 1), (3, "materialize", "left", 2)):
+        model = lora_on_the_experts(llama4())
+        inputs, labels = padded_batch(side)
+        if rows == 2:  # (units of 2 rows: 6 rows, each sample with its mirror)
+            inputs = {k: torch.cat([v, v.flip(0)])[:6] for k, v in inputs.items()}
+            labels = torch.cat([labels, labels.flip(0)])[:6]
+        if rows == 1:
+            want = loop_clipped_sum(copy.deepcopy(model), hf_loss, inputs, labels, CLIP)
+        else:
+            want = loop_unit_clipped_sum(copy.deepcopy(model), hf_loss, inputs, labels, CLIP, rows=rows)
+        got = pipedp_clipped_sum(
+            model, token_loss, inputs, labels, CLIP, stages=stages, microbatches=1, grad_mode=mode, unit_rows=rows
         )
+        assert max_relative_error(got, want) < 1e-7, (stages, mode)  # (its router's sigmoid is in float32)
+        trained = [k for k, v in got.items() if float(v.abs().max()) > 0]
+        for factor in ("experts.lora_A", "experts.lora_B", "experts.base_layer.lora_A", "experts.base_layer.lora_B"):
+            assert any(factor in k for k in trained), factor  # (both weights' adapters: down_proj's wraps the other)
+
+
+@pytest.mark.parametrize("plant", ["a pair given to the wrong sample", "the factors read in PEFT's order"])
+def test_planted_llama4_factor_readings_are_refused_at_construction(monkeypatch, plant):
+    """PEFT starts B at zero, where A's gradient is zero at the first step: the reading is checked against
+    autograd with random factors when the model is built."""
+    real = expert_lora._with_factors
+
+    def misattributed(proj, experts, factors):
+        out = real(proj, experts, factors)
+        for factor in out:  # the first pair of sample 0 counted as sample 1's
+            factor.g[1, 0], factor.g[0, 0] = factor.g[0, 0].clone(), 0
+        return out
+
+    if plant == "a pair given to the wrong sample":
+        monkeypatch.setattr(expert_lora, "_with_factors", misattributed)
+    else:  # the standard reading of a [E, out, in] weight: input and output-gradient not exchanged
+        monkeypatch.setattr(expert_lora, "_exchanged", lambda proj: proj)
+    model = lora_on_the_experts(llama4())
+    with pytest.raises(
+        UnsupportedModelError, match=r"feed_forward \(Llama4TextMoe\): PEFT's LoRA on its experts .*(differ|cannot)"
+    ):
+        PipelineDPTrainer(model, token_loss, stages=2, expected_batch_size=4)

@@ -59,13 +59,18 @@ def _gated(bank: nn.Module, z: torch.Tensor) -> torch.Tensor:
     return up * bank.act_fn(gate)
 
 
-def dense_pairs(bank: nn.Module, inputs: Sequence[torch.Tensor], backprops: torch.Tensor):
+def dense_pairs(
+    bank: nn.Module, inputs: Sequence[torch.Tensor], backprops: torch.Tensor, computed: Optional[Sequence] = None
+):
     """(expert ids [n, T E], [gate_up projection, down projection]) from the folded inputs [n, T E, d]
-    and output-gradients [n, T E, d], the gate's input-gradient by autograd through the bank's own act_fn."""
+    and output-gradients [n, T E, d], the gate's input-gradient by autograd through the bank's own act_fn;
+    ``computed``: the two weights as the forward computed with them (PEFT's LoRA: each plus its delta)."""
     x = inputs[0].to(backprops.dtype)
     n, p, _ = x.shape
     count = experts_of(bank)
-    w1, w2 = bank.gate_up_proj.detach().to(x.dtype), bank.down_proj.detach().to(x.dtype)
+    if computed is None:
+        computed = (bank.gate_up_proj, bank.down_proj)
+    w1, w2 = (w.detach().to(x.dtype) for w in computed)
     g1 = x.new_zeros(n, p, w1.shape[-1])
     a2 = x.new_zeros(n, p, w2.shape[1])
     for e in range(count):
@@ -82,12 +87,25 @@ def dense_pairs(bank: nn.Module, inputs: Sequence[torch.Tensor], backprops: torc
     return experts, [first, second]
 
 
-def recomputed_bank_output(bank: nn.Module, x: torch.Tensor) -> torch.Tensor:
-    """The bank's output for its [E N, d] input as this rule reads its layout (checked at construction)."""
+def recomputed_bank_output(bank: nn.Module, x: torch.Tensor, computed: Optional[Sequence] = None) -> torch.Tensor:
+    """The bank's output for its [E N, d] input as this rule reads its layout (checked at construction);
+    ``computed``: the weights as dense_pairs takes them."""
     count = experts_of(bank)
+    w1, w2 = computed if computed is not None else (bank.gate_up_proj, bank.down_proj)
     rows = x.reshape(count, -1, x.shape[-1])
-    out = [_gated(bank, rows[e] @ bank.gate_up_proj[e]) @ bank.down_proj[e] for e in range(count)]
-    return torch.cat(out).reshape(-1, bank.down_proj.shape[-1])
+    out = [_gated(bank, rows[e] @ w1[e]) @ w2[e] for e in range(count)]
+    return torch.cat(out).reshape(-1, w2.shape[-1])
+
+
+def span_norms(projections: Sequence[Projection], count: int) -> Grads:
+    """{trained weight: [n]} squared norms, expert by expert: the Gram of one expert's T positions (every
+    count-th) at a time, instead of a [n, T E, T E] Gram masked to pairs of one expert."""
+    spans = [slice(e, None, count) for e in range(count)]
+    out: Grads = {}
+    for proj in projections:
+        if proj.weight.requires_grad:
+            out[proj.weight] = sum(((gram(proj.a[:, s]) * gram(proj.g[:, s])).sum((1, 2)) for s in spans))
+    return out
 
 
 def _grams_outweigh(bank: nn.Module, backprops: torch.Tensor) -> bool:
@@ -99,14 +117,7 @@ def _grams_outweigh(bank: nn.Module, backprops: torch.Tensor) -> bool:
 def _norms(bank, inputs, backprops, grams=None) -> Optional[Grads]:
     if _grams_outweigh(bank, backprops):
         return None
-    experts, projections = dense_pairs(bank, inputs, backprops)
-    count = experts_of(bank)
-    out: Grads = {}
-    for proj in projections:
-        if proj.weight.requires_grad:  # expert by expert: the Gram of one expert's T positions at a time
-            spans = [slice(e, None, count) for e in range(count)]
-            out[proj.weight] = sum(((gram(proj.a[:, s]) * gram(proj.g[:, s])).sum((1, 2)) for s in spans))
-    return out
+    return span_norms(dense_pairs(bank, inputs, backprops)[1], experts_of(bank))
 
 
 def _grads(bank, inputs, backprops) -> Grads:

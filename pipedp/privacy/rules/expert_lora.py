@@ -15,6 +15,13 @@ for A; inputs s A_e a_p and output-gradients g_p for B), and the bank rule's Gra
 gradients and clipped sums apply to it unchanged. The pairs themselves are recomputed with the weights
 the forward used, W + s B A. split/hf_experts.py checks PEFT's forward against this reading with random
 factors at construction.
+
+Llama-4's bank (rules/dense_experts.py: every token through every expert) stores its weights [E, in, out]
+and multiplies ``x @ W_e``, while PEFT reads any [E, X, Y] weight as [E, out, in]: its delta s B_e A_e is
+[E, X, Y] and is added as stored. The product's [out, in] matrix W_e^T then gains s A_e^T B_e^T, so B_e^T
+meets the input first: its factors are the standard reading's with each pair's input and output-gradient
+exchanged (A_e: sum_p (s B_e^T a_p) g_p^T; B_e: sum_p a_p (s A_e g_p)^T), and a sample's pairs of expert e
+are its positions t E + e, as for the bank.
 """
 
 from __future__ import annotations
@@ -25,6 +32,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import torch
 import torch.nn as nn
 
+from .dense_experts import DENSE_EXPERTS, dense_pairs, experts_of, span_norms
 from .experts import (
     EXPERTS,
     Projection,
@@ -238,3 +246,102 @@ def adapted_bank(module: nn.Module) -> bool:
 
 
 register(adapted_bank, ADAPTED_EXPERTS)
+
+
+# ---- Llama-4's bank: every token through every expert -------------------------------------------------------
+DENSE_WEIGHTS = ("gate_up_proj", "down_proj")
+
+
+def dense_computed_weights(bank: nn.Module, adapters: Dict[str, Factors], dtype: torch.dtype) -> Tuple:
+    """(gate_up_proj, down_proj) as the forward computes with them: each plus its adapter's delta, as stored."""
+    out = []
+    for name in DENSE_WEIGHTS:
+        w = getattr(bank, name).detach().to(dtype)
+        out.append(w + adapters[name].delta(dtype) if name in adapters else w)
+    return tuple(out)
+
+
+def _exchanged(proj: Projection) -> Projection:
+    """The pairs with input and output-gradient exchanged (the module docstring: Llama-4's weights)."""
+    return Projection(proj.weight, proj.bias, proj.g, proj.a, proj.experts, proj.as_weight)
+
+
+def _dense_projections(outer: nn.Module, inputs: Sequence[torch.Tensor], backprops: torch.Tensor):
+    bank = wrapped_bank(outer)
+    adapters = adapted(outer)
+    experts, projections = dense_pairs(bank, inputs, backprops, dense_computed_weights(bank, adapters, backprops.dtype))
+    out = []
+    for name, proj in zip(DENSE_WEIGHTS, projections):
+        out.append(proj)
+        if name in adapters:
+            out += _with_factors(_exchanged(proj), experts, adapters[name])
+    return experts, out
+
+
+def _dense_trained_shapes(outer: nn.Module) -> List[Tuple[int, int]]:
+    """(in, out) per expert of each trained weight below the wrappers: the bank's, and each adapter's A and B."""
+    bank = wrapped_bank(outer)
+    shapes = [(int(w.shape[1]), int(w.shape[2])) for w in (bank.gate_up_proj, bank.down_proj) if w.requires_grad]
+    for f in adapted(outer).values():
+        rank = f.a_weight.shape[0] // f.experts
+        if f.a_weight.requires_grad:
+            shapes.append((int(f.a_weight.shape[-1]), rank))
+        if f.b_weight.requires_grad:
+            shapes.append((rank, int(f.b_weight.shape[0])))
+    return shapes
+
+
+def _dense_grams_fit(outer: nn.Module, backprops: torch.Tensor) -> bool:
+    """A [T, T] Gram per expert weighs no more than a sample's gradient of the smallest trained tensor's expert."""
+    t = backprops.shape[1] // experts_of(wrapped_bank(outer))
+    return t * t <= min(i * o for i, o in _dense_trained_shapes(outer))
+
+
+def _dense_norms(outer, inputs, backprops, grams=None) -> Optional[Grads]:
+    if not _dense_grams_fit(outer, backprops):
+        return None
+    return span_norms(_dense_projections(outer, inputs, backprops)[1], experts_of(wrapped_bank(outer)))
+
+
+def _dense_grads(outer, inputs, backprops) -> Grads:
+    return grads_of(*_dense_projections(outer, inputs, backprops))
+
+
+def _dense_weight(outer, inputs, scaled) -> Grads:
+    return weight_of(*_dense_projections(outer, inputs, scaled))
+
+
+def _dense_costs(outer, inputs, backprops) -> Dict[str, float]:
+    """As rules/dense_experts.py's, over every trained tensor: ghost n E T^2 (in + out); materialize
+    n E^2 T in out and 4 n E in out bytes."""
+    n, count = backprops.shape[0], experts_of(wrapped_bank(outer))
+    t = backprops.shape[1] // count
+    table = {"materialize": 0.0, "ghost": 0.0}
+    for size_in, size_out in _dense_trained_shapes(outer):
+        table["materialize"] += n * count * count * t * size_in * size_out
+        table["materialize"] += MACS_PER_BYTE * 4 * n * count * size_in * size_out
+        table["ghost"] += n * count * t * t * (size_in + size_out)
+    if not _dense_grams_fit(outer, backprops):
+        table.pop("ghost")
+    return table
+
+
+ADAPTED_DENSE_EXPERTS = LayerRule(
+    "experts (every token)+lora",
+    _dense_grads,
+    _dense_weight,
+    _dense_norms,
+    pools_positions=True,
+    costs=_dense_costs,
+    flat_tokens=True,
+    holds_below=True,
+    experts_first=lambda outer: experts_of(wrapped_bank(outer)),
+)
+
+
+def adapted_dense_bank(module: nn.Module) -> bool:
+    """PEFT's LoRA wrapper of a checked Llama-4 bank's weights (the outermost of a chain)."""
+    return is_lora_wrapper(module) and RULES.get(type(wrapped_bank(module))) is DENSE_EXPERTS
+
+
+register(adapted_dense_bank, ADAPTED_DENSE_EXPERTS)

@@ -3,7 +3,8 @@ through PEFT's own wrapped bank, one sample's tokens at a time, as the bank's ru
 
 import pytest
 import torch
-from test_experts import block, check, routed
+from test_dense_experts import llama4_moe, oracle
+from test_experts import block, check, matches, routed
 
 from pipedp.privacy.rules import rule_for
 from pipedp.privacy.rules.expert_lora import is_lora_wrapper, wrapped_bank
@@ -44,3 +45,25 @@ def test_the_bank_beside_its_factors_matches_too():
     wrapped_bank(outer).gate_up_proj.requires_grad_(True)
     hidden, index, route = routed(router)
     check(outer, (hidden, index, route), torch.randn_like(hidden))
+
+
+@pytest.mark.parametrize("weights", [("gate_up_proj", "down_proj"), ("down_proj",)])
+def test_peft_lora_on_the_bank_every_token_passes_through_matches_per_sample_autograd(weights):
+    """PEFT reads the [E, in, out] weights as [E, out, in] (privacy/rules/expert_lora.py): both factors of each
+    adapted weight, and the bank's other weight trained beside them, against autograd through PEFT's wrappers."""
+    moe = llama4_moe()
+    holder = torch.nn.Module()
+    holder.experts = moe.experts
+    lora = peft.LoraConfig(r=2, target_parameters=[f"experts.{w}" for w in weights], init_lora_weights=False)
+    outer = peft.get_peft_model(holder, lora).base_model.model.experts
+    if weights == ("down_proj",):
+        moe.experts.gate_up_proj.requires_grad_(True)  # (PEFT froze it; no adapter on it)
+    assert rule_for(outer).name == "experts (every token)+lora"
+    count, n, t = moe.num_experts, 3, 4
+    routed = torch.randn(n, count, t, moe.experts.hidden_size, dtype=torch.float64)  # [n, E, T, d]
+    backprops = torch.randn_like(routed)
+    params = [p for p in outer.parameters() if p.requires_grad]
+    assert len(params) == 2 * len(weights) + (len(weights) == 1)
+    want = oracle(lambda i: outer(routed[i].reshape(count * t, -1)).reshape(count, t, -1), params, n, backprops)
+    folded = [v.transpose(1, 2).reshape(n, t * count, -1) for v in (routed, backprops)]
+    matches(outer, (folded[0],), folded[1], want, rtol=1e-9)
