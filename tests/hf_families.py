@@ -43,6 +43,7 @@ class Family:
 
 
 HEAD_DIM_8 = {"head_dim": 8}
+GRANITE_HYBRID = {"mamba_n_heads": 4, "mamba_d_head": 8, "mamba_n_groups": 1, "mamba_d_state": 8}  # (heads | 2 x 16)
 SLIDING = {"sliding_window": 4}  # shorter than the test sequences (8): the window matters
 # DeepSeek's low-rank (multi-head latent) attention, and with it a first dense layer and one routing group
 LOW_RANK = {"kv_lora_rank": 8, "q_lora_rank": 8, "qk_nope_head_dim": 4, "qk_rope_head_dim": 4, "v_head_dim": 8}
@@ -95,6 +96,23 @@ FAMILIES = [
     Family("olmoe", classification=False, experts=True),
     Family("granitemoe", classification=False, experts=True, float32_inside=True),
     Family("granitemoeshared", "a shared MLP", classification=False, experts=True, float32_inside=True),
+    Family(
+        "granitemoehybrid",
+        "attention layers",
+        {**GRANITE_HYBRID, "layer_types": ["attention"] * 3},
+        classification=False,
+        experts=True,
+        float32_inside=True,
+    ),
+    Family(
+        "granitemoehybrid",
+        "mamba layers",
+        {**GRANITE_HYBRID, "layer_types": ["mamba", "attention", "mamba"]},
+        classification=False,
+        experts=True,
+        status="refused: its convolution weight is read outside the module's call",
+        refusal="read outside the call",
+    ),
     Family("minimax", config=HEAD_DIM_8, experts=True),
     Family("flex_olmo", classification=False, experts=True),
     Family("aria_text", "shared experts; transposed bank", classification=False, experts=True),
