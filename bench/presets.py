@@ -46,6 +46,7 @@ class Preset:
     batch: int = 32
     microbatches: int = 8
     lora_targets: List[str] = field(default_factory=list)
+    lora_parameters: List[str] = field(default_factory=list)  # PEFT's target_parameters: an expert bank's weights
     build_meta: Optional[Callable[[], nn.Module]] = None  # large presets: the model on the meta device
     opacus: bool = True  # Opacus can run the whole model in one process
 
@@ -63,7 +64,13 @@ class Preset:
     def lora_config(self):
         from peft import LoraConfig
 
-        return LoraConfig(r=8, lora_alpha=16, lora_dropout=0.0, target_modules=self.lora_targets)
+        return LoraConfig(
+            r=8,
+            lora_alpha=16,
+            lora_dropout=0.0,
+            target_modules=self.lora_targets,
+            target_parameters=self.lora_parameters or None,
+        )
 
 
 class RandomWeights(Mapping):
@@ -193,7 +200,9 @@ def mixtral_config(layers: int, vocab: int = 32000, **overrides):
     return MixtralConfig(num_hidden_layers=layers, **widths)
 
 
-def _llama(name: str, note: str, cfg_fn: Callable, seq: int, batch: int, microbatches: int) -> Preset:
+def _llama(
+    name: str, note: str, cfg_fn: Callable, seq: int, batch: int, microbatches: int, lora_parameters=()
+) -> Preset:
     def meta():
         from pipedp.split.hf_loading import build_on_meta
 
@@ -215,11 +224,13 @@ def _llama(name: str, note: str, cfg_fn: Callable, seq: int, batch: int, microba
         batch,
         microbatches,
         ["q_proj", "v_proj"],
+        list(lora_parameters),
         build_meta=meta,
         opacus=False,  # Opacus has no grad sampler for LlamaRMSNorm
     )
 
 
+EXPERT_WEIGHTS = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]  # LoRA on the banks too (the lora question)
 PRESETS = {
     "small": _gpt(
         GPTConfig(vocab_size=256, seq_len=64, d_model=256, n_heads=4, n_layers=4),
@@ -274,6 +285,7 @@ PRESETS = {
         seq=64,
         batch=8,
         microbatches=4,
+        lora_parameters=EXPERT_WEIGHTS,
     ),
     "tiny-mixtral": _llama(
         "tiny-mixtral",
@@ -290,6 +302,7 @@ PRESETS = {
         seq=8,
         batch=8,
         microbatches=2,
+        lora_parameters=EXPERT_WEIGHTS,
     ),
     # smoke-test size of the Llama path (the HF adapter, stage-only materialisation, LoRA on q/v)
     "tiny-llama": _llama(

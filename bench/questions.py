@@ -280,7 +280,9 @@ def ask(question: str, preset_name: str, rounds: int, steps: int, warmup: int, v
                     torch_name,
                     GOALS["lora"],
                     command,
-                    "LoRA r=8 on " + "/".join(preset.lora_targets) + ", 2 processes x 1 thread",
+                    "LoRA r=8 on "
+                    + "/".join(preset.lora_targets + preset.lora_parameters)
+                    + ", 2 processes x 1 thread",
                 )
             )
         for name in times:  # every variant against torch, for the table
