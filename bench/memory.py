@@ -15,7 +15,7 @@ import ctypes
 import gc
 
 
-def _status_kib(field: str) -> int:
+def status_kib(field: str) -> int:
     with open("/proc/self/status") as f:
         for line in f:
             if line.startswith(field + ":"):
@@ -38,7 +38,7 @@ class PeakMemory:
             pass
         with open("/proc/self/clear_refs", "w") as f:
             f.write("5")
-        self.start_kib = _status_kib("VmRSS")
+        self.start_kib = status_kib("VmRSS")
         if self.cuda:
             import torch
 
@@ -48,7 +48,7 @@ class PeakMemory:
         return self
 
     def __exit__(self, *exc):
-        self.host_mib = max(0, _status_kib("VmHWM") - self.start_kib) / 1024.0
+        self.host_mib = max(0, status_kib("VmHWM") - self.start_kib) / 1024.0
         self.peak_mib = self.host_mib
         if self.cuda:
             import torch

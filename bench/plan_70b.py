@@ -27,7 +27,7 @@ import warnings
 from dataclasses import dataclass
 from typing import List, Optional, Tuple
 
-from .memory import _status_kib
+from .memory import status_kib
 
 Mesh = Tuple[int, ...]  # stages x tensor-parallel x replicas
 FULL: List[Mesh] = [(16, 1, 1), (8, 2, 1), (4, 4, 1), (2, 8, 1), (4, 2, 2), (2, 4, 2)]  # stages x T x replicas
@@ -99,7 +99,7 @@ TARGETS = ("q_proj", "v_proj")
 
 
 def _status(field: str) -> int:
-    return _status_kib(field) * 1024
+    return status_kib(field) * 1024
 
 
 def _pipeline():

@@ -53,7 +53,7 @@ from typing import Dict, List, Optional, Sequence
 
 import torch
 
-from .memory import PeakMemory
+from .memory import PeakMemory, status_kib
 
 STD = 0.02
 SHARD_BYTES = 1 << 30
@@ -217,14 +217,6 @@ def write_folder(name: str, folder: str, layers: Optional[int] = None, shard_byt
 
 
 # ---- one rank of a run -----------------------------------------------------------------------------------
-def _status_kib(field: str) -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1])
-    raise RuntimeError(field)
-
-
 class _Marks:
     """Peak RSS per phase: the kernel's mark read, then reset, at each phase's end."""
 
@@ -244,15 +236,15 @@ class _Marks:
             pass
         with open("/proc/self/clear_refs", "w") as f:
             f.write("5")
-        return _status_kib("VmRSS") / 1024.0
+        return status_kib("VmRSS") / 1024.0
 
     def end(self, phase: str) -> float:
         """This phase's peak RSS (MiB, absolute), then the mark reset; returns the RSS after the reset."""
-        self.phases[phase] = _status_kib("VmHWM") / 1024.0
+        self.phases[phase] = status_kib("VmHWM") / 1024.0
         return self._reset()
 
 
-def _corpus_rows(folder: str, n: int, seq: int):
+def corpus_rows(folder: str, n: int, seq: int):
     from pipedp.data import generated_corpus
     from pipedp.split.hf_loading import tokenize_for_model
 
@@ -346,7 +338,7 @@ def _plain_steps(stage_blocks, rank: int, stages: int, x, y, m: int, autocast: b
     return times
 
 
-def _preimport() -> None:
+def preimport() -> None:
     """Every library the run uses, imported before the base RSS is taken (their code is not the stage's)."""
     import peft  # noqa: F401
     import safetensors.torch  # noqa: F401
@@ -370,7 +362,7 @@ def _run_rank(rank: int, folder: str, args: Dict) -> Dict:
     from pipedp.train.prepare import apply_precision
 
     warnings.filterwarnings("ignore")
-    _preimport()
+    preimport()
     stages, m, lora = args["stages"], args["microbatches"], args["mode"] == "lora"
     marks = _Marks()
     t0 = time.perf_counter()
@@ -394,7 +386,7 @@ def _run_rank(rank: int, folder: str, args: Dict) -> Dict:
         weights = resident_parameter_bytes(model)  # with the adapters
         mine = partition(model_blocks(model), stages, costs)[rank]
     marks.end("blocks + adapters")  # pipedp's model_blocks (a stand-in layer for HF models) and PEFT
-    x, y = _corpus_rows(folder, args["batch"], args["seq"])
+    x, y = corpus_rows(folder, args["batch"], args["seq"])
     size = args["batch"] // m
     sample = x[:size] if rank == 0 else torch.randn(size, args["seq"], hidden, dtype=torch.bfloat16, requires_grad=True)
     act = _activation_bytes(mine, sample, y[:size], rank == stages - 1, lora, token_loss)
@@ -446,7 +438,7 @@ def _run_rank(rank: int, folder: str, args: Dict) -> Dict:
         if opt is not None:
             for state in opt.state.values():
                 opt_bytes += sum(v.numel() * v.element_size() for v in state.values() if isinstance(v, torch.Tensor))
-    before_save = _status_kib("VmRSS") / 1024.0
+    before_save = status_kib("VmRSS") / 1024.0
     t = time.perf_counter()
     trainer.save_checkpoint(args["checkpoint"])
     save_s = time.perf_counter() - t

@@ -39,16 +39,16 @@ def measure(folder: str, mode: str, stages: int = 2, batch: int = 4, microbatche
     from pipedp.split.hf_loading import load_pipeline_stage
 
     from .presets import BALANCE
-    from .scale import _corpus_rows, _preimport
+    from .scale import corpus_rows, preimport
 
     warnings.filterwarnings("ignore")
-    _preimport()
+    preimport()
     model = load_pipeline_stage(folder, 1, 0, balance=BALANCE)
     if mode == "lora":
         from peft import LoraConfig, get_peft_model
 
         model = get_peft_model(model, LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj"]))
-    x, y = _corpus_rows(folder, batch, seq)
+    x, y = corpus_rows(folder, batch, seq)
     trainer = PipelineDPTrainer(
         model,
         token_loss,
