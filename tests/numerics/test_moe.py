@@ -185,6 +185,29 @@ def test_planted_a_factor_pair_given_to_the_wrong_sample_is_refused_at_construct
         PipelineDPTrainer(model, token_loss, stages=2, expected_batch_size=4)
 
 
+def test_lora_on_wider_float32_experts_is_accepted_and_a_planted_misreading_still_refused(monkeypatch):
+    """The construction checks compare norm-wise by the dtype's rounding: element-wise tolerances refused LoRA on
+    a float32 bank 256 wide (large terms of random factors cancel), while a pair given to the wrong sample is
+    still off by the size of the value."""
+
+    def wide():
+        model = mixtral(hidden_size=256, intermediate_size=896, num_attention_heads=4, num_key_value_heads=4)
+        return lora_on_the_experts(model.float(), r=8)
+
+    PipelineDPTrainer(wide(), token_loss, stages=2, expected_batch_size=4)
+    real = expert_lora._with_factors
+
+    def misattributed(proj, experts, factors):
+        out = real(proj, experts, factors)
+        for factor in out:  # the first pair of sample 0 counted as sample 1's
+            factor.g[1, 0], factor.g[0, 0] = factor.g[0, 0].clone(), 0
+        return out
+
+    monkeypatch.setattr(expert_lora, "_with_factors", misattributed)
+    with pytest.raises(UnsupportedModelError, match=r"per-sample gradients of .*lora_A.* differ"):
+        PipelineDPTrainer(wide(), token_loss, stages=2, expected_batch_size=4)
+
+
 def test_planted_a_write_into_an_adapted_expert_weight_in_a_later_forward_is_caught():
     """PEFT's fold sets the weight to itself at each call (its version counter moves): those sets are counted,
     and a real write beside them is still refused, at a step the self-check does not check."""
