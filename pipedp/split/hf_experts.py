@@ -549,7 +549,9 @@ def _agree(got: Optional[torch.Tensor], want: torch.Tensor, dtype: torch.dtype, 
     largest)."""
     if got is None or got.shape != want.shape:
         return False
-    d, w = (t.to(torch.float64).reshape(t.shape[0] if samples else 1, -1) for t in (got - want.to(got.dtype), want))
+    rows = got.shape[0] if samples else 1
+    w = want.to(torch.float64).reshape(rows, -1)
+    d = got.to(torch.float64).reshape(rows, -1) - w
     size = w.norm(dim=1)
     return bool((d.norm(dim=1) <= AGREEMENT.get(dtype, 1e-3) * (size + 1e-3 * size.max())).all())
 
