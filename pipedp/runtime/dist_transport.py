@@ -257,7 +257,14 @@ class DistTransport:
 
     def norm_reduce_start(self, mb: int, squared_norms: torch.Tensor) -> DistReduction:
         tensor = squared_norms.to(self.device).clone()
-        work = dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=self.group, async_op=True)
+        try:  # (as for a send: gloo fails the post itself once a rank's connection is closed)
+            work = dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=self.group, async_op=True)
+        except RuntimeError as exc:
+            self.broken = True
+            raise TransportError(
+                f"rank {self.rank} (stage {self.stage}) could not start the sum of micro-batch {mb}'s squared norms "
+                f"over the stages: a rank stopped answering or died ({str(exc).splitlines()[0][:200]})"
+            ) from exc
         return DistReduction(work, tensor, self)
 
     def release(self, kind: Kind, mb: int) -> None:

@@ -64,3 +64,21 @@ def test_a_send_to_a_peer_whose_connection_closed_names_the_peer(monkeypatch):
     ):
         sender.send(Kind.SEND_F, 3, torch.zeros(2))
     assert sender.broken
+
+
+def test_a_norm_sum_started_after_a_peer_closed_its_connection_says_a_rank_died(monkeypatch):
+    """The same for the all-reduce that sums the squared norms over the stages: its post fails alike."""
+    import torch.distributed as dist
+
+    def closed(*args, **kwargs):
+        raise RuntimeError("[gloo/transport/tcp/pair.cc:553] Connection closed by peer [127.0.0.1]:29068")
+
+    monkeypatch.setattr(dist, "all_reduce", closed)
+    reducer = transport(1)
+    with pytest.raises(
+        TransportError,
+        match=r"rank 1 \(stage 1\) could not start the sum of micro-batch 2's squared norms over the stages: a rank "
+        r"stopped answering or died \(.*Connection closed by peer",
+    ):
+        reducer.norm_reduce_start(2, torch.ones(3))
+    assert reducer.broken
