@@ -167,19 +167,24 @@ def test_gpt_oss_with_its_attention_sinks_frozen_matches_the_loop(lora):
         assert float(got["model.layers.0.mlp.experts.down_proj"].abs().max()) > 0
 
 
-@pytest.mark.parametrize("init", [False, True], ids=["random factors", "peft's start (B zero)"])
-def test_planted_a_factor_pair_given_to_the_wrong_sample_is_refused_at_construction(monkeypatch, init):
-    """Checked against autograd with random factors when the model is built: with PEFT's own start (B = 0),
-    A's gradient is zero at the first step, where the self-check alone could not see a wrong one."""
+def plant_misattributed_factors(monkeypatch):
+    """A planted bug in the LoRA factors' rule: the first pair of sample 0 counted as sample 1's."""
     real = expert_lora._with_factors
 
     def misattributed(proj, experts, factors):
         out = real(proj, experts, factors)
-        for factor in out if len(experts) > 1 else []:  # the first pair of sample 0 counted as sample 1's
+        for factor in out if len(experts) > 1 else []:
             factor.g[1, 0], factor.g[0, 0] = factor.g[0, 0].clone(), 0
         return out
 
     monkeypatch.setattr(expert_lora, "_with_factors", misattributed)
+
+
+@pytest.mark.parametrize("init", [False, True], ids=["random factors", "peft's start (B zero)"])
+def test_planted_a_factor_pair_given_to_the_wrong_sample_is_refused_at_construction(monkeypatch, init):
+    """Checked against autograd with random factors when the model is built: with PEFT's own start (B = 0),
+    A's gradient is zero at the first step, where the self-check alone could not see a wrong one."""
+    plant_misattributed_factors(monkeypatch)
     model = lora_on_the_experts(mixtral(), init_lora_weights=init)
     with pytest.raises(UnsupportedModelError, match=r"model.layers.0.mlp .*per-sample gradients of .*lora_A.* differ"):
         PipelineDPTrainer(model, token_loss, stages=2, expected_batch_size=4)
@@ -195,15 +200,7 @@ def test_lora_on_wider_float32_experts_is_accepted_and_a_planted_misreading_stil
         return lora_on_the_experts(model.float(), r=8)
 
     PipelineDPTrainer(wide(), token_loss, stages=2, expected_batch_size=4)
-    real = expert_lora._with_factors
-
-    def misattributed(proj, experts, factors):
-        out = real(proj, experts, factors)
-        for factor in out:  # the first pair of sample 0 counted as sample 1's
-            factor.g[1, 0], factor.g[0, 0] = factor.g[0, 0].clone(), 0
-        return out
-
-    monkeypatch.setattr(expert_lora, "_with_factors", misattributed)
+    plant_misattributed_factors(monkeypatch)
     with pytest.raises(UnsupportedModelError, match=r"per-sample gradients of .*lora_A.* differ"):
         PipelineDPTrainer(wide(), token_loss, stages=2, expected_batch_size=4)
 
@@ -695,16 +692,8 @@ def test_frozen_expert_adapters_beside_a_trained_router_are_no_layer_and_match_t
 def test_planted_llama4_factor_readings_are_refused_at_construction(monkeypatch, plant):
     """PEFT starts B at zero, where A's gradient is zero at the first step: the reading is checked against
     autograd with random factors when the model is built."""
-    real = expert_lora._with_factors
-
-    def misattributed(proj, experts, factors):
-        out = real(proj, experts, factors)
-        for factor in out:  # the first pair of sample 0 counted as sample 1's
-            factor.g[1, 0], factor.g[0, 0] = factor.g[0, 0].clone(), 0
-        return out
-
     if plant == "a pair given to the wrong sample":
-        monkeypatch.setattr(expert_lora, "_with_factors", misattributed)
+        plant_misattributed_factors(monkeypatch)
     else:  # the standard reading of a [E, out, in] weight: input and output-gradient not exchanged
         monkeypatch.setattr(expert_lora, "_exchanged", lambda proj: proj)
     model = lora_on_the_experts(llama4())

@@ -48,15 +48,17 @@ def test_a_corrupt_channel_is_named_by_its_number():
         transport(1)._check(header, Kind.RECV_B, 4, None)
 
 
+def closed_connection(*args, **kwargs):
+    """Gloo's error for a post to a rank whose connection is closed."""
+    raise RuntimeError("[gloo/transport/tcp/pair.cc:553] Connection closed by peer [127.0.0.1]:29068")
+
+
 def test_a_send_to_a_peer_whose_connection_closed_names_the_peer(monkeypatch):
     """Gloo fails the isend itself when the peer's connection is already closed (a killed node): the error is
     pipedp's, naming the peer, like a failed receive; the transport is marked broken."""
     import torch.distributed as dist
 
-    def closed(*args, **kwargs):
-        raise RuntimeError("[gloo/transport/tcp/pair.cc:553] Connection closed by peer [127.0.0.1]:29068")
-
-    monkeypatch.setattr(dist, "isend", closed)
+    monkeypatch.setattr(dist, "isend", closed_connection)
     sender = transport(1)
     with pytest.raises(
         TransportError,
@@ -70,10 +72,7 @@ def test_a_norm_sum_started_after_a_peer_closed_its_connection_says_a_rank_died(
     """The same for the all-reduce that sums the squared norms over the stages: its post fails alike."""
     import torch.distributed as dist
 
-    def closed(*args, **kwargs):
-        raise RuntimeError("[gloo/transport/tcp/pair.cc:553] Connection closed by peer [127.0.0.1]:29068")
-
-    monkeypatch.setattr(dist, "all_reduce", closed)
+    monkeypatch.setattr(dist, "all_reduce", closed_connection)
     reducer = transport(1)
     with pytest.raises(
         TransportError,
