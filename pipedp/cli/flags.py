@@ -76,6 +76,11 @@ def flag_of(f: Field) -> str:
     return flag_name(f.name)
 
 
+def field_default(f: Field, defaults: Dict[str, Any]) -> Any:
+    """A field's value when its flag is not given: ``defaults``' (the command line's own), else the field's."""
+    return defaults.get(f.name, None if f.default is MISSING else f.default)
+
+
 def cli_fields(cls: Type) -> list:
     return [f for f in fields(cls) if f.metadata["cli"]]
 
@@ -118,7 +123,7 @@ def add_config_flags(
             if group not in exclusive:  # (setdefault would make an empty group every time)
                 exclusive[group] = home.add_mutually_exclusive_group()
             target = exclusive[group]
-        default = defaults.get(f.name, None if f.default is MISSING else f.default)
+        default = field_default(f, defaults)
         help_text = f.metadata["help"] + HELP_NOTES.get(f.name, "")
         if default not in (None, False):
             help_text += f" (default {default if default != '' else repr('')})"

@@ -28,13 +28,13 @@ import json
 import os
 import shutil
 import time
-from dataclasses import MISSING, Field
+from dataclasses import Field
 from typing import Any, Dict, Iterator, List, Optional
 
 from ..config import describe
 from ..errors import ConfigError
 from .configfile import NOT_SAVED, dumps
-from .flags import CLI_DEFAULTS, DEFAULT_RUNS, cli_fields, flag_name
+from .flags import CLI_DEFAULTS, DEFAULT_RUNS, cli_fields, field_default, flag_name
 from .options import TABLES, OnResume, on_resume
 from .spec import TINY_GPT
 from .trackers import OUTPUTS as TRACKER_OUTPUTS
@@ -53,11 +53,6 @@ def _ran_as_default(f: Field) -> bool:
     """Whether a run record without this flag ran at its default: a flag newer than the record; but a flag that
     must not change on resume and that every record holds is missing only from a damaged record."""
     return not on_resume(f).refused or f.metadata.get("newer_than_records", False)
-
-
-def cli_default(f: Field) -> Any:
-    """A field's value when its flag is not given."""
-    return CLI_DEFAULTS.get(f.name, None if f.default is MISSING else f.default)
 
 
 # flags that are neither recorded in config.json nor compared on --resume
@@ -207,7 +202,7 @@ class RunFolder:
         fields_by_name = {f.name: f for f in job_fields()}
         for key in sorted(set(now) | set(was)):
             if key in fields_by_name and key not in was and _ran_as_default(fields_by_name[key]):
-                was[key] = cli_default(fields_by_name[key])
+                was[key] = field_default(fields_by_name[key], CLI_DEFAULTS)
             if key in IGNORED or now.get(key) == was.get(key):
                 continue
             change = f"{flag_name(key)}: {_shown(was.get(key))} -> {_shown(now.get(key))}"

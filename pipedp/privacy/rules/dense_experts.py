@@ -21,7 +21,7 @@ split/hf_experts.py checks both against the modules' own forwards on random toke
 
 from __future__ import annotations
 
-from typing import Dict, List, Optional, Sequence
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 import torch.nn as nn
@@ -108,14 +108,33 @@ def span_norms(projections: Sequence[Projection], count: int) -> Grads:
     return out
 
 
-def _grams_outweigh(bank: nn.Module, backprops: torch.Tensor) -> bool:
-    """A [T, T] Gram per expert outweighs a sample's gradient of the smaller weight of one expert."""
-    t = backprops.shape[1] // experts_of(bank)
-    return t * t > min(bank.gate_up_proj[0].numel(), bank.down_proj[0].numel())
+def grams_fit(shapes: Sequence[Tuple[int, int]], positions: int) -> bool:
+    """A [T, T] Gram per expert (T ``positions``) weighs no more than a sample's gradient of the smallest of the
+    trained weights' experts, each (in, out) of ``shapes``."""
+    return positions * positions <= min(size_in * size_out for size_in, size_out in shapes)
+
+
+def costs_of(shapes: Sequence[Tuple[int, int]], n: int, count: int, positions: int) -> Dict[str, float]:
+    """The ways' costs for trained weights of ``count`` experts, each (in, out) of ``shapes``, over n samples of
+    T ``positions`` per expert: ghost n E T^2 (in + out) per weight; materialize n E^2 T in out (a masked
+    product per expert) and 4 n E in out bytes for the norm."""
+    table = {"materialize": 0.0, "ghost": 0.0}
+    for size_in, size_out in shapes:
+        table["materialize"] += n * count * count * positions * size_in * size_out
+        table["materialize"] += MACS_PER_BYTE * 4 * n * count * size_in * size_out
+        table["ghost"] += n * count * positions * positions * (size_in + size_out)
+    if not grams_fit(shapes, positions):
+        table.pop("ghost")
+    return table
+
+
+def _shapes(bank: nn.Module) -> List[Tuple[int, int]]:
+    """(in, out) of one expert of each of the bank's two weights (stored [E, in, out])."""
+    return [(int(w.shape[1]), int(w.shape[2])) for w in (bank.gate_up_proj, bank.down_proj)]
 
 
 def _norms(bank, inputs, backprops, grams=None) -> Optional[Grads]:
-    if _grams_outweigh(bank, backprops):
+    if not grams_fit(_shapes(bank), backprops.shape[1] // experts_of(bank)):
         return None
     return span_norms(dense_pairs(bank, inputs, backprops)[1], experts_of(bank))
 
@@ -129,18 +148,8 @@ def _weight(bank, inputs, scaled) -> Grads:
 
 
 def _costs(bank, inputs, backprops) -> Dict[str, float]:
-    """ghost: n E T^2 (in + out) per weight; materialize: n E^2 T in out (a masked product per expert) and
-    4 n E in out bytes for the norm."""
-    n, count = backprops.shape[0], experts_of(bank)
-    t = backprops.shape[1] // count
-    table = {"materialize": 0.0, "ghost": 0.0}
-    for weight in (bank.gate_up_proj, bank.down_proj):
-        size_in, size_out = weight.shape[1], weight.shape[2]
-        table["materialize"] += n * count * count * t * size_in * size_out + MACS_PER_BYTE * 4 * n * weight.numel()
-        table["ghost"] += n * count * t * t * (size_in + size_out)
-    if _grams_outweigh(bank, backprops):
-        table.pop("ghost")
-    return table
+    count = experts_of(bank)
+    return costs_of(_shapes(bank), backprops.shape[0], count, backprops.shape[1] // count)
 
 
 DENSE_EXPERTS = LayerRule(

@@ -32,7 +32,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import torch
 import torch.nn as nn
 
-from .dense_experts import DENSE_EXPERTS, dense_pairs, experts_of, span_norms
+from .dense_experts import DENSE_EXPERTS, costs_of, dense_pairs, experts_of, grams_fit, span_norms
 from .experts import (
     EXPERTS,
     Projection,
@@ -206,6 +206,12 @@ def _trained_shapes(outer: nn.Module) -> List[Tuple[int, int, int]]:
         if weight.requires_grad:
             size_in, size_out = (weight.shape[-2], weight.shape[-1]) if bank.is_transposed else weight.shape[:0:-1]
             shapes.append((int(size_in), int(size_out), int(weight.shape[0])))
+    return shapes + _factor_shapes(outer)
+
+
+def _factor_shapes(outer: nn.Module) -> List[Tuple[int, int, int]]:
+    """(in, out, experts) of each trained adapter factor below the wrappers: A_e [r, in], B_e [out, r]."""
+    shapes = []
     for f in adapted(outer).values():
         rank = f.a_weight.shape[0] // f.experts
         if f.a_weight.requires_grad:
@@ -282,25 +288,20 @@ def _dense_trained_shapes(outer: nn.Module) -> List[Tuple[int, int]]:
     """(in, out) per expert of each trained weight below the wrappers: the bank's, and each adapter's A and B."""
     bank = wrapped_bank(outer)
     shapes = [(int(w.shape[1]), int(w.shape[2])) for w in (bank.gate_up_proj, bank.down_proj) if w.requires_grad]
-    for f in adapted(outer).values():
-        rank = f.a_weight.shape[0] // f.experts
-        if f.a_weight.requires_grad:
-            shapes.append((int(f.a_weight.shape[-1]), rank))
-        if f.b_weight.requires_grad:
-            shapes.append((rank, int(f.b_weight.shape[0])))
-    return shapes
+    return shapes + [(size_in, size_out) for size_in, size_out, _ in _factor_shapes(outer)]
 
 
-def _dense_grams_fit(outer: nn.Module, backprops: torch.Tensor) -> bool:
-    """A [T, T] Gram per expert weighs no more than a sample's gradient of the smallest trained tensor's expert."""
-    t = backprops.shape[1] // experts_of(wrapped_bank(outer))
-    return t * t <= min(i * o for i, o in _dense_trained_shapes(outer))
+def _dense_positions(outer: nn.Module, backprops: torch.Tensor) -> Tuple[int, int]:
+    """(E, T): the bank's experts and each expert's positions per sample."""
+    count = experts_of(wrapped_bank(outer))
+    return count, backprops.shape[1] // count
 
 
 def _dense_norms(outer, inputs, backprops, grams=None) -> Optional[Grads]:
-    if not _dense_grams_fit(outer, backprops):
+    count, positions = _dense_positions(outer, backprops)
+    if not grams_fit(_dense_trained_shapes(outer), positions):
         return None
-    return span_norms(_dense_projections(outer, inputs, backprops)[1], experts_of(wrapped_bank(outer)))
+    return span_norms(_dense_projections(outer, inputs, backprops)[1], count)
 
 
 def _dense_grads(outer, inputs, backprops) -> Grads:
@@ -312,18 +313,9 @@ def _dense_weight(outer, inputs, scaled) -> Grads:
 
 
 def _dense_costs(outer, inputs, backprops) -> Dict[str, float]:
-    """As rules/dense_experts.py's, over every trained tensor: ghost n E T^2 (in + out); materialize
-    n E^2 T in out and 4 n E in out bytes."""
-    n, count = backprops.shape[0], experts_of(wrapped_bank(outer))
-    t = backprops.shape[1] // count
-    table = {"materialize": 0.0, "ghost": 0.0}
-    for size_in, size_out in _dense_trained_shapes(outer):
-        table["materialize"] += n * count * count * t * size_in * size_out
-        table["materialize"] += MACS_PER_BYTE * 4 * n * count * size_in * size_out
-        table["ghost"] += n * count * t * t * (size_in + size_out)
-    if not _dense_grams_fit(outer, backprops):
-        table.pop("ghost")
-    return table
+    """rules/dense_experts.py's cost model, over every trained tensor below the wrappers."""
+    count, positions = _dense_positions(outer, backprops)
+    return costs_of(_dense_trained_shapes(outer), backprops.shape[0], count, positions)
 
 
 ADAPTED_DENSE_EXPERTS = LayerRule(
