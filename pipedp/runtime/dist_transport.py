@@ -151,11 +151,13 @@ class DistTransport:
         try:
             return dist.isend(tensor, dst, group=group), tensor
         except RuntimeError as exc:
-            self.broken = True
-            raise TransportError(
-                f"rank {self.rank} (stage {self.stage}) could not send the {CHANNEL_NAMES[kind.channel]} of micro-batch "
-                f"{mb} to rank {dst}: rank {dst} stopped answering or died ({str(exc).splitlines()[0][:200]})"
-            ) from exc
+            what = f"could not send the {CHANNEL_NAMES[kind.channel]} of micro-batch {mb} to rank {dst}"
+            raise self._lost(f"{what}: rank {dst} stopped answering or died", exc) from exc
+
+    def _lost(self, what: str, exc: RuntimeError) -> TransportError:
+        """The error for a call gloo failed (a timeout, a closed connection), the transport marked broken."""
+        self.broken = True
+        return TransportError(f"rank {self.rank} (stage {self.stage}) {what} ({str(exc).splitlines()[0][:200]})")
 
     def _header(self, mb: int, kind: Kind, parts: int, tensor) -> torch.Tensor:
         """The message's header, made on this stage's device (one copy from the host)."""
@@ -238,33 +240,23 @@ class DistTransport:
         try:
             work.wait()
         except RuntimeError as exc:
-            self.broken = True
-            raise TransportError(
-                f"rank {self.rank} (stage {self.stage}): {what} did not complete: a rank stopped answering or died "
-                f"({str(exc).splitlines()[0][:200]})"
-            ) from exc
+            raise self._lost(f"{what} did not complete: a rank stopped answering or died", exc) from exc
 
     def _wait_for(self, receive, src: int, kind: Kind, mb: int) -> None:
         """A receive that names the silent peer when it times out or the peer's connection breaks."""
         try:
             receive()
         except RuntimeError as exc:
-            self.broken = True
-            raise TransportError(
-                f"rank {self.rank} (stage {self.stage}) got no {CHANNEL_NAMES[kind.channel]} of micro-batch {mb} from "
-                f"rank {src}: rank {src} stopped answering or died ({str(exc).splitlines()[0][:200]})"
-            ) from exc
+            what = f"got no {CHANNEL_NAMES[kind.channel]} of micro-batch {mb} from rank {src}"
+            raise self._lost(f"{what}: rank {src} stopped answering or died", exc) from exc
 
     def norm_reduce_start(self, mb: int, squared_norms: torch.Tensor) -> DistReduction:
         tensor = squared_norms.to(self.device).clone()
         try:  # (as for a send: gloo fails the post itself once a rank's connection is closed)
             work = dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=self.group, async_op=True)
         except RuntimeError as exc:
-            self.broken = True
-            raise TransportError(
-                f"rank {self.rank} (stage {self.stage}) could not start the sum of micro-batch {mb}'s squared norms "
-                f"over the stages: a rank stopped answering or died ({str(exc).splitlines()[0][:200]})"
-            ) from exc
+            what = f"could not start the sum of micro-batch {mb}'s squared norms over the stages"
+            raise self._lost(f"{what}: a rank stopped answering or died", exc) from exc
         return DistReduction(work, tensor, self)
 
     def release(self, kind: Kind, mb: int) -> None:
