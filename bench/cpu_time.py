@@ -21,7 +21,9 @@ from typing import Dict, List
 from pipedp.config import GRAD_MODES
 from pipedp.runtime.launch import launch
 
-from .presets import BALANCE, PRESETS
+from .presets import PRESETS
+
+BATCH = 32
 
 
 def _usage(step, warmup: int, reps: int, sync) -> Dict[str, float]:
@@ -45,39 +47,22 @@ def _usage(step, warmup: int, reps: int, sync) -> Dict[str, float]:
 
 
 def _rank(rank: int, contender: str, preset_name: str, m: int, clipping: str, grad_mode: str, warmup: int, reps: int):
-    import torch
     import torch.distributed as dist
 
-    from pipedp import PipelineDPTrainer, settle_process
+    from pipedp import settle_process
 
-    from .contenders import torch_pipeline_step
+    from . import steps
 
     settle_process()  # both contenders under the settings `pipedp train` uses
 
     preset, stages = PRESETS[preset_name], dist.get_world_size()
-    x, y = preset.make_batch(32, 0)
-    torch.manual_seed(0)
     if contender == "torch-1f1b":
-        step = torch_pipeline_step("1f1b", m, preset, x, y)
+        step = steps.torch_pipeline(preset, "1f1b", microbatches=m, batch=BATCH).step
     else:
         norm = [1.0 / stages**0.5] * stages if clipping == "per_stage" else 1.0
-        trainer = PipelineDPTrainer(
-            preset.build(),
-            preset.loss,
-            lambda p: torch.optim.SGD(p, lr=1e-3),
-            stages=stages,
-            microbatches=m,
-            noise_multiplier=1.0,
-            max_grad_norm=norm,
-            clipping=clipping,
-            grad_mode=grad_mode,
-            expected_batch_size=32,
-            balance=BALANCE,
-        )
-
-        def step():
-            trainer.step(x, y)
-
+        step = steps.pipedp(
+            preset, "1f1b", grad_mode, microbatches=m, batch=BATCH, clipping=clipping, max_grad_norm=norm
+        ).step
     return _usage(step, warmup, reps, dist.barrier)
 
 

@@ -42,7 +42,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import functools
 import statistics
 import sys
 import time
@@ -52,6 +51,8 @@ from typing import Callable, Dict, List, Optional
 
 import torch
 import torch.nn as nn
+
+from . import steps
 
 ROWS: List[Dict] = []
 
@@ -555,14 +556,14 @@ def memory_vs_planner(device: str, quick: bool, deadline: float) -> None:
 def harness(device: str, quick: bool, deadline: float) -> None:
     from pipedp.models import GPTConfig
 
-    from .presets import PRESETS, _gpt
+    from .presets import PRESETS, gpt_preset
 
     presets = (
         [PRESETS["tiny"]]
         if quick
         else [
             PRESETS["realistic"],
-            _gpt(  # matrix work a GPU notices
+            gpt_preset(  # matrix work a GPU notices
                 GPTConfig(vocab_size=4096, seq_len=256, d_model=2048, n_heads=16, n_layers=8),
                 "GPU GPT: 8 blocks, d=2048, T=256, vocab 4096; batch 32 as 4 micro-batches of 8",
                 "gpu-large",
@@ -571,7 +572,7 @@ def harness(device: str, quick: bool, deadline: float) -> None:
             ),
         ]
     )
-    rounds, steps = (2, 1) if quick else (5, 3)
+    rounds, reps = (2, 1) if quick else (5, 3)
 
     def sync():
         if device.startswith("cuda"):
@@ -584,22 +585,10 @@ def harness(device: str, quick: bool, deadline: float) -> None:
         start = time.monotonic()
         try:
             contenders = _contenders(preset, device)
-            for step in contenders.values():
-                step()
-                step()
-            sync()
-            times: Dict[str, List[float]] = {n: [] for n in contenders}
-            names = list(contenders)
-            for r in range(rounds):
-                for name in names[r % len(names) :] + names[: r % len(names)]:
-                    per = []
-                    for _ in range(steps):
-                        sync()
-                        t = time.perf_counter()
-                        contenders[name]()
-                        sync()
-                        per.append(time.perf_counter() - t)
-                    times[name].append(statistics.median(per))
+            for c in contenders:
+                steps.timed(c.step, 2, 0)
+            times = steps.interleave(contenders, rounds, reps, sync)
+            names = [c.name for c in contenders]
             best = min((n for n in names if n.startswith("pipedp")), key=lambda n: statistics.median(times[n]))
             for other in ("plain", "opacus-ghost"):
                 ratios = [b / a for a, b in zip(times[best], times[other])]
@@ -636,80 +625,22 @@ def harness(device: str, quick: bool, deadline: float) -> None:
             traceback.print_exc()
 
 
-def _pipedp(preset, device, mode: str, self_check: bool = True, model: Optional[nn.Module] = None):
-    from pipedp import PipelineDPTrainer
-
-    torch.manual_seed(0)
-    trainer = PipelineDPTrainer(
-        model if model is not None else preset.build().to(device),
-        preset.loss,
-        lambda p: torch.optim.SGD(p, lr=1e-3),
-        stages=1,
-        microbatches=preset.microbatches,  # keep holds a micro-batch's per-sample gradients: bounded by m
-        grad_mode=mode,
-        self_check=self_check,
-        noise_multiplier=1.0,
-        max_grad_norm=1.0,
-        expected_batch_size=preset.batch,
-        sample_rate=0.01,
-        sampling="poisson",
-        transport="inprocess",
-    )
-    return trainer
-
-
-def _contenders(preset, device) -> Dict[str, Callable[[], None]]:
-    from opacus import PrivacyEngine
-    from torch.utils.data import DataLoader, TensorDataset
-
-    warnings.filterwarnings("ignore")
-    x, y = (t.to(device) for t in preset.make_batch(preset.batch, 0))
-    out: Dict[str, Callable[[], None]] = {}
-    torch.manual_seed(0)
-    plain = preset.build().to(device)
-    opt = torch.optim.SGD(plain.parameters(), lr=1e-3)
-
-    def plain_step():
-        opt.zero_grad(set_to_none=True)
-        preset.mean_loss(plain(x), y).backward()
-        opt.step()
-
-    out["plain"] = plain_step
-    torch.manual_seed(0)
-    model = preset.build().to(device)
-    oopt = torch.optim.SGD(model.parameters(), lr=1e-3)
-    model, oopt, dp_loss, _ = PrivacyEngine().make_private(
-        module=model,
-        optimizer=oopt,
-        data_loader=DataLoader(TensorDataset(x.cpu(), y.cpu()), batch_size=len(x)),
-        criterion=nn.CrossEntropyLoss(),
-        noise_multiplier=1.0,
-        max_grad_norm=1.0,
-        poisson_sampling=False,
-        grad_sample_mode="ghost",
-    )
-
-    def opacus_step():
-        oopt.zero_grad(set_to_none=True)
-        o = model(x)
-        dp_loss(o.reshape(-1, o.shape[-1]), y.reshape(-1), shape=o.shape).backward()
-        oopt.step()
-
-    out["opacus-ghost"] = opacus_step
+def _contenders(preset, device) -> List[steps.Contender]:
+    made = [steps.plain(preset, device=device), steps.opacus(preset, "ghost", device=device)]
     for mode in ("ghost", "keep"):
-        trainer = _pipedp(preset, device, mode)
-        out[f"pipedp-1stage-{mode}"] = functools.partial(trainer.step, x, y)
-    return out
+        made.append(steps.pipedp(preset, "1f1b", mode, stages=1, device=device, name=f"pipedp-1stage-{mode}"))
+    return made
 
 
 def _self_check_cost(preset, device, sync, rounds: int) -> None:
     x, y = (t.to(device) for t in preset.make_batch(preset.batch, 0))
     first: Dict[bool, List[float]] = {True: [], False: []}
-    torch.manual_seed(0)
-    model = preset.build().to(device)  # one model, a new trainer on it per measurement
+    model = steps.stage_model(preset, 1, 0, False)  # one model, a new trainer on it per measurement
     for r in range(rounds + 1):
         for check in (True, False) if r % 2 else (False, True):
-            trainer = _pipedp(preset, device, "ghost", check, model)
+            trainer = steps.pipedp_trainer(
+                preset, "1f1b", "ghost", self_check=check, stages=1, model=model, device=device
+            )
             sync()
             t = time.perf_counter()
             trainer.step(x, y)

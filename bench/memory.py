@@ -23,6 +23,18 @@ def status_kib(field: str) -> int:
     raise RuntimeError(f"{field} not in /proc/self/status")
 
 
+def reset_peak() -> int:
+    """Free heap returned to the OS, then the kernel's peak-RSS mark reset; returns the RSS (KiB) after."""
+    gc.collect()
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except OSError:  # not glibc: peaks then include memory kept by earlier phases
+        pass
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+    return status_kib("VmRSS")
+
+
 class PeakMemory:
     def __init__(self, device=None):
         import torch
@@ -31,14 +43,7 @@ class PeakMemory:
         self.cuda = self.device is not None and self.device.type == "cuda"
 
     def __enter__(self):
-        gc.collect()
-        try:
-            ctypes.CDLL("libc.so.6").malloc_trim(0)
-        except OSError:  # not glibc: peaks then include memory kept by earlier phases
-            pass
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-        self.start_kib = status_kib("VmRSS")
+        self.start_kib = reset_peak()
         if self.cuda:
             import torch
 

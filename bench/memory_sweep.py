@@ -25,56 +25,23 @@ import pipedp.train.trainer  # noqa: F401
 from pipedp.models import GPTConfig
 from pipedp.runtime.launch import launch
 
+from . import steps
 from .memory import PeakMemory
-from .presets import BALANCE, _gpt
+from .presets import gpt_preset
 
-PRESET = _gpt(
+PRESET = gpt_preset(
     GPTConfig(vocab_size=256, seq_len=64, d_model=256, n_heads=4, n_layers=4),
     "GPT-style, 4 layers, d=256, T=64",
     "gpt-256",
 )
 
 
-def _pipedp_step(schedule: str, m: int, size: int, grad_mode: str = "ghost"):
-    from pipedp import PipelineDPTrainer
-
-    torch.manual_seed(0)
-    trainer = PipelineDPTrainer(
-        PRESET.build(),
-        PRESET.loss,
-        lambda p: torch.optim.SGD(p, lr=1e-3),
-        stages=2,
-        microbatches=m,
-        schedule=schedule,
-        noise_multiplier=1.0,
-        expected_batch_size=m * size,
-        balance=BALANCE,
-        grad_mode=grad_mode,
-    )
-    x, y = PRESET.make_batch(m * size, 0)
-    return lambda: trainer.step(x, y)
-
-
-def _torch_step(m: int, size: int):
-    from torch.distributed.pipelining import PipelineStage, Schedule1F1B
-
-    from .parts import rank_part
-
-    rank = dist.get_rank()
-    torch.manual_seed(0)
-    module = rank_part(PRESET.build(), 2, rank)
-    sched = Schedule1F1B(
-        PipelineStage(module, rank, 2, torch.device("cpu")), n_microbatches=m, loss_fn=PRESET.mean_loss
-    )
-    opt = torch.optim.SGD(module.parameters(), lr=1e-3)
-    x, y = PRESET.make_batch(m * size, 0)
-
-    def step():
-        opt.zero_grad(set_to_none=True)
-        sched.step(x) if rank == 0 else sched.step(target=y, losses=[])
-        opt.step()
-
-    return step
+def _step(name: str, m: int, size: int):
+    if name == "torch-1f1b":
+        return steps.torch_pipeline(PRESET, "1f1b", microbatches=m, batch=m * size).step
+    schedule = name[len("pipedp-") :].removesuffix("-keep")
+    mode = "keep" if name.endswith("-keep") else "ghost"
+    return steps.pipedp(PRESET, schedule, mode, microbatches=m, batch=m * size).step
 
 
 def sweep(rank: int, ms: List[int], size: int) -> List[Dict]:
@@ -82,11 +49,7 @@ def sweep(rank: int, ms: List[int], size: int) -> List[Dict]:
     rows = []
     for name in ("torch-1f1b", "pipedp-1f1b", "pipedp-dp-zb", "pipedp-1f1b-keep"):
         for m in ms:
-            if name == "torch-1f1b":
-                step = _torch_step(m, size)
-            else:
-                schedule = name[len("pipedp-") :].removesuffix("-keep")
-                step = _pipedp_step(schedule, m, size, "keep" if name.endswith("-keep") else "ghost")
+            step = _step(name, m, size)
             step()  # warm-up at this m
             dist.barrier()
             with PeakMemory() as mem:

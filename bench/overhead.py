@@ -24,17 +24,19 @@ One process, one thread, every stage in turn (no pipeline, no transport: compute
 from __future__ import annotations
 
 import argparse
+import functools
 import statistics
 import time
 from collections import defaultdict
-from typing import Dict, List
+from typing import Callable, Dict, List
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from pipedp.models import GPTConfig
 
-from .presets import PRESETS, _gpt
+from . import steps as S
+from .presets import PRESETS, gpt_preset
 
 
 class _CountOps(TorchDispatchMode):
@@ -80,44 +82,12 @@ class _Phases:
         self.ops.clear()
 
 
-def _trainer(model, preset, m: int, mode: str, stages: int, batch: int):
-    from pipedp import PipelineDPTrainer
-
-    return PipelineDPTrainer(
-        model,
-        preset.loss,
-        lambda p: torch.optim.SGD(p, lr=1e-3),
-        stages=stages,
-        microbatches=m,
-        grad_mode=mode,
-        noise_multiplier=1.0,
-        max_grad_norm=1.0,
-        expected_batch_size=batch,
-        sample_rate=0.01,
-        sampling="poisson",
-        transport="inprocess",
-    )
-
-
-def _plain_step(model, preset, x, y, m: int):
-    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
-
-    def step():
-        opt.zero_grad(set_to_none=True)
-        for xs, ys in zip(x.chunk(m), y.chunk(m)):
-            (preset.mean_loss(model(xs), ys) / m).backward()
-        opt.step()
-
-    return step
+def _trainer(preset, m: int, mode: str, stages: int, batch: int):
+    return S.pipedp_trainer(preset, "1f1b", mode, stages=stages, microbatches=m, batch=batch)
 
 
 def _median_time(fn, reps: int) -> float:
-    times = []
-    for _ in range(reps):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+    return statistics.median(S.timed(fn, 0, reps))
 
 
 def _count(fn) -> int:
@@ -133,13 +103,16 @@ def phases(preset_name: str = "small", reps: int = 5) -> Dict:
     x, y = preset.make_batch(batch, 0)
     out: Dict = {"preset": preset_name, "microbatches": m, "rows": batch // m}
     torch.manual_seed(0)
-    plain = _plain_step(preset.build(), preset, x, y, m)
+    plain = S.plain(preset, len(x), microbatches=m).step
     trainers, timers = {}, {}
     for mode in ("ghost", "keep"):
         torch.manual_seed(0)
-        trainers[mode] = _trainer(preset.build(), preset, m, mode, 2, batch)
+        trainers[mode] = _trainer(preset, m, mode, 2, batch)
         timers[mode] = _Phases(trainers[mode])
-    steps = {"plain": plain, **{mode: (lambda t=t: t.step(x, y)) for mode, t in trainers.items()}}
+    steps: Dict[str, Callable[[], object]] = {
+        "plain": plain,
+        **{mode: functools.partial(t.step, x, y) for mode, t in trainers.items()},
+    }
     for step in steps.values():  # the first step (self-check) and one more
         step()
         step()
@@ -180,18 +153,18 @@ def fixed_costs(layers=(2, 4, 8), ms=(2, 8), rows: int = 4, reps: int = 5, round
     plain training and pipedp ghost / keep (one stage)."""
     samples: Dict[str, List[tuple]] = {"plain": [], "ghost": [], "keep": []}
     for L in layers:
-        preset = _gpt(GPTConfig(vocab_size=32, seq_len=16, d_model=32, n_heads=2, n_layers=L), "narrow", "narrow")
+        preset = gpt_preset(GPTConfig(vocab_size=32, seq_len=16, d_model=32, n_heads=2, n_layers=L), "narrow", "narrow")
         for m in ms:
             x, y = preset.make_batch(m * rows, 0)
-            steps = {}
+            steps: Dict[str, Callable[[], object]] = {}
             torch.manual_seed(0)
-            steps["plain"] = _plain_step(preset.build(), preset, x, y, m)
+            steps["plain"] = S.plain(preset, len(x), microbatches=m).step
             trainers = []
             for mode in ("ghost", "keep"):
                 torch.manual_seed(0)
-                t = _trainer(preset.build(), preset, m, mode, 1, m * rows)
+                t = _trainer(preset, m, mode, 1, m * rows)
                 trainers.append(t)
-                steps[mode] = lambda t=t, x=x, y=y: t.step(x, y)
+                steps[mode] = functools.partial(t.step, x, y)
             for s in steps.values():
                 s()
                 s()
@@ -250,9 +223,9 @@ def _plain_and_dp(preset_name: str, grad_mode: str):
     m, batch = preset.microbatches, preset.batch
     x, y = preset.make_batch(batch, 0)
     torch.manual_seed(0)
-    steps = {"plain": _plain_step(preset.build(), preset, x, y, m)}
+    steps = {"plain": S.plain(preset, len(x), microbatches=m).step}
     torch.manual_seed(0)
-    trainer = _trainer(preset.build(), preset, m, grad_mode, 2, batch)
+    trainer = _trainer(preset, m, grad_mode, 2, batch)
     steps["dp"] = lambda: trainer.step(x, y)
     for step in steps.values():
         step()

@@ -109,7 +109,7 @@ def _token_batch(vocab: int, seq: int) -> Callable[[int, int], Tuple[torch.Tenso
     return batch
 
 
-def _gpt(cfg: GPTConfig, note: str, name: str, batch: int = 32, microbatches: int = 8) -> Preset:
+def gpt_preset(cfg: GPTConfig, note: str, name: str, batch: int = 32, microbatches: int = 8) -> Preset:
     return Preset(
         name,
         lambda: tiny_gpt(cfg),
@@ -232,14 +232,14 @@ def _llama(
 
 EXPERT_WEIGHTS = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]  # LoRA on the banks too (the lora question)
 PRESETS = {
-    "small": _gpt(
+    "small": gpt_preset(
         GPTConfig(vocab_size=256, seq_len=64, d_model=256, n_heads=4, n_layers=4),
         "small GPT: 4 blocks, d=256, T=64, vocab 256; batch 64 as 8 micro-batches of 8",
         "small",
         batch=64,
         microbatches=8,
     ),
-    "realistic": _gpt(
+    "realistic": gpt_preset(
         GPTConfig(vocab_size=256, seq_len=128, d_model=1024, n_heads=16, n_layers=4),
         "realistic GPT: 4 blocks, d=1024, T=128, vocab 256; batch 16 as 4 micro-batches of 4",
         "realistic",
@@ -254,23 +254,23 @@ PRESETS = {
         batch=8,
         microbatches=4,
     ),
-    "gpt": _gpt(
+    "gpt": gpt_preset(
         GPTConfig(vocab_size=256, seq_len=64, d_model=128, n_heads=4, n_layers=4),
         "GPT-style, 4 layers, d=128, T=64",
         "gpt",
     ),
     # long sequences, narrow layers: materializing [n, out, in] is cheap, ghost's [n, T, T] is not
-    "gpt-long": _gpt(
+    "gpt-long": gpt_preset(
         GPTConfig(vocab_size=256, seq_len=256, d_model=32, n_heads=4, n_layers=4), "GPT-style, d=32, T=256", "gpt-long"
     ),
     # matrix work dominates: d=512, T=128, 8 layers (the per-micro-batch fixed costs weigh less)
-    "gpt-wide": _gpt(
+    "gpt-wide": gpt_preset(
         GPTConfig(vocab_size=256, seq_len=128, d_model=512, n_heads=8, n_layers=8),
         "GPT-style, 8 layers, d=512, T=128",
         "gpt-wide",
     ),
     "mlp": _mlp((512, 1024, 1024, 1024, 1024, 10), "mlp", "MLP 512-1024x4-10"),
-    "tiny": _gpt(
+    "tiny": gpt_preset(
         GPTConfig(vocab_size=32, seq_len=8, d_model=16, n_heads=2, n_layers=2),
         "smoke-test size",
         "tiny",

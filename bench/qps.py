@@ -13,16 +13,26 @@ import argparse
 import json
 import os
 import platform
+import statistics
 import sys
 import time
+import warnings
+from typing import Dict, List
 
+# Every library a contender uses is imported here, before any measured phase: no contender's
+# peak memory may include the cost of importing one (the first contender of a process used to).
+import opacus  # noqa: F401
 import torch
+import torch.distributed as dist
+import torch.distributed.pipelining  # noqa: F401
 
+import pipedp.train.trainer  # noqa: F401
 from pipedp.runtime.launch import launch
 from pipedp.runtime.process import settle_process
 
-from .contenders import run_multiprocess, single_process
-from .presets import PRESETS
+from . import steps
+from .memory import PeakMemory
+from .presets import PRESETS, Preset
 from .report import markdown, plot, ratios
 
 
@@ -42,6 +52,41 @@ def parse_args(argv=None):
     if args.quick:
         args.preset, args.batch, args.microbatches, args.warmup, args.reps = "tiny", 8, "1,2", 1, 1
     return args
+
+
+def single_process(name: str, preset: Preset, batch: int, warmup: int, reps: int) -> Dict:
+    """One contender on the whole model in this process: its median step and its peak (build included)."""
+    with PeakMemory() as mem:
+        c = steps.plain(preset, batch) if name == "plain" else steps.opacus(preset, name.split("-")[1], batch)
+        times = steps.timed(c.step, warmup, reps)
+    return {"name": name, "seconds": statistics.median(times), "peak_mib": [mem.peak_mib], "batch": batch}
+
+
+def _contender(item: Dict, preset: Preset, batch: int) -> steps.Contender:
+    m = item["microbatches"]
+    if item["kind"] == "naive":
+        return steps.naive(preset, batch)
+    if item["kind"] == "torch":
+        return steps.torch_pipeline(preset, item["schedule"], microbatches=m, batch=batch)
+    return steps.pipedp(preset, item["schedule"], item["mode"], microbatches=m, batch=batch)
+
+
+def run_multiprocess(rank: int, plan: List[Dict], preset_name: str, batch: int, warmup: int, reps: int):
+    """Every multi-process contender of the plan in turn on this rank, each built, timed and closed alone."""
+    warnings.filterwarnings("ignore")
+    settle_process()  # as `pipedp train` does, for every contender alike (see pipedp/runtime/process.py)
+    preset = PRESETS[preset_name]
+    results = []
+    for item in plan:
+        with PeakMemory() as mem:
+            c = _contender(item, preset, batch)
+            times = steps.timed(c.step, warmup, reps, dist.barrier)
+            c.close()
+        r = {"seconds": statistics.median(times), "peak_mib": mem.peak_mib}
+        gathered: List = [None] * dist.get_world_size()
+        dist.all_gather_object(gathered, r)
+        results.append(dict(item, seconds=gathered[0]["seconds"], peak_mib=[g["peak_mib"] for g in gathered]))
+    return results
 
 
 def main(argv=None) -> dict:
@@ -77,7 +122,7 @@ def main(argv=None) -> dict:
     multi = launch(
         run_multiprocess,
         args.stages,
-        (plan, args.preset, args.batch, args.stages, args.warmup, args.reps),
+        (plan, args.preset, args.batch, args.warmup, args.reps),
         timeout_s=3600,
         threads=1,
     )[0]

@@ -36,14 +36,10 @@ import torch.distributed as dist
 
 from .memory import PeakMemory
 from .presets import PRESETS, Preset
+from .steps import barrier, interleave
 
 PIPEDP_VARIANTS = [("1f1b", "auto"), ("1f1b", "ghost"), ("dp-zb", "ghost"), ("1f1b", "keep"), ("dp-zb", "keep")]
 GOALS = {"dp-cost": None, "naive": None, "lora": 0.97, "opacus": 1.5, "self-check-steady": 0.97}
-
-
-def _sync() -> None:
-    if dist.is_initialized():
-        dist.barrier()
 
 
 def _gather(value):
@@ -59,35 +55,18 @@ def build_all(makers: Sequence[Callable], warmup: int) -> tuple:
     (the steady step's own peak, above the state it starts from); returns (contenders, peaks)."""
     contenders, peaks = [], {}
     for make in makers:
-        _sync()
+        barrier()
         with PeakMemory() as mem:
             c = make()
             for _ in range(warmup):
-                _sync()
+                barrier()
                 c.step()
-        _sync()
+        barrier()
         with PeakMemory() as steady:
             c.step()
         contenders.append(c)
         peaks[c.name] = {"build+warmup": mem.peak_mib, "step": steady.peak_mib}
     return contenders, peaks
-
-
-def interleave(contenders, rounds: int, steps: int) -> Dict[str, List[float]]:
-    """Per contender, its median step time (seconds) in each round; the order rotates each round."""
-    times: Dict[str, List[float]] = {c.name: [] for c in contenders}
-    for r in range(rounds):
-        k = r % len(contenders)
-        for c in contenders[k:] + contenders[:k]:
-            per = []
-            for _ in range(steps):
-                _sync()
-                start = time.perf_counter()
-                c.step()
-                _sync()
-                per.append(time.perf_counter() - start)
-            times[c.name].append(statistics.median(per))
-    return times
 
 
 def _settle() -> None:
@@ -104,7 +83,7 @@ def _pipeline_rank(rank: int, question: str, preset_name: str, rounds: int, step
     _settle()
     preset = PRESETS[preset_name]
     lora = question == "lora"
-    makers: List[Callable] = [lambda: S.torch_1f1b(preset, lora=lora)]
+    makers: List[Callable] = [lambda: S.torch_pipeline(preset, lora=lora)]
     makers += [functools.partial(S.pipedp, preset, s, m, lora=lora) for s, m in variants]
     if question == "dp-cost" and preset.opacus:  # (the naive split runs Opacus's hooks on each part)
         makers.append(lambda: S.naive(preset))
@@ -120,7 +99,7 @@ def _one_process(rank: int, preset_name: str, rounds: int, steps: int, warmup: i
 
     _settle()
     preset = PRESETS[preset_name]
-    makers: List[Callable] = [lambda: S.opacus_ghost(preset), lambda: S.plain(preset)]
+    makers: List[Callable] = [lambda: S.opacus(preset), lambda: S.plain(preset)]
     makers += [
         functools.partial(S.pipedp, preset, "1f1b", m, name=f"pipedp-1stage-{m}", stages=1, microbatches=1)
         for m in variants
@@ -151,19 +130,19 @@ def _self_check_rank(rank: int, preset_name: str, rounds: int, steps: int, lora:
 
     def run(check: bool, record: bool):
         trainer = S.pipedp_trainer(preset, self_check=check, model=model)
-        _sync()
+        barrier()
         with PeakMemory() as mem:  # the first step's peak above the state before it, this rank
             start = time.perf_counter()
             trainer.step(x, y)
-            _sync()
+            barrier()
             first = time.perf_counter() - start
         trainer.step(x, y)  # the second step settles what the first left (freed memory, caches): not timed
         per = []
         for _ in range(steps):
-            _sync()
+            barrier()
             start = time.perf_counter()
             trainer.step(x, y)
-            _sync()
+            barrier()
             per.append(time.perf_counter() - start)
         trainer.close()
         if record:

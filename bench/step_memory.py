@@ -39,7 +39,8 @@ def measure(folder: str, mode: str, stages: int = 2, batch: int = 4, microbatche
     from pipedp.split.hf_loading import load_pipeline_stage
 
     from .presets import BALANCE
-    from .scale import corpus_rows, preimport
+    from .scale_folder import corpus_rows
+    from .scale_run import preimport
 
     warnings.filterwarnings("ignore")
     preimport()

@@ -2,6 +2,7 @@
 
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -101,6 +102,8 @@ def test_gpu_check_code_path_on_the_cpu():
     assert "| parity gpt: 2 processes over gloo, ghost, 1f1b, m=3 | cpu | float64 | pass |" in out.stdout
     assert "| stalled rank over gloo: named error within the timeout | cpu | float32 | pass |" in out.stdout
     assert "| peak memory: pipedp 1 stage vs planner | cpu | float32 | info |" in out.stdout
+    for contender in ("plain", "opacus-ghost", "pipedp-1stage-ghost", "pipedp-1stage-keep"):  # the harness ran
+        assert f"| harness tiny: {contender} | cpu | float32 | info |" in out.stdout
 
 
 @pytest.mark.dist
@@ -116,3 +119,26 @@ def test_scale_writes_a_sharded_folder_and_fine_tunes_it_stage_by_stage(tmp_path
     assert AutoTokenizer.from_pretrained(str(folder))("the farmer")["input_ids"]
     out = _run("bench.scale", "run", str(folder), "--mode", "lora", "--stages", "2", "--steps", "2", timeout=400)
     assert "| tiny, 2 layers |" in out.stdout and "first step" in out.stdout
+
+
+@pytest.mark.dist
+def test_scale_suite_plans_each_run_then_runs_it_and_deletes_the_folder(tmp_path):
+    out = _run(
+        "bench.scale",
+        "suite",
+        "--configs",
+        "tiny-llama",
+        "--modes",
+        "lora",
+        "--steps",
+        "1",
+        "--no-record",
+        "--tree",
+        "work",
+        "--root",
+        str(tmp_path),
+        timeout=400,
+    )
+    assert re.search(r"tiny-llama \(2 layers\) lora, 2 stages, self_check=True \(needs ~\d+ GiB", out.stdout)
+    assert "| tiny-llama, 2 layers | 0.0 GiB | lora | 2 | on |" in out.stdout
+    assert os.listdir(tmp_path) == []  # the folder written for the suite is gone
