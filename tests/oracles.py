@@ -12,6 +12,7 @@ from typing import Callable, Dict
 
 import torch
 import torch.nn as nn
+from opacus.accountants import create_accountant
 from torch.utils.data import DataLoader, TensorDataset
 
 
@@ -114,3 +115,10 @@ def loop_unit_clipped_sum(
             total[k] += factor * params[k].grad
     model.zero_grad(set_to_none=True)
     return total
+
+
+def opacus_epsilon(history, delta=1e-5, mechanism="prv"):
+    """Opacus's accountant's epsilon for a history of (noise multiplier, sample rate, steps) charges."""
+    accountant = create_accountant(mechanism=mechanism)
+    accountant.history = history
+    return accountant.get_epsilon(delta=delta)

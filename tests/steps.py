@@ -5,6 +5,7 @@ import torch
 import torch.nn.functional as F
 
 from pipedp import PipelineDPTrainer
+from pipedp.models import mlp
 
 
 def class_data(n: int, features: int, classes: int, seed: int = 0):
@@ -12,6 +13,28 @@ def class_data(n: int, features: int, classes: int, seed: int = 0):
     generator (the rows first, then the labels)."""
     g = torch.Generator().manual_seed(seed)
     return torch.randn(n, features, generator=g, dtype=torch.float64), torch.randint(0, classes, (n,), generator=g)
+
+
+def classifier(seed: int = 3):
+    """The small float64 classifier several tests train: 8 features, two hidden layers of 16, 4 classes."""
+    torch.manual_seed(seed)
+    return mlp((8, 16, 16, 4)).double()
+
+
+CLASS_TRAINER = dict(  # the settings those tests share: a test passes what it changes
+    stages=2,
+    microbatches=2,
+    noise_multiplier=0.8,
+    max_grad_norm=0.5,
+    expected_batch_size=10,
+    sample_rate=0.1,
+    seed=11,
+)
+
+
+def class_trainer(model, optimizer, **overrides):
+    """A DP trainer of a classifier (class_loss) with the CLASS_TRAINER settings, ``overrides`` replacing them."""
+    return PipelineDPTrainer(model, class_loss, optimizer, **dict(CLASS_TRAINER, **overrides))
 
 
 def class_loss(out, y):

@@ -7,8 +7,8 @@ import json
 
 import pytest
 import torch
-from opacus.accountants import create_accountant
 from opacus.accountants.utils import get_noise_multiplier
+from oracles import opacus_epsilon
 from steps import class_data, class_loss
 
 from pipedp import ConfigError, PipeDPError, PipelineDPTrainer
@@ -24,12 +24,6 @@ def trainer(**kw):
     args = dict(stages=2, microbatches=2, noise_multiplier=1.0, max_grad_norm=0.5, expected_batch_size=16, seed=5)
     args.update(kw)
     return PipelineDPTrainer(mlp((8, 16, 4)).double(), class_loss, **args)
-
-
-def opacus_epsilon(history, delta=1e-5, mechanism="prv"):
-    accountant = create_accountant(mechanism=mechanism)
-    accountant.history = history
-    return accountant.get_epsilon(delta=delta)
 
 
 # ---- step(sampling="shuffle"): the batch size, and the epochs counted by the records they hold ---------------

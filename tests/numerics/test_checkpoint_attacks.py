@@ -11,10 +11,9 @@ import shutil
 
 import pytest
 import torch
-from steps import class_data, class_loss
+from steps import class_data, class_loss, class_trainer, classifier
 
 from pipedp import CheckpointError, PipelineDPTrainer
-from pipedp.models import mlp
 
 MARKER = "pipedp-planted-pickle-ran"
 KEY = "secret"
@@ -24,23 +23,8 @@ def data(n=60, seed=0):
     return class_data(n, 8, 4, seed)
 
 
-def model():
-    torch.manual_seed(3)
-    return mlp((8, 16, 16, 4)).double()
-
-
 def trainer(lr=0.2, **kw):
-    args = dict(
-        stages=2,
-        microbatches=2,
-        noise_multiplier=0.8,
-        max_grad_norm=0.5,
-        expected_batch_size=10,
-        sample_rate=0.1,
-        seed=11,
-    )
-    args.update(kw)
-    return PipelineDPTrainer(model(), class_loss, lambda p: torch.optim.SGD(p, lr=lr, momentum=0.5), **args)
+    return class_trainer(classifier(), lambda p: torch.optim.SGD(p, lr=lr, momentum=0.5), **kw)
 
 
 def steps_in(root):
@@ -277,7 +261,7 @@ def _other_kind(value):
 
 def adam_trainer():
     return PipelineDPTrainer(
-        model(),
+        classifier(),
         class_loss,
         lambda p: torch.optim.Adam(p, lr=0.01),
         scheduler=lambda opt: torch.optim.lr_scheduler.StepLR(opt, 2, gamma=0.5),

@@ -5,33 +5,17 @@ against Opacus on the batch without the bad sample (the independent oracle)."""
 import pytest
 import torch
 from oracles import max_relative_error, opacus_step
-from steps import class_data, class_loss
+from steps import class_data, class_loss, class_trainer, classifier
 
 from pipedp import BatchError, ConfigError, NonFiniteError, PipeDPError, PipelineDPTrainer
-from pipedp.models import mlp
 
 
 def data(n=60, seed=0):
     return class_data(n, 8, 4, seed)
 
 
-def model():
-    torch.manual_seed(3)
-    return mlp((8, 16, 16, 4)).double()
-
-
 def trainer(**kw):
-    args = dict(
-        stages=2,
-        microbatches=2,
-        noise_multiplier=0.8,
-        max_grad_norm=0.5,
-        expected_batch_size=10,
-        sample_rate=0.1,
-        seed=11,
-    )
-    args.update(kw)
-    return PipelineDPTrainer(model(), class_loss, lambda p: torch.optim.SGD(p, lr=0.2), **args)
+    return class_trainer(classifier(), lambda p: torch.optim.SGD(p, lr=0.2), **kw)
 
 
 @pytest.mark.parametrize("poison", [float("nan"), float("inf")])
@@ -45,7 +29,7 @@ def test_a_non_finite_sample_is_left_out_exactly(poison):
     assert t.last_dropped_samples == 1
     assert all(torch.isfinite(v).all() for v in t.state_dict().values())
     keep = torch.arange(13) != 5  # the oracle: Opacus on the batch without the bad sample
-    want = opacus_step(model(), x[keep], y[keep], token_model=False, mode="hooks", max_grad_norm=0.05, lr=0.2)
+    want = opacus_step(classifier(), x[keep], y[keep], token_model=False, mode="hooks", max_grad_norm=0.05, lr=0.2)
     assert max_relative_error(t.state_dict(), want) < 1e-10
 
 
@@ -91,9 +75,11 @@ def test_a_non_finite_sample_over_sequences_is_left_out_exactly(clipping):
 
 def test_a_non_finite_update_is_refused_before_it_lands():
     with pytest.raises(ConfigError, match="optimizer option lr=inf is not finite"):
-        PipelineDPTrainer(model(), class_loss, lambda p: torch.optim.SGD(p, lr=float("inf")), expected_batch_size=8)
+        PipelineDPTrainer(
+            classifier(), class_loss, lambda p: torch.optim.SGD(p, lr=float("inf")), expected_batch_size=8
+        )
     t = PipelineDPTrainer(
-        model(),
+        classifier(),
         class_loss,
         lambda p: torch.optim.SGD(p, lr=1e308, weight_decay=1e308),
         stages=2,
@@ -104,7 +90,7 @@ def test_a_non_finite_update_is_refused_before_it_lands():
     with pytest.raises(NonFiniteError, match=r"step 1, stage \d: the value after the optimizer step of .*weight"):
         t.step(*data(8))  # finite options that overflow: the last line of defence
     huge = PipelineDPTrainer(
-        model(),
+        classifier(),
         class_loss,
         lambda p: torch.optim.SGD(p, lr=0.1),
         stages=2,
@@ -127,7 +113,7 @@ def test_a_non_finite_update_is_refused_before_it_lands():
     ],
 )
 def test_a_loss_that_cannot_train_is_refused(bad_loss, message):
-    t = PipelineDPTrainer(model(), bad_loss, stages=2, microbatches=2, expected_batch_size=8)
+    t = PipelineDPTrainer(classifier(), bad_loss, stages=2, microbatches=2, expected_batch_size=8)
     with pytest.raises(BatchError, match=message):
         t.step(*data(8))
 
@@ -143,7 +129,7 @@ def test_fit_refuses_mismatched_data_and_a_negative_cap():
 def test_huge_but_finite_parameters_whose_sum_overflows_are_not_refused():
     """The finiteness check sums each tensor first; a finite tensor whose float32 sum overflows
     must pass (the exact per-element check decides), and one NaN among them must still be named."""
-    net = model()
+    net = classifier()
     first = next(net.parameters())
     with torch.no_grad():
         first.fill_(torch.finfo(first.dtype).max / 2)  # finite; its sum overflows to inf

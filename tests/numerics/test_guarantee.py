@@ -4,8 +4,7 @@ and a word when a step is charged but cannot change anything."""
 
 import pytest
 import torch
-from opacus.accountants import create_accountant
-from oracles import max_relative_error
+from oracles import max_relative_error, opacus_epsilon
 from steps import class_data, class_loss
 
 from pipedp import ConfigError, PipeDPError, PipelineDPTrainer, PrivacyBudgetExceeded, PrivacyConfig
@@ -23,12 +22,6 @@ def trainer(**kw):
     args = dict(stages=2, microbatches=2, noise_multiplier=1.0, max_grad_norm=0.5, expected_batch_size=16)
     args.update(kw)
     return PipelineDPTrainer(mlp((8, 16, 4)).double(), class_loss, **args)
-
-
-def opacus_epsilon(history, delta=1e-5, mechanism="prv"):
-    accountant = create_accountant(mechanism=mechanism)
-    accountant.history = history
-    return accountant.get_epsilon(delta=delta)
 
 
 # ---- delta ---------------------------------------------------------------------------------------

@@ -7,10 +7,9 @@ import torch
 from opacus.accountants import create_accountant
 from opacus.accountants.utils import get_noise_multiplier
 from oracles import max_relative_error, opacus_step
-from steps import class_data, class_loss
+from steps import class_data, class_loss, class_trainer, classifier
 
 from pipedp import CheckpointError, PipeDPError, PipelineDPTrainer
-from pipedp.models import mlp
 from pipedp.privacy.sampling import poisson_indices, truncation_probability
 
 N_DATA = 200
@@ -20,24 +19,11 @@ def data(n=N_DATA, seed=0):
     return class_data(n, 8, 4, seed)
 
 
-def model():
-    torch.manual_seed(3)
-    return mlp((8, 16, 16, 4)).double()
-
-
 def trainer(m=None, **kw):
-    args = dict(
-        stages=2,
-        microbatches=2,
-        noise_multiplier=0.8,
-        max_grad_norm=0.5,
-        expected_batch_size=10,
-        sample_rate=0.05,
-        seed=11,
-    )
-    args.update(kw)
-    return PipelineDPTrainer(
-        m if m is not None else model(), class_loss, lambda p: torch.optim.SGD(p, lr=0.2, momentum=0.9), **args
+    return class_trainer(
+        m if m is not None else classifier(),
+        lambda p: torch.optim.SGD(p, lr=0.2, momentum=0.9),
+        **{"sample_rate": 0.05, **kw},
     )
 
 
@@ -63,7 +49,7 @@ def test_padded_rows_change_nothing():
 def test_virtual_steps_match_opacus_on_the_whole_batch(schedule):
     x, y = data(23)
     t = PipelineDPTrainer(
-        model(),
+        classifier(),
         class_loss,
         lambda p: torch.optim.SGD(p, lr=0.5),
         stages=2,
@@ -75,7 +61,7 @@ def test_virtual_steps_match_opacus_on_the_whole_batch(schedule):
         expected_batch_size=23,
     )  # 23 rows in passes of 2 x 3 rows: 4 passes, one step
     t.step(x, y)
-    want = opacus_step(model(), x, y, token_model=False, mode="hooks", max_grad_norm=0.05, lr=0.5)
+    want = opacus_step(classifier(), x, y, token_model=False, mode="hooks", max_grad_norm=0.05, lr=0.5)
     assert max_relative_error(t.model.state_dict(), want) < 1e-10
 
 
@@ -134,7 +120,7 @@ def test_resume_equals_an_uninterrupted_run(tmp_path):
         torch.equal(a, b) for a, b in zip(straight.model.state_dict().values(), resumed.model.state_dict().values())
     )
     assert resumed.epsilon(1e-5) == straight.epsilon(1e-5)
-    assert max_relative_error(resumed.model.state_dict(), model().state_dict()) > 1e-3
+    assert max_relative_error(resumed.model.state_dict(), classifier().state_dict()) > 1e-3
 
 
 def test_truncated_checkpoint_is_refused(tmp_path):
