@@ -11,9 +11,9 @@ import shutil
 
 import pytest
 import torch
-from steps import class_data, class_loss, class_trainer, classifier
+from steps import class_data, class_trainer, classifier
 
-from pipedp import CheckpointError, PipelineDPTrainer
+from pipedp import CheckpointError
 
 MARKER = "pipedp-planted-pickle-ran"
 KEY = "secret"
@@ -260,18 +260,10 @@ def _other_kind(value):
 
 
 def adam_trainer():
-    return PipelineDPTrainer(
+    return class_trainer(
         classifier(),
-        class_loss,
         lambda p: torch.optim.Adam(p, lr=0.01),
         scheduler=lambda opt: torch.optim.lr_scheduler.StepLR(opt, 2, gamma=0.5),
-        stages=2,
-        microbatches=2,
-        noise_multiplier=0.8,
-        max_grad_norm=0.5,
-        expected_batch_size=10,
-        sample_rate=0.1,
-        seed=11,
     )
 
 
