@@ -1,5 +1,6 @@
 """The pieces of ``pipedp train`` in one process: light parsing, config files, weight decay, the schedule."""
 
+import argparse
 import json
 import os
 import re
@@ -11,9 +12,9 @@ import pytest
 import torch
 
 from pipedp.cli.configfile import dumps
-from pipedp.cli.flags import flag_name
+from pipedp.cli.flags import add_config_flags, flag_name
 from pipedp.cli.main import parse
-from pipedp.cli.options import OnResume, OptimizerConfig, on_resume
+from pipedp.cli.options import JobConfig, OnResume, OptimizerConfig, on_resume
 from pipedp.cli.record import CONFIG_JSON, IGNORED, RunFolder, job_fields, sections
 from pipedp.config import PipelineConfig, PrivacyConfig
 from pipedp.errors import ConfigError
@@ -207,3 +208,10 @@ def test_resume_reads_each_flags_rule_from_its_field_and_an_old_record_misses_ne
     (tmp_path / CONFIG_JSON).write_text(json.dumps({"flags": damaged, "resolved": {}}))
     with pytest.raises(ConfigError, match=r"--model: \(default\) -> 'tiny-gpt' \(the resumed run must train the same"):
         folder.compare(args, job)
+
+
+def test_a_field_naming_a_help_group_the_parser_lacks_is_an_error():
+    """A flag must not land silently outside its --help group (the fallback to the parser hid a typo)."""
+    parser = argparse.ArgumentParser()
+    with pytest.raises(KeyError, match=r"--\S+: its field names the help group '\w+', which this parser lacks"):
+        add_config_flags(parser, (JobConfig,), groups={"no such group": parser.add_argument_group("x")})

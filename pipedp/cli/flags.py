@@ -114,8 +114,10 @@ def add_config_flags(
     flagged.sort(key=lambda cf: cf[1].metadata["exclusive"] or "")
     for cls, f in flagged:
         kind = _scalar_type(cls, f)
-        homes = groups or {}
-        home = homes.get(f.metadata.get("group")) or homes.get(f.name) or homes.get(cls, parser)
+        homes, named = groups or {}, f.metadata.get("group")
+        if homes and named is not None and named not in homes and f.name not in homes and cls not in homes:
+            raise KeyError(f"{flag_of(f)}: its field names the help group {named!r}, which this parser lacks")
+        home = homes.get(named) or homes.get(f.name) or homes.get(cls, parser)
         names = (flag_of(f), *(aliases or {}).get(f.name, ()))
         target = home
         group = f.metadata["exclusive"]

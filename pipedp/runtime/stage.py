@@ -40,7 +40,7 @@ from ..privacy.rules.expert_lora import folds, parametrized_per_call
 from ..privacy.units import Units
 from ..shards import Shard, TensorParallelPart
 from ..split.blocks import Block
-from ..split.hf_drive import rng_kept
+from ..split.hf_runs import rng_kept
 from ..split.safetensors_read import stored_of
 from . import grad_modes, self_check, state_watch
 from .capture import ActivationCapture, LayerCall, block_layers

@@ -12,8 +12,7 @@ import torch
 import torch.nn as nn
 
 from ..privacy.per_sample import clipped_grad_sum, full_precision
-from ..split.hf_drive import rng_kept
-from ..split.hf_runs import modes_kept
+from ..split.hf_runs import modes_kept, rng_kept
 from . import self_check
 from .layer_errors import named_layer_errors
 from .microbatch import Activation, gradient_message, tensors_of

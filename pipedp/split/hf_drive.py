@@ -19,7 +19,7 @@ from typing import Dict, List, Optional
 import torch
 
 from ..errors import BatchError, UnsupportedModelError
-from .hf_runs import LayerCall, Stop, call_forward, layers_replaced, positional_calls, standing_in
+from .hf_runs import LayerCall, Stop, call_forward, layers_replaced, positional_calls, rng_kept, standing_in
 from .hf_structure import Structure
 
 
@@ -130,15 +130,6 @@ class Driver:
                     "checkpoints have no value there): build the model with pipedp.split.hf_loading.build_on_meta or "
                     "load it with load_pipeline_stage, which compute them, or build it on a real device"
                 )
-
-
-def rng_kept(device: torch.device):
-    """The global random state (CPU and ``device``) restored after a run whose results are thrown away: the
-    probe runs inside a layer block, before the layer, only when the record misses, and its embeddings draw
-    dropout masks. Activation checkpointing's recomputation restores the random state the block's forward
-    started from but finds the record: had the probe moved the state, the layer would draw other masks."""
-    accelerator = device.type not in ("cpu", "meta")
-    return torch.random.fork_rng(devices=[device] if accelerator else [], device_type=device.type)
 
 
 def _same_values(kept: Dict[str, torch.Tensor], side: Dict[str, torch.Tensor]) -> bool:

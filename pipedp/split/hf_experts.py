@@ -44,7 +44,7 @@ from ..privacy.rules.expert_lora import (
     wrappers,
 )
 from ..privacy.rules.experts import first_weights, recomputed_output, second_weights, weight_names
-from .hf_runs import Stop, modes_kept
+from .hf_runs import Stop, modes_kept, rng_kept
 
 # a mixture-of-experts block's class (Mixtral's SparseMoeBlock, JetMoe's MoE, a Router), not e.g. Qwen2MoeAttention
 ROUTING = re.compile(r"expert|router|sparse_?moe|moe(block|layer|mlp)?$", re.IGNORECASE)
@@ -558,10 +558,12 @@ def _agree(got: Optional[torch.Tensor], want: torch.Tensor, dtype: torch.dtype, 
 
 def _draws_random_numbers(router: Callable[[torch.Tensor], object], x: torch.Tensor) -> bool:
     """Does the router's forward draw from torch's generator (its state moves)? The state is restored."""
-    devices = [x.device] if x.device.type == "cuda" else []
-    with torch.random.fork_rng(devices=devices, device_type=x.device.type if devices else "cuda"):
-        before = torch.cuda.get_rng_state(x.device) if devices else torch.get_rng_state()
+
+    def state() -> torch.Tensor:
+        return torch.cuda.get_rng_state(x.device) if x.device.type == "cuda" else torch.get_rng_state()
+
+    with rng_kept(x.device):
+        before = state()
         with torch.no_grad():
             router(x)
-        after = torch.cuda.get_rng_state(x.device) if devices else torch.get_rng_state()
-    return not torch.equal(before, after)
+        return not torch.equal(before, state())

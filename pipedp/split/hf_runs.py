@@ -292,3 +292,12 @@ def reached_from(output: torch.Tensor) -> Callable[[torch.Tensor], bool]:
             leaves.add(id(variable))
         stack.extend(next_node for next_node, _ in node.next_functions)
     return lambda t: t.grad_fn in seen if t.grad_fn is not None else id(t) in leaves
+
+
+def rng_kept(device: torch.device):
+    """The global random state (CPU and ``device``) restored after a run whose results are thrown away: the
+    probe runs inside a layer block, before the layer, only when the record misses, and its embeddings draw
+    dropout masks. Activation checkpointing's recomputation restores the random state the block's forward
+    started from but finds the record: had the probe moved the state, the layer would draw other masks."""
+    accelerator = device.type not in ("cpu", "meta")
+    return torch.random.fork_rng(devices=[device] if accelerator else [], device_type=device.type)
