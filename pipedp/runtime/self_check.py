@@ -13,7 +13,9 @@ in another dimension (time-first attention), samples mixed inside a layer, a par
 the call of its module, an in-place change of a layer's output, a wrong layer rule. The sum over the
 micro-batch (W with every clip factor 1 against autograd's gradient of the micro-batch) tells those
 causes apart in the refusal. The comparison is exact up to the arithmetic of the parameters' dtype
-(relative, with an absolute floor relative to the sample's whole gradient on the stage).
+(relative, with an absolute floor relative to the sample's whole gradient on the stage), or of the dtype a
+layer's outputs had where it computes in less; the check that the forward keeps samples apart, up to the
+least precise dtype its operations returned (``Precisions``).
 """
 
 from __future__ import annotations
@@ -22,10 +24,11 @@ import copy
 import math
 import warnings
 from dataclasses import dataclass
-from typing import Callable, Dict, Iterable, List, Optional, Sequence, Tuple
+from typing import Callable, Dict, Iterable, List, Optional, Sequence, Set, Tuple
 
 import torch
 import torch.nn as nn
+from torch.overrides import TorchFunctionMode
 
 from ..errors import UnsupportedModelError
 from .microbatch import Activation, Inputs
@@ -129,11 +132,26 @@ def _close(x: torch.Tensor, y: torch.Tensor, rtol: float) -> bool:
     return bool(torch.isclose(x, y, rtol=rtol, atol=rtol * scale + 1e-300, equal_nan=True).all())
 
 
-def refuse_mixed(stage: int, batch_rows, alone, span: slice) -> None:
-    """Refuse a stage whose output for rows ``span`` differs between the micro-batch and those rows alone."""
-    leaves = _leaves(alone)
-    dtype = next((t.dtype for t in leaves if t.is_floating_point()), torch.float64)
-    if same_values(batch_rows, alone, TOLERANCE.get(dtype, TOLERANCE[torch.float32])[0]):
+class Precisions(TorchFunctionMode):
+    """The floating dtypes the operations of a forward return: a float64 model may compute a part in float32
+    (a router's logits, a norm), whose rounding differs between a row alone and the row in a micro-batch."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.dtypes: Set[torch.dtype] = set()
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        self.dtypes.update(t.dtype for t in _leaves(out) if t.is_floating_point())
+        return out
+
+
+def refuse_mixed(stage: int, batch_rows, alone, span: slice, computed: Iterable[torch.dtype] = ()) -> None:
+    """Refuse a stage whose output for rows ``span`` differs between the micro-batch and those rows alone, beyond
+    the rounding of the least precise of the output's dtype and the dtypes the forward ``computed`` in."""
+    dtypes = {t.dtype for t in _leaves(alone) if t.is_floating_point()} | set(computed)
+    rtol = max((TOLERANCE.get(d, TOLERANCE[torch.float32])[0] for d in dtypes), default=TOLERANCE[torch.float64][0])
+    if same_values(batch_rows, alone, rtol):
         return
     raise UnsupportedModelError(
         f"stage {stage}: its forward mixes samples: the output of rows {span.start}..{span.stop - 1} computed from "

@@ -63,7 +63,7 @@ class StageCheck:
             for b in self.stage.blocks:
                 for m in b.module.modules():
                     m.training = False
-            with rng_kept(device):
+            with rng_kept(device), self_check.Precisions() as computed:
                 whole = self.stage.evaluate(x, targets, side_inputs, size, loss=False)
             with rng_kept(device):
                 _reseeded(device)
@@ -82,7 +82,8 @@ class StageCheck:
                 side = self_check.rows(side_inputs, span, size) if side_inputs is not None else None
                 with rng_kept(device):
                     alone = self.stage.evaluate(one, part, side, span.stop - span.start, loss=False)
-                self_check.refuse_mixed(self.stage.index, self_check.rows(whole, span, size), alone, span)
+                whole_rows = self_check.rows(whole, span, size)
+                self_check.refuse_mixed(self.stage.index, whole_rows, alone, span, computed.dtypes)
 
     def conclude(self, conclusive: bool) -> None:
         """The step ended; ``conclusive``: every stage's check of it compared every unit of its micro-batch, each

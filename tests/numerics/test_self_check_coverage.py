@@ -178,3 +178,35 @@ def test_a_random_loss_is_not_refused_but_said_unverifiable():
     t = PipelineDPTrainer(model, sampled_negatives, stages=1, microbatches=1, expected_batch_size=4)
     with pytest.warns(UserWarning, match="loss_fn draws random numbers"):
         t.step(*batch(4))
+
+
+class CouplesInFloat32(nn.Module):
+    """Each row moved by ``share`` of the batch's mean (no gradient through it: as rounding, not as a function of
+    the others), computed in float32 (``float32=True``, as a float64 model's router may compute its logits) or in
+    float64. A ``share`` of 1e-6 is what float32 rounding does: a row's float32 result may differ by as much
+    between the micro-batch and the row alone (Laguna's and Kolibri-1's routers, tests/numerics/test_moe.py)."""
+
+    def __init__(self, share: float, float32: bool):
+        super().__init__()
+        self.share, self.float32 = share, float32
+
+    def forward(self, x):
+        h = x.float() if self.float32 else x
+        return (h + self.share * h.mean(0).abs().detach()).to(x.dtype)
+
+
+@pytest.mark.parametrize(
+    "share, float32, refused",
+    [
+        (1e-6, True, False),  # float32 rounding, in a float64 model: judged at float32's tolerance
+        (1e-6, False, True),  # the same in float64: float64's tolerance still holds
+        (0.1, True, True),  # planted: a real mixing computed in float32 is still refused
+    ],
+)
+def test_a_forward_computing_in_float32_is_judged_at_float32s_rounding_and_no_looser(share, float32, refused):
+    t = trainer(CouplesInFloat32(share, float32), microbatches=1)
+    if refused:
+        with pytest.raises(UnsupportedModelError, match="its forward mixes samples"):
+            t.step(*batch(4))
+    else:
+        t.step(*batch(4))
