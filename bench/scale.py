@@ -10,9 +10,10 @@ must hold, a checkpoint save included, and the step time.
 
 Three jobs, three modules: ``write`` (bench/scale_folder.py: the folder, a shard at a time), ``run``
 (bench/scale_run.py: one run's processes, what each rank holds phase by phase, the non-private baseline) and
-``suite`` (here): each folder written, run, deleted; a run that ``pipedp plan``'s estimate (the planner, with
-what loading holds beyond it) says does not fit this machine's free memory is skipped and listed; a section added
-to bench/RESULTS.md (measuring a snapshot of HEAD: bench/snapshot.py).
+``suite`` (here): each folder written, run, deleted; a run that ``pipedp plan``'s estimate (``need_gib``: the
+planner's stage peaks and each process's libraries; the suite's margin covers what loading holds for a moment)
+says does not fit this machine's free memory is skipped and listed; a section added to bench/RESULTS.md
+(measuring a snapshot of HEAD: bench/snapshot.py).
 """
 
 from __future__ import annotations
@@ -36,8 +37,8 @@ def _free_gib() -> float:
 
 
 # (config, layers or None for every layer, mode, stages, self_check[, activation checkpointing]): the default suite. Full fine-tuning of
-# the Llama-3-8B slice is left out: its 128k-token embedding and head alone are 1.05B parameters (the planner puts the
-# run at ~7.6 GiB per rank on 2 stages, not yet measured here; need_gib skips it where it does not fit).
+# the Llama-3-8B slice is left out: its 128k-token embedding and head alone are 1.05B parameters (the planner puts its
+# stages at 9.0 and 5.0 GiB on 2 stages, not yet measured here; need_gib skips it where it does not fit).
 PLAN = [
     ("llama-2-7b", 2, "lora", 2, True),
     ("llama-2-7b", 2, "lora", 2, False),  # the later steps without and with activation checkpointing
@@ -67,7 +68,8 @@ def need_gib(folder: str, mode: str, stages: int, batch: int, microbatches: int,
     from pipedp.planner import estimate
 
     precision = "bf16-mixed" if mode == "lora" else "bf16-true"
-    pipeline = PipelineConfig(microbatches=microbatches, precision=precision, **options)
+    settings = dict(microbatches=microbatches, precision=precision, schedule="1f1b", grad_mode="ghost")  # run()'s
+    pipeline = PipelineConfig(**{**settings, **options})
     plan = estimate(folder, stages, batch // microbatches, seq, lora_r=8 if mode == "lora" else None, pipeline=pipeline)
     return sum(s.total for s in plan.stages) / 2**30 + PROCESS_GIB * stages
 
