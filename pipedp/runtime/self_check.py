@@ -31,15 +31,8 @@ import torch.nn as nn
 from torch.overrides import TorchFunctionMode
 
 from ..errors import UnsupportedModelError
+from ..rounding import ELEMENT_WISE
 from .microbatch import Activation, Inputs
-
-# (relative tolerance, absolute floor as a fraction of the sample's gradient norm on the stage)
-TOLERANCE = {
-    torch.float64: (1e-7, 1e-10),
-    torch.float32: (2e-3, 1e-5),
-    torch.float16: (2e-2, 2e-3),
-    torch.bfloat16: (6e-2, 1e-2),
-}
 
 
 @dataclass(frozen=True)
@@ -73,7 +66,7 @@ def refuse_coupled_loss(stage: int, loss_fn, out, targets, losses, size: int, sp
     sum's sensitivity is no longer C."""
     if not any(isinstance(t, torch.Tensor) and t.dim() and t.shape[0] == size for t in _leaves(out)):
         return  # no batch-first output to take a sample's rows of: nothing to compare
-    rtol = TOLERANCE.get(losses.dtype, TOLERANCE[torch.float32])[0]
+    rtol = ELEMENT_WISE.get(losses.dtype, ELEMENT_WISE[torch.float32])[0]
     again = loss_fn(out, targets)  # from another random state than the batch's own: a random loss shows
     if not same_values(losses.detach(), again, rtol):
         warnings.warn(
@@ -150,7 +143,9 @@ def refuse_mixed(stage: int, batch_rows, alone, span: slice, computed: Iterable[
     """Refuse a stage whose output for rows ``span`` differs between the micro-batch and those rows alone, beyond
     the rounding of the least precise of the output's dtype and the dtypes the forward ``computed`` in."""
     dtypes = {t.dtype for t in _leaves(alone) if t.is_floating_point()} | set(computed)
-    rtol = max((TOLERANCE.get(d, TOLERANCE[torch.float32])[0] for d in dtypes), default=TOLERANCE[torch.float64][0])
+    rtol = max(
+        (ELEMENT_WISE.get(d, ELEMENT_WISE[torch.float32])[0] for d in dtypes), default=ELEMENT_WISE[torch.float64][0]
+    )
     if same_values(batch_rows, alone, rtol):
         return
     raise UnsupportedModelError(
@@ -205,7 +200,7 @@ class Comparison:
 
     def __init__(self, stage: int, dtype: torch.dtype):
         self.stage = stage
-        self.rtol, self.floor = TOLERANCE.get(dtype, TOLERANCE[torch.float32])
+        self.rtol, self.floor = ELEMENT_WISE.get(dtype, ELEMENT_WISE[torch.float32])
         self.findings: Dict[nn.Parameter, Finding] = {}
         self.non_finite_units = False  # the micro-batch holds a sample whose squared norm is not finite
         self.unverified: List[str] = []  # parameters that sample's non-finite values made uncheckable
@@ -238,7 +233,7 @@ class Comparison:
             return
         size, _, grad_error = _norms(want, have)
         rtol, floor = self.rtol, self.floor
-        known = [TOLERANCE[d] for d in computed_in or () if d in TOLERANCE]
+        known = [ELEMENT_WISE[d] for d in computed_in or () if d in ELEMENT_WISE]
         if known and len(known) == len(list(computed_in or ())):  # (an unknown dtype: the stage's tolerance)
             tightest = min(known)
             rtol, floor = max(rtol, tightest[0]), max(floor, tightest[1])

@@ -12,6 +12,7 @@ import torch
 import torch.nn as nn
 
 from ..privacy.per_sample import clipped_grad_sum, full_precision
+from ..rounding import ELEMENT_WISE
 from ..split.hf_runs import modes_kept, rng_kept
 from . import self_check
 from .layer_errors import named_layer_errors
@@ -68,7 +69,7 @@ class StageCheck:
             with rng_kept(device):
                 _reseeded(device)
                 again = self.stage.evaluate(x, targets, side_inputs, size, loss=False)
-            if not self_check.same_values(whole, again, self_check.TOLERANCE[torch.float64][0]):
+            if not self_check.same_values(whole, again, ELEMENT_WISE[torch.float64][0]):
                 warnings.warn(
                     f"stage {self.stage.index}: its forward draws random numbers in eval mode, so the self-check cannot "
                     "verify that it keeps every sample apart",

@@ -44,6 +44,7 @@ from ..privacy.rules.expert_lora import (
     wrappers,
 )
 from ..privacy.rules.experts import first_weights, recomputed_output, second_weights, weight_names
+from ..rounding import agree
 from .hf_runs import Stop, modes_kept, rng_kept
 
 # a mixture-of-experts block's class (Mixtral's SparseMoeBlock, JetMoe's MoE, a Router), not e.g. Qwen2MoeAttention
@@ -330,7 +331,7 @@ def _check(where: str, logits_layer: nn.Module, call: _RouterCall, bank: nn.Modu
             )
         logits, weights, index = out[0], out[1], out[2]
         want = F.linear(x, weight, getattr(logits_layer, "bias", None))
-        if not _agree(logits.to(want.dtype), want, weight.dtype):
+        if not agree(logits.to(want.dtype), want, weight.dtype):
             raise UnsupportedModelError(
                 f"{where}: its router's first output is not F.linear(hidden, weight, bias), which pipedp's "
                 f"per-sample rule for it assumes: {FREEZE}"
@@ -345,7 +346,7 @@ def _check(where: str, logits_layer: nn.Module, call: _RouterCall, bank: nn.Modu
             recomputed = recomputed_output(bank, x, index, weights)
         except RuntimeError:  # (the weights' shapes do not fit the layout the flags describe)
             recomputed = None
-        if recomputed is None or not _agree(recomputed.to(own.dtype), own, own.dtype):
+        if recomputed is None or not agree(recomputed.to(own.dtype), own, own.dtype):
             raise UnsupportedModelError(
                 f"{where}: its experts ({type(bank).__name__}) do not compute what pipedp's per-sample rule reads "
                 f"from their weights (the fused layout's gate, activation and routing weights): {FREEZE}"
@@ -382,7 +383,7 @@ def _check_dense(where: str, router: nn.Module, bank: nn.Module, outer: nn.Modul
     except (RuntimeError, TypeError) as exc:
         raise UnsupportedModelError(f"{where}: its experts ({type(bank).__name__}) cannot be called as Llama-4's "
                                     f"on the routed tokens alone ({exc}): {FREEZE}") from exc  # fmt: skip
-    if not _agree(recomputed.to(own.dtype), own, own.dtype):
+    if not agree(recomputed.to(own.dtype), own, own.dtype):
         raise UnsupportedModelError(
             f"{where}: its experts ({type(bank).__name__}) do not compute what pipedp's per-sample rule reads from "
             f"their weights (per expert, up * act(gate) of x @ gate_up_proj, then @ down_proj): {FREEZE}"
@@ -412,7 +413,7 @@ def _check_router_gradients(where: str, router: nn.Module, x: torch.Tensor, grad
     for i in range(x.shape[0]):
         with torch.enable_grad():
             (want,) = torch.autograd.grad((router(x[i])[0] * grad_scores[i]).sum(), [router.weight])
-        if not _agree(got[i].to(want.dtype), want, router.weight.dtype):
+        if not agree(got[i].to(want.dtype), want, router.weight.dtype):
             raise UnsupportedModelError(
                 f"{where}: pipedp's per-sample gradients of its router ({type(router).__name__}) differ from "
                 f"autograd's on random tokens (the router computes more than F.linear of its input and weight "
@@ -432,7 +433,7 @@ def _check_adapters(where: str, outer: nn.Module, bank: nn.Module, call: tuple) 
         own = outer(x, index, weights)
         computed = computed_weights(bank, adapted(outer), x.dtype)
         recomputed = recomputed_output(bank, x, index, weights, computed)
-        if not _agree(recomputed.to(own.dtype), own, own.dtype):
+        if not agree(recomputed.to(own.dtype), own, own.dtype):
             raise UnsupportedModelError(
                 f"{where}: {named} does not compute the bank's weights plus s B_e A_e per expert, as pipedp's "
                 "per-sample rule reads its factors: put the adapters on the attention and other Linear layers "
@@ -470,7 +471,7 @@ def _check_dense_adapters(where: str, outer: nn.Module, bank: nn.Module, routed:
             recomputed = recomputed_bank_output(bank, routed, computed)
     except RuntimeError:
         own, recomputed = routed, None
-    if recomputed is None or not _agree(recomputed.to(own.dtype), own, own.dtype):
+    if recomputed is None or not agree(recomputed.to(own.dtype), own, own.dtype):
         raise UnsupportedModelError(
             f"{where}: {named} does not compute the bank's weights plus s B_e A_e per expert as stored, as "
             "pipedp's per-sample rule reads its factors: put the adapters on the attention and other Linear "
@@ -527,33 +528,13 @@ def _wrong_per_sample(outer: nn.Module, rule, inputs: Tuple[torch.Tensor, ...], 
             want.append(torch.zeros_like(p) if grad is None else grad)
         expected = torch.stack(want).to(torch.float64)
         got = grads.get(p)
-        close = _agree(got.to(torch.float64) if got is not None else None, expected, x.dtype, samples=True)
+        close = agree(got.to(torch.float64) if got is not None else None, expected, x.dtype, samples=True)
         if norms is not None and close:  # (a squared norm: twice the gradient's relative difference)
             squared = expected.reshape(n, -1).pow(2).sum(1)
-            close = _agree(norms[p].to(torch.float64).sqrt(), squared.sqrt(), x.dtype, samples=True)
+            close = agree(norms[p].to(torch.float64).sqrt(), squared.sqrt(), x.dtype, samples=True)
         if not close:
             wrong.append(name)
     return wrong
-
-
-# how far a check's two computations of one value may differ, relative to its size (norm-wise), by the dtype
-# computed in: a misread layout or a pair given to the wrong sample is off by the size of the value itself, while
-# rounding is off by a few units of the dtype (an element-wise tolerance fails where large terms cancel)
-AGREEMENT = {torch.float64: 1e-5, torch.float32: 1e-3, torch.float16: 1e-2, torch.bfloat16: 5e-2}
-
-
-def _agree(got: Optional[torch.Tensor], want: torch.Tensor, dtype: torch.dtype, samples: bool = False) -> bool:
-    """``got`` and ``want`` agree as two computations in ``dtype`` of one value: the norm of their difference
-    within AGREEMENT of ``want``'s norm, the whole tensor's, or with ``samples`` each sample's (its first
-    dimension; a sample whose value is zero or tiny against the others' may differ by the same share of the
-    largest)."""
-    if got is None or got.shape != want.shape:
-        return False
-    rows = got.shape[0] if samples else 1
-    w = want.to(torch.float64).reshape(rows, -1)
-    d = got.to(torch.float64).reshape(rows, -1) - w
-    size = w.norm(dim=1)
-    return bool((d.norm(dim=1) <= AGREEMENT.get(dtype, 1e-3) * (size + 1e-3 * size.max())).all())
 
 
 def _draws_random_numbers(router: Callable[[torch.Tensor], object], x: torch.Tensor) -> bool:

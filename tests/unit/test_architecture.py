@@ -17,6 +17,7 @@ LAYERS = {
     "pipedp.models": 0,
     "pipedp.data": 0,
     "pipedp.shards": 0,
+    "pipedp.rounding": 0,
     "pipedp.privacy": 1,
     "pipedp.split": 2,
     "pipedp.parallel": 2,  # the tensor-parallel layers and their split: beside split, which it applies to
