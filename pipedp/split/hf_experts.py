@@ -14,6 +14,7 @@ sample's output from its own rows alone, so a block that mixes samples is refuse
 
 from __future__ import annotations
 
+import importlib.metadata
 import re
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -52,6 +53,7 @@ ROUTING = re.compile(r"expert|router|sparse_?moe|moe(block|layer|mlp)?$", re.IGN
 CHECK_TOKENS = 5  # the random tokens a bank and its router are checked on
 ROUTER_NAMES = ("gate", "router")
 # the way out of every refusal below: a block frozen whole needs no rule (accept_experts skips it)
+PEFT_READ = (0, 20)  # the PEFT whose expert adapters (target_parameters) pipedp's rules read: 0.18, 0.19 store others
 FREEZE = "freeze the whole block (block.requires_grad_(False): a frozen block needs no rule)"
 
 
@@ -431,13 +433,15 @@ def _check_adapters(where: str, outer: nn.Module, bank: nn.Module, call: tuple) 
     named = f"PEFT's LoRA on its experts ({', '.join(w.parameter_name for w in wrappers(outer))})"
     with _random_factors(outer):
         own = outer(x, index, weights)
-        computed = computed_weights(bank, adapted(outer), x.dtype)
-        recomputed = recomputed_output(bank, x, index, weights, computed)
-        if not agree(recomputed.to(own.dtype), own, own.dtype):
+        try:  # (a PEFT that reads the weights otherwise gives factors of other shapes: refused by name below)
+            computed = computed_weights(bank, adapted(outer), x.dtype)
+            recomputed: Optional[torch.Tensor] = recomputed_output(bank, x, index, weights, computed)
+        except RuntimeError:
+            recomputed = None
+        if recomputed is None or not agree(recomputed.to(own.dtype), own, own.dtype):
             raise UnsupportedModelError(
                 f"{where}: {named} does not compute the bank's weights plus s B_e A_e per expert, as pipedp's "
-                "per-sample rule reads its factors: put the adapters on the attention and other Linear layers "
-                "(target_modules)"
+                f"per-sample rule reads its factors: {_adapters_way_out()}"
             )
         n = x.shape[0] // 2 if x.shape[0] >= 2 else 1  # samples of 2 (or 1) tokens
         inputs = tuple(
@@ -449,6 +453,22 @@ def _check_adapters(where: str, outer: nn.Module, bank: nn.Module, call: tuple) 
             f"{where}: {named}: pipedp's per-sample gradients of {wrong} differ from autograd's on random tokens: "
             "put the adapters on the attention and other Linear layers (target_modules)"
         )
+
+
+def _adapters_way_out() -> str:
+    """The fix for expert adapters pipedp does not read: a newer PEFT where an older one is installed, and the
+    adapters on Linear layers instead."""
+    instead = "put the adapters on the attention and other Linear layers (target_modules)"
+    try:
+        installed = importlib.metadata.version("peft")
+    except importlib.metadata.PackageNotFoundError:
+        return instead
+    if tuple(int(v) for v in re.findall(r"\d+", installed)[:2]) >= PEFT_READ:
+        return instead
+    wanted = ".".join(map(str, PEFT_READ))
+    return (
+        f"pip install 'peft>={wanted}' (PEFT {installed} is installed; pipedp reads {wanted}'s factors), or {instead}"
+    )
 
 
 def _trains(outer: nn.Module) -> bool:
@@ -474,8 +494,7 @@ def _check_dense_adapters(where: str, outer: nn.Module, bank: nn.Module, routed:
     if recomputed is None or not agree(recomputed.to(own.dtype), own, own.dtype):
         raise UnsupportedModelError(
             f"{where}: {named} does not compute the bank's weights plus s B_e A_e per expert as stored, as "
-            "pipedp's per-sample rule reads its factors: put the adapters on the attention and other Linear "
-            "layers (target_modules)"
+            f"pipedp's per-sample rule reads its factors: {_adapters_way_out()}"
         )
     tokens = routed.shape[0] // count
     n = tokens // 2

@@ -4,6 +4,7 @@ top-1 and top-3 routing, bf16-free float32 with transformers' default (grouped) 
 catching a routed pair given to the wrong sample; and the couplings refused by name."""
 
 import copy
+import importlib.metadata
 import os
 import re
 from unittest import mock
@@ -22,6 +23,7 @@ from pipedp import PipelineDPTrainer, UnsupportedModelError  # noqa: E402
 from pipedp.models import token_loss  # noqa: E402
 from pipedp.privacy.rules import expert_lora  # noqa: E402
 from pipedp.privacy.rules import experts as expert_rules  # noqa: E402
+from pipedp.split import hf_experts  # noqa: E402
 
 pytestmark = pytest.mark.filterwarnings("ignore:step\\(\\) got a batch whose sampling is not declared")
 
@@ -703,3 +705,22 @@ def test_planted_llama4_factor_readings_are_refused_at_construction(monkeypatch,
         UnsupportedModelError, match=r"feed_forward \(Llama4TextMoe\): PEFT's LoRA on its experts .*(differ|cannot)"
     ):
         PipelineDPTrainer(model, token_loss, stages=2, expected_batch_size=4)
+
+
+def test_expert_adapters_of_an_older_peft_are_refused_naming_the_version(monkeypatch):
+    """PEFT 0.18 and 0.19 store the expert banks' factors in shapes pipedp's rule does not read (its reading fails
+    with a shape error): refused at construction, naming the installed PEFT and the one to install. Planted here
+    (PEFT 0.20+ in CI): the reading fails as it does under 0.19, and 0.19 is the installed version."""
+
+    def old_shapes(*args, **kwargs):
+        raise RuntimeError(
+            "The size of tensor a (16) must match the size of tensor b (64) at non-singleton dimension 2"
+        )
+
+    real_version = importlib.metadata.version
+    monkeypatch.setattr(hf_experts, "computed_weights", old_shapes)
+    monkeypatch.setattr(importlib.metadata, "version", lambda name: "0.19.0" if name == "peft" else real_version(name))
+    model = lora_on_the_experts(mixtral())
+    inputs, labels = padded_batch("right")
+    with pytest.raises(UnsupportedModelError, match=r"pip install 'peft>=0\.20' \(PEFT 0\.19\.0 is installed"):
+        pipedp_clipped_sum(model, token_loss, inputs, labels, CLIP, stages=2, microbatches=2)
