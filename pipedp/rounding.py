@@ -5,6 +5,8 @@ samples is off by the size of the value itself; rounding, by a few units of the 
 - ``ELEMENT_WISE``: the self-check's (runtime/self_check.py), the same arithmetic on another batch (a row alone
   against the row in its micro-batch; a sample's own gradient against its per-sample gradient): (relative
   tolerance, absolute floor as a fraction of the sample's whole gradient on the stage).
+- ``FLOAT32_INSIDE``: the self-check's test that the forward keeps samples apart, for a float64 output whose
+  forward computed in float32 too (a router's logits).
 - ``NORM_WISE``: the construction checks' (split/hf_experts.py), two orders of the same sums (a rule's reading of
   an expert bank against the bank's own forward): the norm of the difference against the value's norm
   (``agree``), since an element-wise tolerance fails where large terms cancel.
@@ -22,6 +24,11 @@ ELEMENT_WISE = {
     torch.float16: (2e-2, 2e-3),
     torch.bfloat16: (6e-2, 1e-2),
 }
+
+# a float64 output whose forward computed in float32 in part, a row alone against the row in its micro-batch (the
+# self-check's mixing test): a float32 cast may differ by an ulp (6e-8) and grow through the layers after it
+# (measured up to 6e-7 of the loop oracle, Laguna's router); a real coupling of 1e-4 stays refused
+FLOAT32_INSIDE = 1e-5
 
 NORM_WISE = {torch.float64: 1e-5, torch.float32: 1e-3, torch.float16: 1e-2, torch.bfloat16: 5e-2}
 

@@ -31,8 +31,9 @@ class Family:
     @property
     def tolerance(self) -> float:
         """Largest relative difference from the loop oracle: float64 rounding, or the family's own float32 (a row's
-        float32 rounding differs between the micro-batch and the row alone: up to ~5e-7 measured, Laguna's)."""
-        return 1e-6 if self.float32_inside else 1e-12
+        float32 rounding differs between the micro-batch and the row alone: up to 2.5e-6 measured, Laguna's at one
+        of 8 draws)."""
+        return 1e-5 if self.float32_inside else 1e-12
 
     @property
     def name(self) -> str:

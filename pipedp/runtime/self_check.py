@@ -31,7 +31,7 @@ import torch.nn as nn
 from torch.overrides import TorchFunctionMode
 
 from ..errors import UnsupportedModelError
-from ..rounding import ELEMENT_WISE
+from ..rounding import ELEMENT_WISE, FLOAT32_INSIDE
 from .microbatch import Activation, Inputs
 
 
@@ -126,8 +126,9 @@ def _close(x: torch.Tensor, y: torch.Tensor, rtol: float) -> bool:
 
 
 class Precisions(TorchFunctionMode):
-    """The floating dtypes the operations of a forward return: a float64 model may compute a part in float32
-    (a router's logits, a norm), whose rounding differs between a row alone and the row in a micro-batch."""
+    """The floating dtypes the operations of a forward return: a float64 model may compute a part in float32 (a
+    router's logits cast to float32: the float64 product before the cast rounds by the batch's shape, and the cast
+    may then differ by a float32 ulp between a row alone and the row in its micro-batch)."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -141,11 +142,14 @@ class Precisions(TorchFunctionMode):
 
 def refuse_mixed(stage: int, batch_rows, alone, span: slice, computed: Iterable[torch.dtype] = ()) -> None:
     """Refuse a stage whose output for rows ``span`` differs between the micro-batch and those rows alone, beyond
-    the rounding of the least precise of the output's dtype and the dtypes the forward ``computed`` in."""
-    dtypes = {t.dtype for t in _leaves(alone) if t.is_floating_point()} | set(computed)
+    the rounding of the output's dtype; a float64 output whose forward ``computed`` in float32 too, beyond
+    FLOAT32_INSIDE (a few hundred float32 ulps: not float32's own tolerance, which is sized for gradients)."""
+    dtypes = {t.dtype for t in _leaves(alone) if t.is_floating_point()}
     rtol = max(
         (ELEMENT_WISE.get(d, ELEMENT_WISE[torch.float32])[0] for d in dtypes), default=ELEMENT_WISE[torch.float64][0]
     )
+    if dtypes == {torch.float64} and torch.float32 in set(computed):
+        rtol = FLOAT32_INSIDE
     if same_values(batch_rows, alone, rtol):
         return
     raise UnsupportedModelError(

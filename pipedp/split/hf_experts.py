@@ -346,6 +346,8 @@ def _check(where: str, logits_layer: nn.Module, call: _RouterCall, bank: nn.Modu
         own = bank(x, index, weights)
         try:
             recomputed = recomputed_output(bank, x, index, weights)
+        except torch.OutOfMemoryError:  # (no answer about the layout)
+            raise
         except RuntimeError:  # (the weights' shapes do not fit the layout the flags describe)
             recomputed = None
         if recomputed is None or not agree(recomputed.to(own.dtype), own, own.dtype):
@@ -436,6 +438,8 @@ def _check_adapters(where: str, outer: nn.Module, bank: nn.Module, call: tuple) 
         try:  # (a PEFT that reads the weights otherwise gives factors of other shapes: refused by name below)
             computed = computed_weights(bank, adapted(outer), x.dtype)
             recomputed: Optional[torch.Tensor] = recomputed_output(bank, x, index, weights, computed)
+        except torch.OutOfMemoryError:  # (no answer about the layout)
+            raise
         except RuntimeError:
             recomputed = None
         if recomputed is None or not agree(recomputed.to(own.dtype), own, own.dtype):
@@ -489,6 +493,8 @@ def _check_dense_adapters(where: str, outer: nn.Module, bank: nn.Module, routed:
             own = outer(routed)
             computed = dense_computed_weights(bank, adapted(outer), routed.dtype)
             recomputed = recomputed_bank_output(bank, routed, computed)
+    except torch.OutOfMemoryError:  # (no answer about the layout)
+        raise
     except RuntimeError:
         own, recomputed = routed, None
     if recomputed is None or not agree(recomputed.to(own.dtype), own, own.dtype):
