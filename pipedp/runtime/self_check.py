@@ -15,7 +15,8 @@ micro-batch (W with every clip factor 1 against autograd's gradient of the micro
 causes apart in the refusal. The comparison is exact up to the arithmetic of the parameters' dtype
 (relative, with an absolute floor relative to the sample's whole gradient on the stage), or of the dtype a
 layer's outputs had where it computes in less; the check that the forward keeps samples apart, up to the
-least precise dtype its operations returned (``Precisions``).
+output dtype's rounding, or FLOAT32_INSIDE for a float64 output whose forward computed in float32 too
+(``Precisions`` records what it computed in).
 """
 
 from __future__ import annotations

@@ -52,8 +52,8 @@ from .hf_runs import Stop, modes_kept, rng_kept
 ROUTING = re.compile(r"expert|router|sparse_?moe|moe(block|layer|mlp)?$", re.IGNORECASE)
 CHECK_TOKENS = 5  # the random tokens a bank and its router are checked on
 ROUTER_NAMES = ("gate", "router")
-# the way out of every refusal below: a block frozen whole needs no rule (accept_experts skips it)
 PEFT_READ = (0, 20)  # the PEFT whose expert adapters (target_parameters) pipedp's rules read: 0.18, 0.19 store others
+# the way out of every refusal below: a block frozen whole needs no rule (accept_experts skips it)
 FREEZE = "freeze the whole block (block.requires_grad_(False): a frozen block needs no rule)"
 
 
