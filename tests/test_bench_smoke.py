@@ -142,3 +142,10 @@ def test_scale_suite_plans_each_run_then_runs_it_and_deletes_the_folder(tmp_path
     assert re.search(r"tiny-llama \(2 layers\) lora, 2 stages, self_check=True \(needs ~\d+ GiB", out.stdout)
     assert "| tiny-llama, 2 layers | 0.0 GiB | lora | 2 | on |" in out.stdout
     assert os.listdir(tmp_path) == []  # the folder written for the suite is gone
+
+
+@pytest.mark.dist
+def test_bench_memory_sweep_quick(tmp_path):
+    out = _run("bench.memory_sweep", "--microbatches", "2,4", "--microbatch-size", "1", "--out", str(tmp_path))
+    for contender in ("torch-1f1b", "pipedp-1f1b", "pipedp-dp-zb", "pipedp-1f1b-keep"):
+        assert re.search(rf"\| {contender} \| \d+ / \d+ \| \d+ / \d+ \| [\d.]+ \|", out.stdout), contender

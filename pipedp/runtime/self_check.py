@@ -127,9 +127,10 @@ def _close(x: torch.Tensor, y: torch.Tensor, rtol: float) -> bool:
 
 
 class Precisions(TorchFunctionMode):
-    """The floating dtypes the operations of a forward return: a float64 model may compute a part in float32 (a
-    router's logits cast to float32: the float64 product before the cast rounds by the batch's shape, and the cast
-    may then differ by a float32 ulp between a row alone and the row in its micro-batch)."""
+    """The floating dtypes the operations of a forward return from tensors (a constant made from none, such as
+    torch.tensor(1.0), computes nothing from the data): a float64 model may compute a part in float32 (a router's
+    logits cast to float32: the float64 product before the cast rounds by the batch's shape, and the cast may then
+    differ by a float32 ulp between a row alone and the row in its micro-batch)."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -137,7 +138,8 @@ class Precisions(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
-        self.dtypes.update(t.dtype for t in _leaves(out) if t.is_floating_point())
+        if _leaves(args) or _leaves(kwargs or {}):
+            self.dtypes.update(t.dtype for t in _leaves(out) if t.is_floating_point())
         return out
 
 

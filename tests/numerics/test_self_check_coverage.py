@@ -186,25 +186,30 @@ class CouplesInFloat32(nn.Module):
     float64. A ``share`` of 1e-6 is what float32 rounding does downstream of a cast that differs by an ulp between
     the micro-batch and the row alone (Laguna's and Kolibri-1's routers, tests/numerics/test_moe.py)."""
 
-    def __init__(self, share: float, float32: bool):
+    def __init__(self, share: float, float32: bool, constant: bool = False):
         super().__init__()
-        self.share, self.float32 = share, float32
+        self.share, self.float32, self.constant = share, float32, constant
 
     def forward(self, x):
         h = x.float() if self.float32 else x
+        if self.constant:  # a float32 constant, made from no tensor: nothing of the data computed in float32
+            h = h * torch.tensor(1.0)
         return (h + self.share * h.mean(0).abs().detach()).to(x.dtype)
 
 
 @pytest.mark.parametrize(
-    "share, float32, refused",
+    "share, float32, constant, refused",
     [
-        (1e-6, True, False),  # float32 rounding, in a float64 model: judged at FLOAT32_INSIDE (1e-5)
-        (1e-6, False, True),  # the same in float64: float64's tolerance still holds
-        (1e-4, True, True),  # planted: a coupling above float32's rounding, computed in float32, is still refused
+        (1e-6, True, False, False),  # float32 rounding, in a float64 model: judged at FLOAT32_INSIDE (1e-5)
+        (1e-6, False, False, True),  # the same in float64: float64's tolerance still holds
+        (1e-6, False, True, True),  # ... beside a float32 constant, which computes nothing of the data in float32
+        (1e-4, True, False, True),  # planted: a coupling above float32's rounding, computed in float32, is refused
     ],
 )
-def test_a_float64_forward_computing_in_float32_is_judged_at_float32s_rounding_and_no_looser(share, float32, refused):
-    t = trainer(CouplesInFloat32(share, float32), microbatches=1)
+def test_a_float64_forward_computing_in_float32_is_judged_at_float32s_rounding_and_no_looser(
+    share, float32, constant, refused
+):
+    t = trainer(CouplesInFloat32(share, float32, constant), microbatches=1)
     if refused:
         with pytest.raises(UnsupportedModelError, match="its forward mixes samples"):
             t.step(*batch(4))
