@@ -36,7 +36,7 @@ import torch.distributed as dist
 
 from .memory import PeakMemory
 from .presets import PRESETS, Preset
-from .steps import barrier, interleave
+from .steps import barrier, interleave, timed
 
 PIPEDP_VARIANTS = [("1f1b", "auto"), ("1f1b", "ghost"), ("dp-zb", "ghost"), ("1f1b", "keep"), ("dp-zb", "keep")]
 GOALS = {"dp-cost": None, "naive": None, "lora": 0.97, "opacus": 1.5, "self-check-steady": 0.97}
@@ -136,14 +136,8 @@ def _self_check_rank(rank: int, preset_name: str, rounds: int, steps: int, lora:
             trainer.step(x, y)
             barrier()
             first = time.perf_counter() - start
-        trainer.step(x, y)  # the second step settles what the first left (freed memory, caches): not timed
-        per = []
-        for _ in range(steps):
-            barrier()
-            start = time.perf_counter()
-            trainer.step(x, y)
-            barrier()
-            per.append(time.perf_counter() - start)
+        # the second step settles what the first left (freed memory, caches): not timed
+        per = timed(lambda: trainer.step(x, y), 1, steps, barrier)
         trainer.close()
         if record:
             key = "on" if check else "off"

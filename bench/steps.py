@@ -1,6 +1,7 @@
 """The harness's contenders, in one home: one training step per contender, each built from a preset the same
-way (same model, split, batch, optimizer), and the one timing loop (``timed``). bench.questions interleaves
-them; bench.qps, bench.cpu_time, bench.memory_sweep and bench.gpu_check measure them one at a time.
+way (same model, split, batch, optimizer), and the timing loops (``timed``; ``interleave``, rounds of it).
+bench.questions and bench.gpu_check interleave them; bench.qps, bench.cpu_time, bench.memory_sweep and
+bench.overhead measure them one at a time.
 
 A maker returns a ``Contender``: a step closure over fixed inputs, and what it holds. Multi-process
 makers run on every rank of a ``pipedp.launch`` (one stage per rank); the split is pipedp's
