@@ -162,6 +162,41 @@ FAMILIES = [
         classification=False,
         experts=True,
     ),
+    # an attention owning parameters (sinks, a gate bias), called with keyword arguments: replayed per sample
+    Family(
+        "beam",
+        "an attention owning its gate bias; a dense first layer",
+        {"mlp_layer_types": ["dense", "sparse", "sparse"], "n_group": 1, "topk_group": 1},
+        classification=False,
+        experts=True,
+        float32_inside=True,
+    ),
+    Family("flint", "trainable sinks", attention=("eager",), classification=False, experts=True, float32_inside=True),
+    Family(
+        "granite_swa",
+        "trainable sinks",
+        attention=("eager",),
+        classification=False,
+        eager_only=True,
+        float32_inside=True,
+    ),
+    Family(
+        "granitemoe_swa",
+        "trainable sinks",
+        attention=("eager",),
+        classification=False,
+        eager_only=True,
+        experts=True,
+        float32_inside=True,
+    ),
+    Family(
+        "mimo_v2_flash",
+        "trainable sinks",
+        attention=("eager",),
+        classification=False,
+        experts=True,
+        float32_inside=True,
+    ),
     Family("llama4_text", "every token through every expert", classification=False, experts=True, float32_inside=True),
     Family(
         "phimoe",
@@ -174,8 +209,6 @@ FAMILIES = [
         attention=("eager",),
         classification=False,
         experts=True,
-        status="refused: its attention owns trainable sinks, called with keyword arguments (exact with them frozen)",
-        refusal=r"self_attn owns trainable \['sinks'\] itself and is called with keyword arguments",
     ),
     Family("cohere", "logit scale", {"logit_scale": 0.5}, classification=False, float32_inside=True),
     Family(
@@ -231,11 +264,7 @@ FAMILIES = [
         status="refused: its position embedding reads positions the model passes by keyword",
         refusal="embed_positions",
     ),
-    Family(
-        "doge",
-        status="refused: its decoder layers own parameters, called with keyword arguments",
-        refusal="owns trainable parameters",
-    ),
+    Family("doge", float32_inside=True),
     Family("openai-gpt", attention=("eager",), status="refused: no final norm", refusal="no final norm"),
     Family("nanochat", "one norm before and after the layers", classification=False),
 ]

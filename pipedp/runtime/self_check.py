@@ -230,10 +230,12 @@ class Comparison:
         squared_norm: float,
         scale: float,
         computed_in: Optional[Iterable[torch.dtype]] = None,
+        float32_inside: bool = False,
     ) -> None:
         """One parameter of one row: pipedp's per-sample gradient ``have`` and squared norm against the
         row's own gradient ``want``; ``computed_in``: the dtypes its layer's outputs had, where the tightest of
-        their tolerances is looser than the stage's (a router computing in float32 inside a float64 model)."""
+        their tolerances is looser than the stage's (a router computing in float32 inside a float64 model);
+        ``float32_inside``: a float64 layer whose rule computed in float32 too, compared at FLOAT32_INSIDE."""
         if self.non_finite_units and want is not None and not bool(torch.isfinite(want).all()):
             if name not in self.unverified:
                 self.unverified.append(name)
@@ -244,6 +246,8 @@ class Comparison:
         if known and len(known) == len(list(computed_in or ())):  # (an unknown dtype: the stage's tolerance)
             tightest = min(known)
             rtol, floor = max(rtol, tightest[0]), max(floor, tightest[1])
+        if float32_inside:
+            rtol, floor = max(rtol, FLOAT32_INSIDE), max(floor, FLOAT32_INSIDE)
         allowed = rtol * size + floor * scale + 1e-300
         norm_error = abs(max(squared_norm, 0.0) ** 0.5 - size)
         worst = max(grad_error, norm_error)
@@ -319,7 +323,9 @@ def _message(stage: int, findings: List[Finding]) -> str:
         cause = (
             f"{layer} does not see the micro-batch as the first dimension of its input (e.g. nn.MultiheadAttention "
             "or Opacus's DPMultiheadAttention with batch_first=False, a layer applied to a transposed [T, batch, ...] "
-            "view) or mixes samples; construct it with batch_first=True, keep the batch dimension first"
+            "view, a tensor shared by the batch passed by keyword whose first dimension equals the micro-batch's "
+            "size by chance, so replayed as one row per sample) or mixes samples; construct it with batch_first=True, "
+            "keep the batch dimension first, pass a shared tensor with a leading dimension of 1"
         )
     else:
         lead = f"the gradient of {names} is not all seen by per-sample clipping {size}"

@@ -431,7 +431,7 @@ class Stage:
             layer, backprops = self.layers[name], state.backprops[name]
             alone = len(calls) == 1 and name not in self._shares_params
             folds = self.units.single or pools_positions(layer)  # else per-row gradients summed per unit
-            with named_layer_errors(name, layer):
+            with named_layer_errors(name, layer), calls[0].replayed(layer) if alone else contextlib.nullcontext():
                 way = "materialize"
                 if alone and folds:
                     inputs, grads_out = self._folded(calls[0].inputs), self.units.fold(backprops[0])
@@ -445,10 +445,12 @@ class Stage:
                     per_param.update({p: v.reshape(state.units) for p, v in norms.items()})
                     continue
                 for call, bp in zip(calls, backprops):
-                    if folds:
-                        one = per_sample_grads(layer, self._folded(call.inputs), self.units.fold(bp))
-                    else:
-                        one = {p: self.units.group_sum(g) for p, g in per_sample_grads(layer, call.inputs, bp).items()}
+                    with call.replayed(layer):
+                        if folds:
+                            one = per_sample_grads(layer, self._folded(call.inputs), self.units.fold(bp))
+                        else:
+                            grads = per_sample_grads(layer, call.inputs, bp)
+                            one = {p: self.units.group_sum(g) for p, g in grads.items()}
                     for p, g in one.items():
                         materialized[p] = materialized[p] + g if p in materialized else g
         per_param.update({p: squared_norms(g) for p, g in materialized.items()})
@@ -504,7 +506,8 @@ class Stage:
                     if dropped is not None:
                         bp = _zero_rows(bp, dropped)
                         inputs = tuple(_zero_rows(a, dropped) if a.is_floating_point() else a for a in inputs)
-                    add_clipped_grad_sum(layer, inputs, bp, clip.of(name, bp.dtype), self.clipped_sum)
+                    with call.replayed(layer):
+                        add_clipped_grad_sum(layer, inputs, bp, clip.of(name, bp.dtype), self.clipped_sum)
         for name, grads in state.kept.items():  # sum_i c_i g_i of the kept per-sample gradients
             dropped = clip.dropped(name, rows=False)
             for p, g in grads.items():

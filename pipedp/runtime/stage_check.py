@@ -133,15 +133,20 @@ class StageCheck:
             reference = {p: g for p, g in zip(self.stage.trainable, grads) if g is not None}
             scale = comparison.scale(reference)
             summed: Dict[nn.Parameter, torch.Tensor] = {}  # parameters several layers use: compared once, summed
-            for name, got in self._unit_gradients(state, unit):  # one layer at a time
+            for name, got, replayed_in in self._unit_gradients(state, unit):  # one layer at a time
+                computed_in = self.stage.capture.output_dtypes.get(name)
+                # a float64 layer whose replay computed in float32 too (a sink's scale): rounding flips between
+                # the micro-batch and the row alone, as in the mixing check
+                inside = computed_in == {torch.float64} and torch.float32 in replayed_in
                 for p, have in got.items():
                     if id(p) in self.stage._shared:
                         summed[p] = summed[p] + have if p in summed else have
                         continue
                     squared = float(per_param[p][unit]) if p in per_param else 0.0
                     want = reference.pop(p, None)
-                    computed_in = self.stage.capture.output_dtypes.get(name)
-                    comparison.add(p, names[id(p)], owners[p], name in called, want, have, squared, scale, computed_in)
+                    comparison.add(
+                        p, names[id(p)], owners[p], name in called, want, have, squared, scale, computed_in, inside
+                    )
             for p, have in summed.items():
                 squared = float(per_param[p][unit]) if p in per_param else 0.0
                 comparison.add(p, names[id(p)], owners[p], True, reference.pop(p, None), have, squared, scale)
@@ -162,19 +167,22 @@ class StageCheck:
         return [g.to(t.dtype) for t, g in zip(outputs, incoming)]
 
     def _unit_gradients(self, state: "MicroBatchState", unit: int):
-        """(layer, {param: the per-sample gradient of ``unit``}) as pipedp's W would use it: the kept
-        tensor's entry for it, or the layer's rule on the unit's rows alone (one-hot clip factors)."""
+        """(layer, {param: the per-sample gradient of ``unit``}, the dtypes its rule computed in) as pipedp's W
+        would use it: the kept tensor's entry for it, or the layer's rule on the unit's rows alone (one-hot clip
+        factors)."""
         span = self.stage.units.rows_of(unit)
         for name, grads in state.kept.items():
-            yield name, {p: g[unit] for p, g in grads.items()}
+            yield name, {p: g[unit] for p, g in grads.items()}, set()
         for name, calls in state.calls.items():
             layer = self.stage.layers[name]
             got: Grads = {}
-            with named_layer_errors(name, layer):
+            with named_layer_errors(name, layer), self_check.Precisions() as computed:
                 for call, bp in zip(calls, state.backprops[name]):
-                    for p, g in clipped_grad_sum(layer, tuple(a[span] for a in call.inputs), bp[span]).items():
+                    with call.replayed(layer):
+                        one = clipped_grad_sum(layer, tuple(a[span] for a in call.inputs), bp[span])
+                    for p, g in one.items():
                         got[p] = got[p] + g if p in got else g
-            yield name, got
+            yield name, got, computed.dtypes
 
     def _sums(self, state: "MicroBatchState", outputs, output_grads) -> Tuple[Grads, Grads]:
         """For a refusal's diagnosis: pipedp's W with every clip factor 1, and autograd's micro-batch gradient."""
@@ -183,8 +191,11 @@ class StageCheck:
             for p, g in grads.items():
                 total[p] = total[p] + g.sum(0) if p in total else g.sum(0)
         for name, calls in state.calls.items():
+            layer = self.stage.layers[name]
             for call, bp in zip(calls, state.backprops[name]):
-                for p, g in clipped_grad_sum(self.stage.layers[name], call.inputs, bp).items():
+                with call.replayed(layer):
+                    one = clipped_grad_sum(layer, call.inputs, bp)
+                for p, g in one.items():
                     total[p] = total[p] + g if p in total else g
         summed = torch.autograd.grad(
             outputs, list(self.stage.trainable), output_grads, retain_graph=True, allow_unused=True

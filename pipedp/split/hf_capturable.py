@@ -9,9 +9,11 @@ batch-first inputs and its output left as it returned it; two families' layers d
 
 Which modules need this is found at construction by running one layer of each class on a tiny
 batch (zeros for its weights), which also refuses what cannot be made capturable: a module called
-with keyword arguments, a trainable parameter read outside its module's call (LFM2's convolution
-weight). The hooks are installed around each call of the layer only, so that the flattening hook
-runs after the capture's own hook (which records the unflattened output).
+with keyword arguments whose rule reads positional inputs only (a module whose rule replays its own
+forward, torch.func's, may be: its capture keeps them), a trainable parameter read outside its
+module's call (LFM2's convolution weight). The hooks are installed around each call of the layer
+only, so that the flattening hook runs after the capture's own hook (which records the unflattened
+output).
 """
 
 from __future__ import annotations
@@ -60,6 +62,8 @@ def find_fixes(
         )
     for path, keys in seen.keywords.items():
         owner = layer.get_submodule(path)
+        if rule_for(owner).keywords:  # its rule replays its own forward, keyword arguments included
+            continue
         own = [n for n, p in layer_parameters(owner) if p.requires_grad] if not holds_below(owner) else []
         named = f" owns trainable {own} itself and" if own else ""
         what = f"freeze {own} in every layer (requires_grad_(False); the module's child layers still train)"
@@ -125,6 +129,8 @@ def _copy_output(module, args, output):
 
 def _unflatten(rows: int, length: int):
     def hook(module, args):
+        if not args:
+            return None
         first = args[0]
         if first.shape[0] != rows * length:
             return None
@@ -187,8 +193,11 @@ def _record_owner(seen: _Seen, path: str):
         seen.first_dims.setdefault(path, 0)
         if kwargs:
             seen.keywords.setdefault(path, sorted(kwargs))
-        if args and isinstance(args[0], torch.Tensor) and args[0].dim():
-            seen.first_dims[path] = int(args[0].shape[0])
+        first = next((a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)), None)
+        if first is not None and first.dim():  # (the hidden states, passed by keyword to some attentions)
+            seen.first_dims[path] = int(first.shape[0])
+        if type(output) is tuple and output and rule_for(module).keywords:  # (the capture keeps its first output)
+            output = output[0]
         if isinstance(output, torch.Tensor):
             seen.owner_outputs[path], seen.versions[path] = output, output._version
 

@@ -70,7 +70,6 @@ def find_structure(model: nn.Module, kind: str) -> Structure:
     layers_path, body, layers_name = _layer_list(model, base)
     structure = Structure(model, kind, base, body, layers_name, layers_path)
     _accept_routing(structure)
-    _refuse_layer_parameters(structure)
     parts = _parts(model, base, body, layers_name)
     sides, structure.tuple_output, calls = dry_run(structure, parts)
     structure.fixes = _layer_fixes(structure, calls)
@@ -151,17 +150,6 @@ def _base_model(model: nn.Module) -> nn.Module:
 def _accept_routing(s: Structure) -> None:
     for i, layer in enumerate(s.layers):
         accept_experts(s.model, f"{s.layers_path}.{i}", layer)
-
-
-def _refuse_layer_parameters(s: Structure) -> None:
-    for i, layer in enumerate(s.layers):
-        own = [n for n, p in layer.named_parameters(recurse=False) if p.requires_grad]
-        if own:
-            raise UnsupportedModelError(
-                f"{type(s.model).__name__}: decoder layer {s.layers_path}.{i} owns trainable parameters {own} itself, "
-                "and is called with keyword arguments, which per-sample gradient capture cannot replay: freeze them, "
-                f"or {WAY_OUT}"
-            )
 
 
 def _layer_fixes(s: Structure, calls: list) -> List[LayerFixes]:

@@ -148,23 +148,18 @@ def test_lora_on_the_experts_and_the_attention_of_every_moe_family_matches_the_l
     assert any(".lora_B." in k and "experts" in k and float(v.abs().max()) > 0 for k, v in got.items())
 
 
-@pytest.mark.parametrize("lora", [False, True], ids=["sinks frozen", "LoRA on the experts and the attention"])
-def test_gpt_oss_with_its_attention_sinks_frozen_matches_the_loop(lora):
-    """GPT-OSS's attention owns trainable sinks and is called with keyword arguments (refused by name, naming
-    the sinks: the families matrix); with the sinks frozen, as PEFT's LoRA leaves them, the rest trains exactly."""
+@pytest.mark.parametrize("lora", [False, True], ids=["sinks trained", "LoRA on the experts and the attention"])
+def test_gpt_oss_with_its_attention_sinks_matches_the_loop(lora):
+    """GPT-OSS's attention owns trainable sinks and is called with keyword arguments: its rule replays it per
+    sample with them (capture.Keywords), the sinks included; PEFT's LoRA leaves them frozen."""
     model = build(FAMILIES_BY_NAME["gpt_oss"])
-    with pytest.raises(
-        UnsupportedModelError, match=r"self_attn owns trainable \['sinks'\] itself .*freeze \['sinks'\]"
-    ):
-        PipelineDPTrainer(copy.deepcopy(model), token_loss, stages=2, expected_batch_size=4)
-    for layer in model.model.layers:
-        layer.self_attn.sinks.requires_grad_(False)
     model = lora_on_the_experts(model) if lora else model
     inputs, labels = padded_batch("right")  # (eager attention only: no left padding)
     want = loop_clipped_sum(copy.deepcopy(model), hf_loss, inputs, labels, CLIP)
     got = pipedp_clipped_sum(model, token_loss, inputs, labels, CLIP, stages=2, microbatches=2)
     assert max_relative_error(got, want) < 1e-12
-    if not lora:  # (the router and the bank train too)
+    if not lora:  # (the sinks, the router and the bank train)
+        assert float(got["model.layers.0.self_attn.sinks"].abs().max()) > 0
         assert float(got["model.layers.0.mlp.router.weight"].abs().max()) > 0
         assert float(got["model.layers.0.mlp.experts.down_proj"].abs().max()) > 0
 

@@ -199,7 +199,7 @@ def test_a_lora_on_a_split_projection_is_split_on_its_side_and_its_other_factor_
 @pytest.mark.parametrize(
     "config, match",
     [
-        (dict(target_modules=["q_proj"], use_dora=True), r"self_attn\.q_proj\.lora_magnitude_vector"),
+        (dict(target_modules=["q_proj"], use_dora=True), r"self_attn\.q_proj' carries a LoRA variant"),
         (dict(target_modules=["q_proj"], lora_dropout=0.1), "dropout"),
     ],
 )

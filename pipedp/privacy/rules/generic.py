@@ -29,6 +29,11 @@ def in_unit_dtype(layer: nn.Module, inputs: Sequence[torch.Tensor], backprops: t
     return inputs, backprops.to(dtype), torch.promote_types(backprops.dtype, torch.float32)
 
 
+def first_output(output):
+    """A replayed layer's output: the first element of a tuple (the capture guards the others: LayerRule.keywords)."""
+    return output[0] if isinstance(output, tuple) else output
+
+
 def functorch_grads(layer: nn.Module, inputs: Sequence[torch.Tensor], backprops: torch.Tensor) -> Grads:
     inputs, backprops, wide = in_unit_dtype(layer, inputs, backprops)
     named = layer_parameters(layer)
@@ -37,7 +42,7 @@ def functorch_grads(layer: nn.Module, inputs: Sequence[torch.Tensor], backprops:
 
     def sample_loss(params, sample_inputs, sample_backprop):
         batched = tuple(x.unsqueeze(0) for x in sample_inputs)
-        out = functional_call(layer, dict(zip(names, params)), batched)
+        out = first_output(functional_call(layer, dict(zip(names, params)), batched))
         return (out * sample_backprop.unsqueeze(0)).sum()
 
     grads = vmap(grad(sample_loss), in_dims=(None, 0, 0))(values, tuple(inputs), backprops)
@@ -49,7 +54,7 @@ def replayed_weight(layer: nn.Module, inputs: Sequence[torch.Tensor], scaled: to
     params = [p for _, p in layer_parameters(layer)]
     inputs, backprops, wide = in_unit_dtype(layer, inputs, scaled)
     with torch.enable_grad():
-        output = layer(*inputs)
+        output = first_output(layer(*inputs))
         grads = torch.autograd.grad(output, params, backprops.to(output.dtype), allow_unused=True)
     return {p: (g.to(wide) if g is not None else torch.zeros_like(p, dtype=wide)) for p, g in zip(params, grads)}
 
@@ -60,4 +65,4 @@ def opacus_grads(layer: nn.Module, inputs: Sequence[torch.Tensor], backprops: to
 
 
 OPACUS = LayerRule("opacus", opacus_grads, replayed_weight)
-FUNCTORCH = LayerRule("torch.func", functorch_grads, replayed_weight)
+FUNCTORCH = LayerRule("torch.func", functorch_grads, replayed_weight, keywords=True)

@@ -52,6 +52,10 @@ class LayerRule:
     # never called on their own (PEFT's LoRA on an expert bank's parameters folds its factors into the bank's
     # weights): capture hooks the module, not its children
     holds_below: bool = False
+    # the rule replays the layer's own forward (torch.func): its calls may take keyword arguments (the capture
+    # keeps them for the replay, capture.Keywords) and return a tuple whose first element is its output (the
+    # others must carry no gradient: the capture guards them)
+    keywords: bool = False
 
 
 RULES: Dict[type, LayerRule] = {}
