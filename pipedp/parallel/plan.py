@@ -23,6 +23,7 @@ from typing import Any, Dict, Sequence
 import torch.nn as nn
 
 from ..errors import UnsupportedModelError
+from ..privacy.rules import layer_parameters, rule_for
 from ..shards import Shard, TensorParallelPart
 from ..split.blocks import Block
 from ..split.hf_structure import is_transformers_model
@@ -161,6 +162,16 @@ def _refuse_whole_beside_split(blocks: Sequence[Block], plan: Dict[str, str], si
     layers = {_LORA_PART.sub("", name) for name, style in plan.items() if style in (COLUMN, ROW)}
     parents = {name.rsplit(".", 1)[0] for name in layers if "." in name}
     for b in blocks:
+        for name, module in b.module.named_modules():
+            qualified = b.qualified(name) if name else b.name
+            own = [n for n, _ in layer_parameters(module)]
+            split = next((m for m in layers if m.startswith(qualified + ".")), None)
+            if own and split is not None and rule_for(module).keywords:
+                raise UnsupportedModelError(
+                    f"tensor_parallel={size}: layer {qualified!r} owns {own} itself, so its per-sample gradients "
+                    f"replay it whole, and it holds {split!r}, which is split across the ranks (its replay would "
+                    f"need the other ranks' parts); freeze {own} or {WAY_OUT}"
+                )
         for name, p in b.module.named_parameters():
             qualified = b.qualified(name)
             owner = qualified.rsplit(".", 1)[0]

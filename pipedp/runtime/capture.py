@@ -10,50 +10,18 @@ hooks fire — which is what breaks Opacus under interleaved micro-batches.
 
 from __future__ import annotations
 
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
-from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
+from typing import Callable, Dict, Iterable, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 import torch.nn as nn
-from torch.utils._pytree import TreeSpec, tree_flatten, tree_unflatten
 
 from ..errors import UnsupportedModelError
 from ..privacy.rules import holds_below, layer_parameters, rule_for
+from ..privacy.rules.keywords import Keywords, KeywordSorter, guarded
+from ..privacy.rules.registry import read_children
 from ..split.blocks import Block
-
-# the layers a LayerCall.replayed context is rebuilding the keyword arguments of
-_REPLAYING: set = set()
-# what a keyword argument may be besides a tensor: kept as it is for the replay
-PLAIN = (type(None), bool, int, float, str, torch.dtype, torch.device)
-
-
-@dataclass
-class Keywords:
-    """The keyword arguments of a layer's call, kept for replaying it (a rule replaying the layer's own forward:
-    LayerRule.keywords). Their tensors with the micro-batch first are per-sample: they ride with the call's
-    inputs, after its positional ones, so that every path slicing, folding or zeroing a call's rows treats them
-    as it treats the positional inputs; the rest (shared tensors, None, flags) is kept whole. Which is which is
-    read from each call's shapes, and verified by the self-check at each new input signature (a shared tensor
-    whose first dimension equals the batch by chance would be split per sample: a wrong gradient it catches)."""
-
-    positional: int  # the call's first inputs are its positional arguments
-    spec: TreeSpec  # the keyword arguments' tree
-    leaves: List[Any]  # its leaves, None where a per-sample tensor goes
-    per_sample: Tuple[int, ...]  # the leaves that are per-sample tensors, in the order they follow the inputs
-
-    def rebuild(self, inputs: tuple) -> Tuple[tuple, Dict[str, Any]]:
-        """(args, kwargs) of the call from its inputs as a rule replays them (whole, a sample's slice, or
-        in another dtype: the shared floating tensors follow the per-sample ones' dtype)."""
-        leaves = list(self.leaves)
-        given = inputs[self.positional :]
-        dtype = next((t.dtype for t in given if t.is_floating_point()), None)
-        for k, leaf in enumerate(leaves):
-            if dtype is not None and isinstance(leaf, torch.Tensor) and leaf.is_floating_point():
-                leaves[k] = leaf.to(dtype)
-        for k, t in zip(self.per_sample, given):
-            leaves[k] = t
-        return tuple(inputs[: self.positional]), tree_unflatten(leaves, self.spec)
 
 
 @dataclass
@@ -64,30 +32,16 @@ class LayerCall:
     rows: int = 0  # > 0: a layer called on the tokens flattened [rows T, ...]; its inputs are held [rows, T, ...]
     experts: int = 1  # > 1: called on [experts, rows T, ...] flattened expert-first; held [rows, T experts, ...]
     keywords: Optional[Keywords] = None  # a call with keyword arguments: how to replay it from its inputs
+    # a call returning a tuple: its other outputs' tensors as passed on, and where each is (keywords.guarded)
+    guards: Tuple[Tuple[torch.Tensor, str], ...] = ()
 
     def backprop(self, grad: torch.Tensor) -> torch.Tensor:
         """The output-gradient as the layer's rule reads it: batch first, [rows, T, ...] for flattened tokens."""
         return fold_tokens(grad, self.rows, self.experts) if self.rows else grad
 
-    @contextmanager
-    def replayed(self, layer: nn.Module) -> Iterator[None]:
+    def replayed(self, layer: nn.Module):
         """While a rule replays ``layer`` from this call's inputs: a call with keyword arguments gets them back."""
-        if self.keywords is None or id(layer) in _REPLAYING:  # (nested: the outer context rebuilds)
-            yield
-            return
-        keywords = self.keywords
-
-        def rebuild(module, args, kwargs):
-            args, extra = keywords.rebuild(args)
-            return args, {**kwargs, **extra}
-
-        handle = layer.register_forward_pre_hook(rebuild, with_kwargs=True, prepend=True)
-        _REPLAYING.add(id(layer))
-        try:
-            yield
-        finally:
-            _REPLAYING.discard(id(layer))
-            handle.remove()
+        return self.keywords.replayed(layer) if self.keywords is not None else nullcontext()
 
 
 def fold_tokens(t: torch.Tensor, rows: int, experts: int = 1) -> torch.Tensor:
@@ -115,6 +69,8 @@ def find_layers(named_modules: Iterator[Tuple[str, nn.Module]]) -> Dict[str, nn.
         seen.add(id(module))
         if holds_below(module):
             seen.update(id(m) for m in module.modules())
+        for path in read_children(module):  # (their parameters are the module's: a layer with it)
+            seen.update(id(m) for m in module.get_submodule(path).modules())
         _refuse_sequence_first(name, module)
         layers[name if name not in layers else f"{name}#{len(layers)}"] = module
     return layers
@@ -156,66 +112,15 @@ def _folded_tokens(name: str, module: nn.Module, args, batch: int, experts: int 
     return tuple(fold_tokens(a.detach(), batch, experts) for a in tensors)
 
 
-def _keywords(name: str, module: nn.Module, kwargs: dict, positional: int, batch: int, inputs: list) -> Keywords:
-    """The call's keyword arguments kept for its replay; their per-sample tensors appended to ``inputs``."""
-    leaves, spec = tree_flatten(kwargs)
-    kept: List[Any] = []
-    per_sample = []
-    for k, leaf in enumerate(leaves):
-        if isinstance(leaf, torch.Tensor) and leaf.dim() and leaf.shape[0] == batch:
-            per_sample.append(k)
-            inputs.append(leaf.detach())
-            kept.append(None)
-        elif isinstance(leaf, torch.Tensor):
-            kept.append(leaf.detach())
-        elif isinstance(leaf, PLAIN):
-            kept.append(leaf)
-        else:
-            raise UnsupportedModelError(
-                f"layer {name!r} ({type(module).__name__}) was given a keyword argument holding a "
-                f"{type(leaf).__name__}: replaying a layer per sample passes on tensors, numbers, strings and None "
-                "only; pass the tensors it holds instead"
-            )
-    if not positional and not per_sample:
-        raise UnsupportedModelError(
-            f"layer {name!r} ({type(module).__name__}) got no tensor with the micro-batch dimension ({batch}) first: "
-            "per-sample gradients need the samples' inputs batch-first"
-        )
-    return Keywords(positional, spec, kept, tuple(per_sample))
-
-
-class _CarriesNoGradient(torch.autograd.Function):
-    """A layer's output other than its first, passed on unchanged: a gradient reaching it is an error, since a
-    rule replaying the layer gives its parameters the first output's gradient only."""
-
-    @staticmethod
-    def forward(ctx, t: torch.Tensor, what: str):
-        ctx.what = what
-        return t.view_as(t)
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        if bool(grad.ne(0).any()):
-            raise UnsupportedModelError(ctx.what)
-        return None, None
-
-
-def _guarded(t, name: str, module: nn.Module, k: int):
-    if not isinstance(t, torch.Tensor) or not t.requires_grad:
-        return t
-    what = (
-        f"layer {name!r} ({type(module).__name__}) returns a tuple whose element {k} reaches the loss: per-sample "
-        "gradients replay a layer's first output only (an attention's weights are returned second and used by the "
-        "model: do not train on them, e.g. output_attentions=False, or freeze the layer)"
-    )
-    return _CarriesNoGradient.apply(t, what)
-
-
 class ActivationCapture:
     """Records, for the micro-batch being forwarded, every layer call as a LayerCall."""
 
-    def __init__(self, layers: Dict[str, nn.Module]):
+    def __init__(self, layers: Dict[str, nn.Module], tensors: Callable[[], Iterable[torch.Tensor]] = tuple):
+        """``tensors``: the stage's parameters and buffers (a keyword argument among them is shared), read at
+        each micro-batch (moving a module to a device replaces its buffers)."""
         self.layers = layers
+        self.tensors = tensors
+        self.sorter = KeywordSorter(set())
         self._active: Optional[int] = None
         self._batch_size = 0
         self.records: Dict[int, Dict[str, List[LayerCall]]] = {}
@@ -242,9 +147,10 @@ class ActivationCapture:
                     f"{sorted(kwargs)}: its per-sample gradient rule ({rule.name}) reads positional inputs only; "
                     "pass them positionally"
                 )
-            guarded = None
+            passed: Optional[tuple] = None
+            guards: Tuple[Tuple[torch.Tensor, str], ...] = ()
             if rule.keywords and type(output) is tuple and output and isinstance(output[0], torch.Tensor):
-                guarded = (output[0], *(_guarded(t, name, module, k) for k, t in enumerate(output) if k))
+                passed, guards = guarded(output, name, module)
                 output = output[0]
             if not isinstance(output, torch.Tensor):
                 raise UnsupportedModelError(
@@ -270,10 +176,10 @@ class ActivationCapture:
                         "[batch, ...])"
                     )
                 inputs.append(a.detach())
-            keywords = _keywords(name, module, kwargs, len(inputs), self._batch_size, inputs) if kwargs else None
+            keywords = self.sorter.keep(name, module, kwargs, self._batch_size, inputs) if kwargs else None
             calls = self.records[self._active].setdefault(name, [])
-            calls.append(LayerCall(tuple(inputs), output, output._version, keywords=keywords))
-            return guarded
+            calls.append(LayerCall(tuple(inputs), output, output._version, keywords=keywords, guards=guards))
+            return passed
 
         return hook
 
@@ -281,6 +187,7 @@ class ActivationCapture:
     def recording(self, microbatch: int, batch_size: int):
         self._active, self._batch_size = microbatch, batch_size
         self.records[microbatch] = {}
+        self.sorter.model = {id(t) for t in self.tensors()}
         try:
             yield
         finally:

@@ -246,8 +246,8 @@ class Comparison:
         if known and len(known) == len(list(computed_in or ())):  # (an unknown dtype: the stage's tolerance)
             tightest = min(known)
             rtol, floor = max(rtol, tightest[0]), max(floor, tightest[1])
-        if float32_inside:
-            rtol, floor = max(rtol, FLOAT32_INSIDE), max(floor, FLOAT32_INSIDE)
+        if float32_inside:  # (relative to the parameter's own gradient: the floor stays the stage's)
+            rtol = max(rtol, FLOAT32_INSIDE)
         allowed = rtol * size + floor * scale + 1e-300
         norm_error = abs(max(squared_norm, 0.0) ** 0.5 - size)
         worst = max(grad_error, norm_error)

@@ -37,6 +37,7 @@ from ..privacy.per_sample import (
 )
 from ..privacy.rules import layer_parameters
 from ..privacy.rules.expert_lora import folds, parametrized_per_call
+from ..privacy.rules.keywords import guards_error
 from ..privacy.units import Units
 from ..shards import Shard, TensorParallelPart
 from ..split.blocks import Block
@@ -174,7 +175,7 @@ class Stage:
         self.device = next(
             (t.device for b in self.blocks for t in _tensors(b.module) if not t.is_meta), torch.device("cpu")
         )
-        self.capture = ActivationCapture(self.layers)
+        self.capture = ActivationCapture(self.layers, lambda: (t for b in self.blocks for t in _tensors(b.module)))
         self.pending: Dict[int, MicroBatchState] = {}
         self.clipped_sum: Dict[nn.Parameter, torch.Tensor] = {}
 
@@ -376,21 +377,27 @@ class Stage:
                 )
             targets.append(call.output)
         targets.extend(state.inputs)
+        guards = [(name, view, what) for name, call in pairs for view, what in call.guards]
+        targets.extend(view for _, view, _ in guards)
         outputs, output_grads = self._differentiable(state.output, grad_output)
         checking = probe is not None and bool(probe.units)  # every stage of the pass takes part (it relays probes)
         grads: List[Optional[torch.Tensor]] = []
         if targets and outputs:  # a checked micro-batch keeps its graph for each row's own backward after
             grads = list(torch.autograd.grad(outputs, targets, output_grads, retain_graph=checking, allow_unused=True))
         grads = grads + [None] * (len(targets) - len(grads))
-        input_grads = grads[len(targets) - len(state.inputs) :]
+        for (name, _, what), g in zip(guards, grads[len(grads) - len(guards) :]):
+            if g is not None and bool(g.ne(0).any()):  # (a call's other output used by the model: keywords.py)
+                raise guards_error(name, what)
+        grads = grads[: len(grads) - len(guards)]
+        input_grads = grads[len(pairs) :]
         message = None
         if not self.is_first:  # one gradient per floating-point input, zeros for an unused one
             message = self._message(state, input_grads)
-        for (name, call), g in zip(pairs, grads[: len(targets) - len(state.inputs)]):
+        for (name, call), g in zip(pairs, grads[: len(pairs)]):
             state.backprops.setdefault(name, []).append(
                 call.backprop(_widened(g.detach()) if g is not None else _widened(torch.zeros_like(call.output)))
             )
-            call.output = None  # frees the graph once state.output goes too
+            call.output, call.guards = None, ()  # frees the graph once state.output goes too
         # which floating tensors sent on carry gradients (a probe message holds one per floating tensor)
         selected = [] if self.is_last else [t.requires_grad for t in tensors_of(state.output) if t.is_floating_point()]
         leaves, state.output, state.inputs = state.inputs, None, ()
@@ -505,7 +512,14 @@ class Stage:
                     inputs = call.inputs
                     if dropped is not None:
                         bp = _zero_rows(bp, dropped)
-                        inputs = tuple(_zero_rows(a, dropped) if a.is_floating_point() else a for a in inputs)
+                        # (keyword arguments keep their values, an attention mask's -inf included: finite ones)
+                        positional = call.keywords.positional if call.keywords is not None else len(inputs)
+                        inputs = tuple(
+                            (_zero_rows(a, dropped) if k < positional else _finite_rows(a, dropped))
+                            if a.is_floating_point()
+                            else a
+                            for k, a in enumerate(inputs)
+                        )
                     with call.replayed(layer):
                         add_clipped_grad_sum(layer, inputs, bp, clip.of(name, bp.dtype), self.clipped_sum)
         for name, grads in state.kept.items():  # sum_i c_i g_i of the kept per-sample gradients
@@ -552,6 +566,12 @@ def _zero_rows(t: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
     """``t`` with the samples in ``rows`` (bool [n]) set to 0, NaN and inf included."""
     zero = torch.zeros((), dtype=t.dtype, device=t.device)
     return torch.where(rows.reshape((-1,) + (1,) * (t.dim() - 1)).to(t.device), zero, t)
+
+
+def _finite_rows(t: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """``t`` with the non-finite values of the samples in ``rows`` (bool [n]) set to 0."""
+    drop = rows.reshape((-1,) + (1,) * (t.dim() - 1)).to(t.device) & ~torch.isfinite(t)
+    return torch.where(drop, torch.zeros((), dtype=t.dtype, device=t.device), t)
 
 
 def _unique(params) -> List[nn.Parameter]:

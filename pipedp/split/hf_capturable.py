@@ -27,16 +27,30 @@ import torch.nn as nn
 
 from ..errors import UnsupportedModelError
 from ..privacy.rules import holds_below, layer_parameters, rule_for
-from .hf_runs import read_outside_calls, standing_in, trainable_of
+from ..privacy.rules.keywords import guarded
+from ..privacy.rules.registry import READS, read_children, typed_rule
+from .hf_runs import outside_calls, reached_from, standing_in, trainable_of
 
 
 @dataclass(frozen=True)
 class LayerFixes:
     flattened: Tuple[str, ...] = ()  # modules (paths in the layer) called with [batch * seq, ...] inputs
     copied: Tuple[str, ...] = ()  # modules whose output is a parameter owner's output changed in place later
+    # (module, the children whose parameters it reads without calling them): one layer with them (READS); set on
+    # every layer of the kind by ``adopt``, needing no hooks around the calls (so not counted by __bool__)
+    reads: Tuple[Tuple[str, Tuple[str, ...]], ...] = ()
 
     def __bool__(self) -> bool:
         return bool(self.flattened or self.copied)
+
+    def adopt(self, layer: nn.Module, undo: bool = False) -> None:
+        """Mark each reading module of ``layer`` as one layer with the children it reads (privacy.rules READS)."""
+        for path, children in self.reads:
+            module = layer.get_submodule(path)
+            if undo:
+                module.__dict__.pop(READS, None)
+            else:
+                setattr(module, READS, children)
 
 
 def _reads_trainable(module: nn.Module, trainable: set) -> bool:
@@ -45,6 +59,7 @@ def _reads_trainable(module: nn.Module, trainable: set) -> bool:
     if holds_below(module):
         return True
     holders = [module] + [c for c in module.children() if isinstance(c, (nn.ParameterDict, nn.ParameterList))]
+    holders += [m for path in read_children(module) for m in module.get_submodule(path).modules()]
     return any((id(h), n) in trainable for h in holders for n in h._parameters)
 
 
@@ -54,6 +69,21 @@ def find_fixes(
     """Run ``layer`` once on [rows, length, width] zeros with its recorded arguments; refuse what the
     fixes cannot cover, naming the module."""
     seen = _run(layer, args, kwargs, rows, length, width, LayerFixes())
+    reads = _readers(layer, seen)
+    if reads:  # the modules reading a child's parameters without calling it replay it with them (torch.func)
+        LayerFixes(reads=reads).adopt(layer)
+        again = _run(layer, args, kwargs, rows, length, width, LayerFixes())
+        if again.used or again.outside:  # (not so replayable: refused as read outside its call)
+            LayerFixes(reads=reads).adopt(layer, undo=True)
+            reads = ()
+        else:
+            seen = again
+    if seen.used:
+        raise UnsupportedModelError(
+            f"{where}.{seen.used[0]} reaches the layer's output: per-sample gradients replay a layer's first output "
+            "only (an attention's weights, returned second, used by the model: do not train on them, e.g. "
+            "output_attentions=False, or freeze the module)"
+        )
     if seen.outside:
         raise UnsupportedModelError(
             f"{where}: {', '.join(seen.outside[:4])} is read outside the call of the module that owns it (e.g. "
@@ -94,13 +124,34 @@ def find_fixes(
                 "cannot be captured exactly: freeze it, or give the model a pipeline_blocks() method"
             )
         copied.append(owner)
-    fixes = LayerFixes(flattened, tuple(dict.fromkeys(copied)))
+    fixes = LayerFixes(flattened, tuple(dict.fromkeys(copied)), reads)
     if fixes:
         again = _run(layer, args, kwargs, rows, length, width, fixes)
         left = [p for p in again.first_dims if again.first_dims[p] != rows and p not in tokens] + again.changed
         if left:
             raise UnsupportedModelError(f"{where}: {left} cannot be made capturable per sample: freeze them")
     return fixes
+
+
+def _readers(layer: nn.Module, seen: "_Seen") -> Tuple[Tuple[str, Tuple[str, ...]], ...]:
+    """For each module whose parameters were read outside its call and which never ran itself: the nearest module
+    above it that ran, which read them (F.conv1d(x, self.conv.weight) in a Mamba mixer), as (its path, the
+    children it reads); one that ran and was read besides stays outside (refused)."""
+    found: Dict[str, List[str]] = {}
+    for path, _, _ in seen.outside_params:
+        if path in seen.outputs or not path:
+            continue
+        parts = path.split(".")
+        above = next(
+            (".".join(parts[:k]) for k in range(len(parts) - 1, -1, -1) if ".".join(parts[:k]) in seen.outputs)
+        )
+        if typed_rule(layer.get_submodule(above)) is not None:  # (a router's or bank's rule knows its own tensors)
+            continue
+        child = path[len(above) + 1 :] if above else path
+        found.setdefault(above, [])
+        if child not in found[above]:
+            found[above].append(child)
+    return tuple((above, tuple(children)) for above, children in found.items())
 
 
 @contextmanager
@@ -157,6 +208,9 @@ class _Seen:
         self.changed: List[str] = []
         self.keywords: Dict[str, List[str]] = {}  # parameter owners called with keyword arguments
         self.outside: List[str] = []  # trainable parameters read outside their module's call
+        self.outside_params: List[Tuple[str, str, nn.Module]] = []  # the same as (module path, name, module)
+        self.guards: List[Tuple[str, torch.Tensor]] = []  # the other outputs of replayed owners (keywords.guarded)
+        self.used: List[str] = []  # those the layer's output depends on
 
 
 def _run(layer, args, kwargs, rows, length, width, fixes: LayerFixes) -> _Seen:
@@ -165,8 +219,10 @@ def _run(layer, args, kwargs, rows, length, width, fixes: LayerFixes) -> _Seen:
     trainable = trainable_of(modules)
     handles = []
     for path, module in modules.items():
-        if _reads_trainable(module, trainable):  # what per-sample capture records
-            handles.append(module.register_forward_hook(_record_owner(seen, path), with_kwargs=True))
+        if _reads_trainable(module, trainable):  # what per-sample capture records (its rule read before the
+            # stand-ins, which may set requires_grad on frozen tensors)
+            replays = rule_for(module).keywords
+            handles.append(module.register_forward_hook(_record_owner(seen, path, replays), with_kwargs=True))
         handles.append(module.register_forward_hook(_record_output(seen, path)))
     hidden = torch.zeros(rows, length, width, dtype=_dtype(layer), device=_device(args, kwargs))
     checkpointing = layer.__dict__.get("gradient_checkpointing")
@@ -176,7 +232,12 @@ def _run(layer, args, kwargs, rows, length, width, fixes: LayerFixes) -> _Seen:
             with capturable(layer, fixes, rows, length):
                 out = layer(hidden, *args, **kwargs)
             called = {id(modules[p]) for p in seen.first_dims}
-            seen.outside = read_outside_calls(out[0] if isinstance(out, tuple) else out, modules, called, trainable)
+            result = out[0] if isinstance(out, tuple) else out
+            seen.outside_params = outside_calls(result, modules, called, trainable)
+            seen.outside = [f"{p}.{n} (in a {type(m).__name__})" for p, n, m in seen.outside_params]
+            if seen.guards and isinstance(result, torch.Tensor) and result.requires_grad:
+                reaches = reached_from(result)
+                seen.used = [what for what, view in seen.guards if reaches(view)]
     finally:
         for handle in handles:
             handle.remove()
@@ -188,7 +249,7 @@ def _run(layer, args, kwargs, rows, length, width, fixes: LayerFixes) -> _Seen:
     return seen
 
 
-def _record_owner(seen: _Seen, path: str):
+def _record_owner(seen: _Seen, path: str, replays: bool):
     def hook(module, args, kwargs, output):
         seen.first_dims.setdefault(path, 0)
         if kwargs:
@@ -196,10 +257,14 @@ def _record_owner(seen: _Seen, path: str):
         first = next((a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)), None)
         if first is not None and first.dim():  # (the hidden states, passed by keyword to some attentions)
             seen.first_dims[path] = int(first.shape[0])
-        if type(output) is tuple and output and rule_for(module).keywords:  # (the capture keeps its first output)
+        passed = None
+        if type(output) is tuple and output and replays:  # (the capture keeps its first output)
+            passed, views = guarded(output, path, module)  # (as the capture passes them on)
+            seen.guards += [(f"{path} ({type(module).__name__}) returns a tuple whose {what}", v) for v, what in views]
             output = output[0]
         if isinstance(output, torch.Tensor):
             seen.owner_outputs[path], seen.versions[path] = output, output._version
+        return passed
 
     return hook
 

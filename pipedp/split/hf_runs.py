@@ -31,7 +31,7 @@ import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
 from ..errors import UnsupportedModelError
-from ..privacy.rules.registry import CONTAINERS, holds_below
+from ..privacy.rules.registry import CONTAINERS, holds_below, read_children
 
 LayerCall = Tuple[tuple, dict]  # what the forward gives a layer besides the hidden state: (args, kwargs)
 
@@ -252,6 +252,14 @@ def read_outside_calls(output, modules: Dict[str, nn.Module], called: set, train
     """The trainable parameters of ``modules`` (path -> module) that ``output`` depends on although
     their module never ran (``called``: ids of the modules that did): read functionally, e.g.
     ``F.conv1d(x, self.conv.weight)``, where per-sample capture cannot see them."""
+    found = outside_calls(output, modules, called, trainable)
+    return [f"{f'{p}.{n}' if p else n} (in a {type(m).__name__})" for p, n, m in found]
+
+
+def outside_calls(
+    output, modules: Dict[str, nn.Module], called: set, trainable: set
+) -> List[Tuple[str, str, nn.Module]]:
+    """read_outside_calls' parameters as (their module's path, their name, their module)."""
     owners = [(p, n, m) for p, m in modules.items() for n, t in m._parameters.items() if (id(m), n) in trainable]
     if not owners or not isinstance(output, torch.Tensor) or not output.requires_grad:
         return []
@@ -266,15 +274,14 @@ def read_outside_calls(output, modules: Dict[str, nn.Module], called: set, train
             above = modules.get(".".join(parts[:k]))
             if above is not None and holds_below(above):
                 return above
+            below = ".".join(parts[k:])
+            if above is not None and any(below == c or below.startswith(c + ".") for c in read_children(above)):
+                return above  # (a child read without being called by the module above it: READS)
         if isinstance(module, CONTAINERS):
             return modules.get(path.rpartition(".")[0], module)
         return module
 
-    return [
-        f"{f'{p}.{n}' if p else n} (in a {type(m).__name__})"
-        for p, n, m in owners
-        if reaches(m._parameters[n]) and id(reader(p, m)) not in called
-    ]
+    return [(p, n, m) for p, n, m in owners if reaches(m._parameters[n]) and id(reader(p, m)) not in called]
 
 
 def reached_from(output: torch.Tensor) -> Callable[[torch.Tensor], bool]:

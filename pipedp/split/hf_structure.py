@@ -167,6 +167,8 @@ def _layer_fixes(s: Structure, calls: list) -> List[LayerFixes]:
                     f"({found[kind]}), which activation checkpointing's recomputation would run without: "
                     "disable activation checkpointing for this model"
                 )
+    for layer, kind in zip(s.layers, kinds):
+        found[kind].adopt(layer)  # (the first of its kind has them already)
     return [found[kind] for kind in kinds]
 
 

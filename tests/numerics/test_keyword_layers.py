@@ -10,7 +10,7 @@ import torch.nn as nn
 from oracles import loop_clipped_sum, loop_unit_clipped_sum, max_relative_error
 from steps import class_loss, pipedp_clipped_sum
 
-from pipedp import UnsupportedModelError
+from pipedp import PipelineDPTrainer, UnsupportedModelError
 
 
 class Gate(nn.Module):
@@ -30,23 +30,26 @@ class Gate(nn.Module):
 
 
 class GateBlock(nn.Module):
-    """Calls its Gate with keyword arguments; ``second``: its second output reaches the loss too."""
+    """Calls its Gate with keyword arguments: ``computed``, a tensor shared by the batch computed in the forward
+    (else a buffer); ``second``, the Gate's second output reaches the loss too."""
 
-    def __init__(self, second: bool = False):
+    def __init__(self, computed: bool = False, second: bool = False):
         super().__init__()
         self.gate = Gate()
         self.register_buffer("scale", torch.linspace(0.5, 1.5, 8, dtype=torch.float64))
-        self.second = second
+        self.register_buffer("cos", self.scale.cos())
+        self.computed, self.second = computed, second
 
     def forward(self, h):
         mask = (h[:, 0] > -0.5).double() + 0.5
-        out, total = self.gate(h, mask=mask, scale=self.scale, pair=(h.sin(), self.scale.cos()), nothing=None)
+        shared = self.scale.cos() if self.computed else self.cos
+        out, total = self.gate(h, mask=mask, scale=self.scale, pair=(h.sin(), shared), nothing=None)
         return out + total[:, None] if self.second else out
 
 
-def model(second: bool = False):
+def model(computed: bool = False, second: bool = False):
     torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(8, 8), GateBlock(second), nn.Linear(8, 4)).double()
+    return nn.Sequential(nn.Linear(8, 8), GateBlock(computed, second), nn.Linear(8, 4)).double()
 
 
 def data(rows: int):
@@ -74,15 +77,57 @@ def test_keyword_layers_with_units_of_two_rows():
 
 
 def test_planted_a_shared_keyword_tensor_the_size_of_the_micro_batch_is_caught_by_the_self_check():
-    """The shared scale has 8 entries: with micro-batches of 8 rows it looks per-sample and is replayed one entry
-    per sample, a wrong per-sample gradient whose sum is right. The self-check compares each sample's gradient
-    with autograd's at the first step of each input shape and refuses, naming the keyword cause."""
+    """A shared tensor computed in the forward with 8 entries: with micro-batches of 8 rows it looks per-sample and
+    is replayed one entry per sample, a wrong per-sample gradient whose sum is right. The self-check compares each
+    sample's gradient with autograd's at the first step of each input shape and refuses, naming the keyword cause;
+    a buffer of the model with 8 entries is shared whatever the micro-batch's size (exact)."""
     x, y = data(16)
     with pytest.raises(UnsupportedModelError, match=r"gate.w are wrong though their sum .*passed by keyword"):
-        pipedp_clipped_sum(model(), class_loss, x, y, 0.3, stages=1, microbatches=2)
-    # without the coincidence (micro-batches of 6), the same model is exact
-    x, y = data(12)
-    net = model()
+        pipedp_clipped_sum(model(computed=True), class_loss, x, y, 0.3, stages=1, microbatches=2)
+    for computed, rows in ((False, 16), (True, 12)):  # a buffer; the computed one without the coincidence
+        x, y = data(rows)
+        net = model(computed)
+        want = loop_clipped_sum(copy.deepcopy(net), class_loss, x, y, 0.3)
+        got = pipedp_clipped_sum(net, class_loss, x, y, 0.3, stages=1, microbatches=2)
+        assert max_relative_error(got, want) < 1e-12, computed
+
+
+def test_a_keyword_tensor_taken_per_sample_then_shared_is_refused_by_name():
+    """With the self-check off, the coincidence above is not caught at its step; a later call where that tensor is
+    not the micro-batch's size shows it was shared, and is refused naming the argument."""
+    trainer = PipelineDPTrainer(
+        model(computed=True), class_loss, stages=1, microbatches=2, expected_batch_size=8, self_check=False
+    )
+    trainer.step(*data(16))
+    with pytest.raises(UnsupportedModelError, match=r"keyword argument \['pair'\]\[1\] with the micro-batch's size"):
+        trainer.step(*data(12))
+
+
+def test_dropped_rows_keep_their_keyword_masks():
+    """A padding row (clip factor 0) has its positional inputs zeroed in W; its keyword tensors keep their values
+    (only non-finite ones zeroed): a 0/1 mask read through its logarithm stays finite where it was."""
+
+    class Masked(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = nn.Parameter(torch.randn(8, dtype=torch.float64))
+
+        def forward(self, x, *, keep):
+            return (x * self.w + keep.log()).softmax(-1)
+
+    class MaskedBlock(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.masked = Masked()
+
+        def forward(self, h):
+            keep = torch.ones_like(h)
+            keep[:, 4:] = 0
+            return self.masked(h, keep=keep)
+
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(8, 8), MaskedBlock(), nn.Linear(8, 4)).double()
+    x, y = data(5)  # micro-batches of 3 and 2: one padding row
     want = loop_clipped_sum(copy.deepcopy(net), class_loss, x, y, 0.3)
     got = pipedp_clipped_sum(net, class_loss, x, y, 0.3, stages=1, microbatches=2)
     assert max_relative_error(got, want) < 1e-12
@@ -90,8 +135,71 @@ def test_planted_a_shared_keyword_tensor_the_size_of_the_micro_batch_is_caught_b
 
 def test_a_second_output_reaching_the_loss_is_refused_by_name():
     x, y = data(6)
-    with pytest.raises(UnsupportedModelError, match=r"layer '1.gate' \(Gate\) returns a tuple whose element 1 reaches"):
+    with pytest.raises(UnsupportedModelError, match=r"layer '1.gate' returns a tuple whose element 1 reaches"):
         pipedp_clipped_sum(model(second=True), class_loss, x, y, 0.3, stages=1)
+
+
+class Pair(nn.Module):
+    """Returns (out, (aux,)): ``use`` adds aux into the output (refused), ``scale`` halves it in place first."""
+
+    def __init__(self, use: bool, scale: bool):
+        super().__init__()
+        self.pair = Gate()
+        self.use, self.scale = use, scale
+
+    def forward(self, h):
+        out, aux = self.pair(h, mask=torch.ones_like(h[:, 0]), scale=1.0, pair=(h, h))
+        nested = (out, (aux,))
+        if self.scale:
+            nested[1][0].mul_(0.5)
+        return nested[0] + nested[1][0][:, None] if self.use else nested[0]
+
+
+@pytest.mark.parametrize("scale", [False, True], ids=["as returned", "changed in place"])
+def test_a_nested_second_output_reaching_the_loss_is_refused_and_one_left_unused_is_exact(scale):
+    x, y = data(6)
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(8, 8), Pair(use=False, scale=scale), nn.Linear(8, 4)).double()
+    want = loop_clipped_sum(copy.deepcopy(net), class_loss, x, y, 0.3)
+    got = pipedp_clipped_sum(net, class_loss, x, y, 0.3, stages=1)
+    assert max_relative_error(got, want) < 1e-12
+    torch.manual_seed(0)
+    used = nn.Sequential(nn.Linear(8, 8), Pair(use=True, scale=scale), nn.Linear(8, 4)).double()
+    with pytest.raises(UnsupportedModelError, match=r"layer '1.pair' returns a tuple whose element 1 reaches"):
+        pipedp_clipped_sum(used, class_loss, x, y, 0.3, stages=1)
+
+
+class Late(nn.Module):
+    """Gives its Gate a keyword tensor and then changes it in place (``write``), or gives it one carrying a gradient
+    shared by the batch (``trained``)."""
+
+    def __init__(self, write: bool):
+        super().__init__()
+        self.gate = Gate()
+        self.bias = nn.Parameter(torch.ones(8, dtype=torch.float64))
+        self.write = write
+
+    def forward(self, h):
+        shift = torch.zeros(8, dtype=torch.float64)  # (added: autograd saves nothing of it)
+        scale = torch.ones(8, dtype=torch.float64) if self.write else self.bias * 2
+        out, _ = self.gate(h, mask=torch.ones_like(h[:, 0]), scale=scale, pair=(h, h), nothing=shift)
+        if self.write:
+            shift.add_(2.0)
+        return out
+
+
+@pytest.mark.parametrize(
+    "write, match",
+    [
+        (True, r"keyword argument \['nothing'\] and it was changed in place after the call"),
+        (False, r"shared by the batch that carries a gradient by keyword \(\['scale'\]\)"),
+    ],
+)
+def test_a_keyword_tensor_written_after_the_call_or_carrying_a_gradient_is_refused_by_name(write, match):
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(8, 8), Late(write), nn.Linear(8, 4)).double()
+    with pytest.raises(UnsupportedModelError, match=match):
+        pipedp_clipped_sum(net, class_loss, *data(6), 0.3, stages=1)
 
 
 def test_a_keyword_argument_holding_an_object_is_refused_by_name():

@@ -1,6 +1,8 @@
 """Which layers tensor parallelism splits, and what it refuses at construction, by name (no processes: the split
 itself runs in tests/multiprocess/test_tensor_parallel.py)."""
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -244,3 +246,21 @@ def test_the_planner_counts_each_ranks_slices_and_the_whole_tensors_once():
     )
     assert all(b.pass_peak < a.pass_peak for a, b in zip(whole.stages, split.stages))  # activations split too
     assert "2 tensor-parallel ranks (per rank)" in split.description
+
+
+def test_a_layer_replayed_whole_holding_split_projections_is_refused_by_name():
+    """Doge's decoder layer owns its residual scales: its rule replays it whole per sample, split attention and
+    MLP included, whose replay would need the other ranks."""
+    from hf_families import FAMILIES, build
+
+    doge = next(f for f in FAMILIES if f.model_type == "doge")
+    model = build(dataclasses.replace(doge, config={"num_key_value_heads": 2}))
+    with pytest.raises(
+        UnsupportedModelError, match=r"layer 'model.layers.0' owns \['input_residual', 'post_attention_residual'\]"
+    ):
+        tensor_parallel_plan(model, model_blocks(model), 2)
+    for layer in model.model.layers:  # the way out the message names: then its attention, which owns A
+        layer.input_residual.requires_grad_(False)
+        layer.post_attention_residual.requires_grad_(False)
+    with pytest.raises(UnsupportedModelError, match=r"layer 'model.layers.0.self_attn' owns \['A'\] itself"):
+        tensor_parallel_plan(model, model_blocks(model), 2)

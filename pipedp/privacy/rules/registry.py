@@ -97,12 +97,23 @@ def has_trainable_children(layer: nn.Module) -> bool:
     return any(p.requires_grad for c in layer.children() if not isinstance(c, CONTAINERS) for p in c.parameters())
 
 
+# a module's attribute naming the children (paths below it) whose parameters it reads itself in its forward
+# without calling them (F.conv1d(x, self.conv.weight): a Mamba mixer's, LFM2's short convolution), set where the
+# model is split (split/hf_capturable.py): it is one layer with them, replayed by torch.func
+READS = "_pipedp_reads"
+
+
+def read_children(module: nn.Module) -> Tuple[str, ...]:
+    """The children whose parameters ``module`` reads itself (READS)."""
+    return module.__dict__.get(READS, ())
+
+
 def layer_parameters(module: nn.Module) -> List[Tuple[str, nn.Parameter]]:
     """The trainable parameters a module computes with as one *layer*, by name relative to it: its own
     (not those it only re-registers from a child that computes with them, as Opacus's DPLSTM does for
     nn.LSTM's state-dict names), and those of the parameter containers (ParameterDict / ParameterList)
-    directly under it, which it reads itself (PEFT's LoRA on an embedding, IA3); all those below it for a
-    module whose rule holds them (LayerRule.holds_below)."""
+    directly under it, which it reads itself (PEFT's LoRA on an embedding, IA3), and of the children it reads
+    without calling them (READS); all those below it for a module whose rule holds them (LayerRule.holds_below)."""
     if isinstance(module, CONTAINERS):
         return []
     if holds_below(module):
@@ -112,8 +123,13 @@ def layer_parameters(module: nn.Module) -> List[Tuple[str, nn.Parameter]]:
     for name, child in module.named_children():
         if isinstance(child, CONTAINERS):
             own += [(f"{name}.{n}", p) for n, p in child.named_parameters() if p.requires_grad]
+    for path in read_children(module):
+        own += [(f"{path}.{n}", p) for n, p in module.get_submodule(path).named_parameters() if p.requires_grad]
     return own
 
 
 def reads_containers(module: nn.Module) -> bool:
+    """Parameters it reads itself from parameter containers under it, or from children it does not call (READS)."""
+    if read_children(module):
+        return True
     return any(isinstance(c, CONTAINERS) and any(p.requires_grad for p in c.parameters()) for c in module.children())

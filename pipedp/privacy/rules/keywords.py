@@ -1,0 +1,172 @@
+"""The calls of layers whose rule replays their own forward (torch.func's: LayerRule.keywords) made with keyword
+arguments or returning tuples, for the capture (runtime/capture.py): an attention owning its sinks, called as
+``self_attn(hidden_states=..., attention_mask=..., position_embeddings=(cos, sin))`` and returning
+``(output, weights)``.
+
+- ``Keywords``: a call's keyword arguments kept for its replay. Their tensors that are per-sample ride with the
+  call's inputs, after its positional ones, so that every path slicing, folding or zeroing a call's rows treats
+  them as it treats the positional inputs; the rest (shared tensors, None, numbers, strings) is kept whole.
+- ``KeywordSorter``: which keyword tensors are per-sample, per layer and argument: those with the micro-batch's
+  size first, except a parameter or buffer of the model, and except an argument seen shared once (its first
+  dimension not the micro-batch's: it stays shared). An argument taken as per-sample that later is not is
+  refused by name; a shared tensor the micro-batch's size at every call is caught by the self-check at each new
+  input shape (a sample's gradient computed from one row of it is wrong, their sum right).
+- ``guarded``: a call's other outputs, passed on as views the I pass differentiates too: a gradient reaching one
+  is an error, since the rule gives the layer's parameters the first output's gradient only.
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any, Dict, Iterator, List, Set, Tuple
+
+import torch
+import torch.nn as nn
+from torch.utils._pytree import TreeSpec, keystr, tree_flatten, tree_flatten_with_path, tree_unflatten
+
+from ...errors import UnsupportedModelError
+
+# what a keyword argument may be besides a tensor: kept as it is for the replay
+PLAIN = (type(None), bool, int, float, str, torch.dtype, torch.device)
+# the layers a Keywords.replayed context is rebuilding the keyword arguments of (a nested context leaves it)
+_REPLAYING: Set[int] = set()
+
+
+@dataclass
+class Keywords:
+    layer: str  # the layer's name, for the errors
+    positional: int  # the call's first inputs are its positional arguments
+    spec: TreeSpec  # the keyword arguments' tree
+    leaves: List[Any]  # its leaves, None where a per-sample tensor goes
+    per_sample: Tuple[int, ...]  # the leaves that are per-sample tensors, in the order they follow the inputs
+    versions: Tuple[Tuple[str, torch.Tensor, int], ...]  # (argument, tensor, its version at the call)
+
+    def rebuild(self, inputs: tuple) -> Tuple[tuple, Dict[str, Any]]:
+        """(args, kwargs) of the call from its inputs as a rule replays them (whole, a sample's slice, or in the
+        layer's dtype: the shared floating tensors follow the inputs' dtype, as generic.in_unit_dtype casts)."""
+        leaves = list(self.leaves)
+        dtype = next((t.dtype for t in inputs if t.is_floating_point()), None)
+        for k, leaf in enumerate(leaves):
+            if dtype is not None and isinstance(leaf, torch.Tensor) and leaf.is_floating_point():
+                leaves[k] = leaf.to(dtype)
+        for k, t in zip(self.per_sample, inputs[self.positional :]):
+            leaves[k] = t
+        return tuple(inputs[: self.positional]), tree_unflatten(leaves, self.spec)
+
+    @contextmanager
+    def replayed(self, layer: nn.Module) -> Iterator[None]:
+        """While a rule replays ``layer`` from the call's inputs: the call's keyword arguments given back."""
+        if id(layer) in _REPLAYING:
+            yield
+            return
+        for argument, tensor, version in self.versions:
+            if tensor._version != version:
+                raise UnsupportedModelError(
+                    f"layer {self.layer!r} was given keyword argument {argument} and it was changed in place after "
+                    "the call: replaying the layer per sample would read the changed values; change a copy"
+                )
+
+        def rebuild(module, args, kwargs):
+            args, extra = self.rebuild(args)
+            return args, {**kwargs, **extra}
+
+        handle = layer.register_forward_pre_hook(rebuild, with_kwargs=True, prepend=True)
+        _REPLAYING.add(id(layer))
+        try:
+            yield
+        finally:
+            _REPLAYING.discard(id(layer))
+            handle.remove()
+
+
+class KeywordSorter:
+    """Which keyword tensors of the layers' calls are per-sample (the module docstring), remembered per layer and
+    argument over the run. ``model``: the ids of the stage's parameters and buffers (shared, whatever their shape)."""
+
+    def __init__(self, model: Set[int]):
+        self.model = model
+        self.shared: Set[Tuple[str, str]] = set()
+        self.per_sample: Set[Tuple[str, str]] = set()
+
+    def keep(self, name: str, module: nn.Module, kwargs: dict, batch: int, inputs: list) -> Keywords:
+        """The call's keyword arguments kept for its replay; their per-sample tensors appended to ``inputs``."""
+        found, spec = tree_flatten_with_path(kwargs)
+        positional = len(inputs)
+        kept: List[Any] = []
+        per_sample, versions = [], []
+        where = f"layer {name!r} ({type(module).__name__})"
+        for k, (path, leaf) in enumerate(found):
+            argument = keystr(path)
+            if not isinstance(leaf, torch.Tensor):
+                if not isinstance(leaf, PLAIN):
+                    raise UnsupportedModelError(
+                        f"{where} was given a keyword argument holding a {type(leaf).__name__} ({argument}): "
+                        "replaying a layer per sample passes on tensors, numbers, strings and None only; pass the "
+                        "tensors it holds instead"
+                    )
+                kept.append(leaf)
+                continue
+            versions.append((argument, leaf, leaf._version))
+            if self._is_per_sample(name, argument, leaf, batch, where):
+                per_sample.append(k)
+                inputs.append(leaf.detach())
+                kept.append(None)
+                continue
+            if leaf.requires_grad:
+                raise UnsupportedModelError(
+                    f"{where} was given a tensor shared by the batch that carries a gradient by keyword ({argument}): "
+                    "replaying the layer per sample would miss the gradient through it; pass it positionally "
+                    "with the batch first, or compute it inside the layer"
+                )
+            kept.append(leaf.detach())
+        if not positional and not per_sample:
+            raise UnsupportedModelError(
+                f"{where} got no tensor with the micro-batch dimension ({batch}) first: per-sample gradients need "
+                "the samples' inputs batch-first"
+            )
+        return Keywords(name, positional, spec, kept, tuple(per_sample), tuple(versions))
+
+    def _is_per_sample(self, name: str, argument: str, t: torch.Tensor, batch: int, where: str) -> bool:
+        key = (name, argument)
+        if id(t) in self.model or key in self.shared:
+            return False
+        first = int(t.shape[0]) if t.dim() else -1
+        if batch == 1:  # (uninformative: a shared [1, ...] tensor and a sample's own are the same replay)
+            return key in self.per_sample
+        if first == batch:
+            self.per_sample.add(key)
+            return True
+        if key in self.per_sample:
+            raise UnsupportedModelError(
+                f"{where} was given keyword argument {argument} with the micro-batch's size first at an earlier "
+                f"call, taken as one row per sample, and of shape {tuple(t.shape)} now: a tensor shared by the batch "
+                "whose first dimension matched the micro-batch by chance; give it a leading dimension of 1 (or "
+                "[batch, ...] if it is per-sample)"
+            )
+        self.shared.add(key)
+        return False
+
+
+def guarded(output: tuple, name: str, module: nn.Module) -> Tuple[tuple, Tuple[Tuple[torch.Tensor, str], ...]]:
+    """``output`` with the tensors of its elements after the first that carry a gradient replaced by views (the
+    same values: a gradient reaching a view is what the model's use of it contributes, not the layer's own), and
+    those views with the element each is in, for the I pass to differentiate (guards_error)."""
+    views: List[Tuple[torch.Tensor, str]] = []
+    rest = []
+    for k, element in enumerate(output[1:], start=1):
+        leaves, spec = tree_flatten(element)
+        for j, leaf in enumerate(leaves):
+            if isinstance(leaf, torch.Tensor) and leaf.requires_grad:
+                leaves[j] = leaf.view_as(leaf)
+                views.append((leaves[j], f"element {k}"))
+        rest.append(tree_unflatten(leaves, spec))
+    return (output[0], *rest), tuple(views)
+
+
+def guards_error(name: str, what: str) -> UnsupportedModelError:
+    return UnsupportedModelError(
+        f"layer {name!r} returns a tuple whose {what} reaches the loss: per-sample gradients replay a layer's first "
+        "output only (an attention's weights, returned second, used by the model: do not train on them, e.g. "
+        "output_attentions=False, or freeze the layer)"
+    )
