@@ -27,6 +27,9 @@ class Family:
     eager_only: bool = False
     float32_inside: bool = False  # the family computes its norms (or its router's logits) in float32 in a float64 model
     experts: bool = False  # a mixture of experts (built with the eager experts: grouped_mm takes no float64)
+    # a step takes over 5 s here (a linear attention's chunked scan replayed per sample): the default tier runs two
+    # of its causal runs (the rest, its classifier and its LoRA on the experts in the exhaustive tier)
+    slow: bool = False
 
     @property
     def tolerance(self) -> float:
@@ -51,6 +54,8 @@ SLIDING = {"sliding_window": 4}  # shorter than the test sequences (8): the wind
 LOW_RANK = {"kv_lora_rank": 8, "q_lora_rank": 8, "qk_nope_head_dim": 4, "qk_rope_head_dim": 4, "v_head_dim": 8}
 LOW_RANK = {**LOW_RANK, "num_key_value_heads": 2}
 GROUPED = {**LOW_RANK, "n_group": 1, "topk_group": 1, "first_k_dense_replace": 1}
+# (a linear-attention cache in a training forward: transformers' own forward fails on it; pipedp's drive makes none)
+NO_CACHE = {"use_cache": False}
 ALTERNATING = {"layer_types": ["sliding_attention", "full_attention", "sliding_attention"]}  # both masks
 
 FAMILIES = [
@@ -113,6 +118,7 @@ FAMILIES = [
         classification=False,
         experts=True,
         float32_inside=True,
+        slow=True,
     ),
     Family("minimax", config=HEAD_DIM_8, experts=True),
     Family("flex_olmo", classification=False, experts=True),
@@ -199,6 +205,31 @@ FAMILIES = [
         "mimo_v2_flash",
         "trainable sinks",
         attention=("eager",),
+        classification=False,
+        experts=True,
+        float32_inside=True,
+    ),
+    # state-space and linear-attention layers: a module reading its convolution's weight is one layer with it,
+    # a gated norm over each head's tokens ([batch T heads, d]) called on [batch, T heads, d]; all scan in float32
+    Family("mamba", "Mamba layers", attention=("eager",), classification=False, float32_inside=True),
+    Family(
+        "mamba2",
+        "Mamba-2 layers",
+        {"head_dim": 8, "num_heads": 4, "n_groups": 1},
+        attention=("eager",),
+        classification=False,
+        float32_inside=True,
+    ),
+    Family("falcon_mamba", "Mamba layers", attention=("eager",), classification=False, float32_inside=True),
+    Family("jamba", "Mamba, attention and experts", NO_CACHE, experts=True, float32_inside=True),
+    Family("lfm3", "convolution and attention layers", classification=False, float32_inside=True),
+    Family("qwen3_next", "gated delta-rule layers and experts", NO_CACHE, experts=True, float32_inside=True, slow=True),
+    Family("qwen3_5_text", "gated delta-rule layers", NO_CACHE, float32_inside=True, slow=True),
+    Family("olmo_hybrid", "gated delta-rule layers", NO_CACHE, classification=False, float32_inside=True),
+    Family(
+        "lara_mini",
+        "linear-attention layers and experts",
+        NO_CACHE,
         classification=False,
         experts=True,
         float32_inside=True,

@@ -2,8 +2,12 @@
 they compute. Per-sample capture (runtime/capture.py) needs every module owning parameters to get
 batch-first inputs and its output left as it returned it; two families' layers do otherwise:
 
-- flattened inputs: OPT's layer runs its feed-forward on [batch * seq, hidden]. The module gets
-  [batch, seq, hidden] instead and its output is flattened back for the layer (the same values);
+- flattened inputs: OPT's layer runs its feed-forward on [batch * seq, hidden], a linear attention its
+  gated norm on [batch * seq * heads, head_dim] (Qwen3-Next). The module gets [batch, seq (* heads), ...]
+  instead, batch-major as the model flattens, and its output is flattened back for the layer (the same
+  values; a wrong grouping would change them, which the self-check's forward comparison sees);
+- a child's weight read by the module above it without calling the child (F.conv1d(x, self.conv.weight):
+  a Mamba mixer, LFM2's short convolution): that module is one layer with the child (privacy.rules READS);
 - an output changed in place: Falcon adds the attention output into the MLP's output (``+=``), the
   output of its last Linear. The container returning that output (the MLP) returns a copy instead.
 
@@ -105,15 +109,19 @@ def find_fixes(
     # a router or expert bank takes the tokens flattened by design: its capture folds them (rules/experts.py)
     rules = {p: rule_for(layer.get_submodule(p)) for p in seen.first_dims}
     tokens = {p for p, rule in rules.items() if rule.flat_tokens}
-    flattened = tuple(p for p, first in seen.first_dims.items() if first == rows * length and p not in tokens)
+    # flattened tokens, or tokens x heads (a gated norm over each head of a linear attention: [batch T heads, d])
+    flattened = tuple(
+        p for p, first in seen.first_dims.items() if first != rows and not first % (rows * length) and p not in tokens
+    )
     for path, first in seen.first_dims.items():
         per_expert = rules[path].experts_first  # (Llama-4's experts: every token once per expert)
         if per_expert is not None and first == per_expert(layer.get_submodule(path)) * rows * length:
             continue
-        if first not in (rows, rows * length):
+        if first != rows and first % (rows * length):
             raise UnsupportedModelError(
-                f"{where}.{path} gets inputs whose first dimension is neither the batch nor batch x sequence, so its "
-                "per-sample gradients cannot be captured: freeze it, or give the model a pipeline_blocks() method"
+                f"{where}.{path} gets inputs whose first dimension is neither the batch nor a multiple of batch x "
+                "sequence, so its per-sample gradients cannot be captured: freeze it, or give the model a "
+                "pipeline_blocks() method"
             )
     copied = []
     for path in seen.changed:
@@ -160,11 +168,11 @@ def capturable(layer: nn.Module, fixes: LayerFixes, rows: int, length: int) -> I
     handles = []
     for path in fixes.copied:
         handles.append(layer.get_submodule(path).register_forward_hook(_copy_output))
-    if length > 1:
-        for path in fixes.flattened:
-            module = layer.get_submodule(path)
-            handles.append(module.register_forward_pre_hook(_unflatten(rows, length)))
-            handles.append(module.register_forward_hook(_flatten(rows, length)))
+    for path in fixes.flattened:
+        module = layer.get_submodule(path)
+        flat: List[int] = []  # the first dimension of the call in progress, restored on its output
+        handles.append(module.register_forward_pre_hook(_unflatten(rows, length, flat)))
+        handles.append(module.register_forward_hook(_flatten(flat)))
     try:
         yield
     finally:
@@ -178,23 +186,30 @@ def _copy_output(module, args, output):
     return output.clone()
 
 
-def _unflatten(rows: int, length: int):
+def _unflatten(rows: int, length: int, flat: List[int]):
+    """A call on [rows T k, ...] tensors (batch-major) made on [rows, T k, ...]: every tensor argument of that first
+    dimension (a gated norm's input and gate)."""
+
     def hook(module, args):
-        if not args:
+        first = args[0].shape[0] if args and isinstance(args[0], torch.Tensor) and args[0].dim() else None
+        if first is None or first == rows or first % (rows * length):
+            flat.append(-1)
             return None
-        first = args[0]
-        if first.shape[0] != rows * length:
-            return None
-        return (first.reshape(rows, length, *first.shape[1:]), *args[1:])
+        flat.append(first)
+        return tuple(
+            a.reshape(rows, -1, *a.shape[1:]) if isinstance(a, torch.Tensor) and a.dim() and a.shape[0] == first else a
+            for a in args
+        )
 
     return hook
 
 
-def _flatten(rows: int, length: int):
+def _flatten(flat: List[int]):
     def hook(module, args, output):
-        if output.dim() < 2 or tuple(output.shape[:2]) != (rows, length):
+        first = flat.pop()
+        if first < 0 or not isinstance(output, torch.Tensor) or output.dim() < 2:
             return None
-        return output.reshape(rows * length, *output.shape[2:])
+        return output.reshape(first, *output.shape[2:])
 
     return hook
 

@@ -115,8 +115,22 @@ def check_causal_step(family, stages, mode, tied, side):
         assert model.get_output_embeddings().weight is model.get_input_embeddings().weight  # still one tensor
 
 
-@pytest.mark.parametrize("stages, mode, tied, side", RUNS)
-@pytest.mark.parametrize("family", EXACT, ids=lambda f: f.name)
+def tiered(families, runs, default: int):
+    """(family, *run) for each family and run; a slow family's runs after the first ``default`` in the exhaustive
+    tier only."""
+    return [
+        pytest.param(
+            f,
+            *run,
+            id=f"{f.name}-{'-'.join(map(str, run))}",
+            marks=[pytest.mark.exhaustive] * (f.slow and k >= default),
+        )
+        for f in families
+        for k, run in enumerate(runs)
+    ]
+
+
+@pytest.mark.parametrize("family, stages, mode, tied, side", tiered(EXACT, RUNS, 2))
 def test_causal_lm_step_matches_the_loop_oracle(family, stages, mode, tied, side):
     check_causal_step(family, stages, mode, tied, side)
 
@@ -129,8 +143,9 @@ def test_causal_lm_other_combinations(family, stages, mode, tied, side):
     check_causal_step(family, stages, mode, tied, side)
 
 
-@pytest.mark.parametrize("stages, mode, side", [(2, "ghost", "right"), (3, "materialize", "left")])
-@pytest.mark.parametrize("family", CLASSIFIERS, ids=lambda f: f.name)
+@pytest.mark.parametrize(
+    "family, stages, mode, side", tiered(CLASSIFIERS, [(2, "ghost", "right"), (3, "materialize", "left")], 0)
+)
 def test_sequence_classifier_step_matches_the_loop_oracle(family, stages, mode, side):
     model = build(family, "classification")
     inputs, _ = padded_batch("right" if family.eager_only else side)

@@ -138,7 +138,9 @@ def test_lora_on_one_expert_weight_with_the_bank_trained_too_matches_the_loop():
 MOE_FAMILIES = [f for f in FAMILIES if f.experts and f.exact]  # (Llama-4's too: every token through every expert)
 
 
-@pytest.mark.parametrize("family", MOE_FAMILIES, ids=lambda f: f.name)
+@pytest.mark.parametrize(
+    "family", [pytest.param(f, id=f.name, marks=[pytest.mark.exhaustive] * f.slow) for f in MOE_FAMILIES]
+)
 def test_lora_on_the_experts_and_the_attention_of_every_moe_family_matches_the_loop(family):
     model = lora_on_the_experts(build(family))  # (build seeds: the factors are drawn alike whatever ran before)
     inputs, labels = padded_batch("left" if len(family.model_type) % 2 else "right")

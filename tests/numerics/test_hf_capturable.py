@@ -1,0 +1,78 @@
+"""How pipedp makes a Hugging Face layer's calls capturable (pipedp/split/hf_capturable.py), where the families
+matrix alone would not show why: a module reading its child's weight without calling it made one layer with it,
+and a norm called on each head's tokens flattened ([batch T heads, d]) called on [batch, T heads, d]."""
+
+import copy
+
+import pytest
+
+pytest.importorskip("transformers")
+from hf_families import CLIP, FAMILIES, build, padded_batch  # noqa: E402
+from oracles import loop_clipped_sum, max_relative_error  # noqa: E402
+from steps import pipedp_clipped_sum  # noqa: E402
+
+from pipedp import PipelineDPTrainer, UnsupportedModelError  # noqa: E402
+from pipedp.models import token_loss  # noqa: E402
+from pipedp.privacy.rules.registry import read_children  # noqa: E402
+from pipedp.runtime.capture import block_layers  # noqa: E402
+from pipedp.split import hf_capturable  # noqa: E402
+from pipedp.split.adapters import model_blocks  # noqa: E402
+
+
+def family(variant_of: str, variant: str = ""):
+    return next(f for f in FAMILIES if f.model_type == variant_of and (not variant or f.variant == variant))
+
+
+def hf_loss(out, y):
+    return token_loss(out.logits, y)
+
+
+def test_a_module_reading_its_convolution_s_weight_is_one_layer_with_it():
+    """LFM2's short convolution reads ``self.conv.weight`` in F.conv1d without calling ``self.conv``: it is one
+    layer with it (replayed whole per sample), ``conv`` is no layer of its own; exact against the loop oracle."""
+    model = build(family("lfm2"))
+    blocks = model_blocks(model)
+    conv = model.model.layers[0].conv
+    assert read_children(conv) == ("conv",)
+    layers = block_layers(blocks)
+    assert "model.layers.0.conv" in layers and "model.layers.0.conv.conv" not in layers
+    inputs, labels = padded_batch("left")
+    want = loop_clipped_sum(copy.deepcopy(model), hf_loss, inputs, labels, CLIP)
+    got = pipedp_clipped_sum(model, token_loss, inputs, labels, CLIP, stages=2, microbatches=2)
+    assert max_relative_error(got, want) < 1e-12
+    assert float(got["model.layers.0.conv.conv.weight"].abs().max()) > 0
+
+
+def test_without_a_reader_the_weight_read_outside_its_call_is_refused(monkeypatch):
+    """The refusal the reader replaces, still given where no module above can replay the read (a router, whose
+    rule knows its own tensors only: tests/numerics/test_moe.py plants one)."""
+    monkeypatch.setattr(hf_capturable, "_readers", lambda layer, seen: ())
+    with pytest.raises(UnsupportedModelError, match=r"layers.0: conv.conv.weight \(in a Conv1d\) is read outside"):
+        PipelineDPTrainer(build(family("lfm2")), token_loss, stages=2, expected_batch_size=4)
+
+
+def test_planted_heads_flattened_sequence_first_are_caught_by_the_self_check(monkeypatch):
+    """Qwen3.5's gated norm runs on [batch T heads, d]: its calls are made on [batch, T heads, d], batch-major as
+    the model flattens. A planted grouping by another order gives each sample other rows (and, reshaped back, the
+    model other values): refused by the self-check at the first step."""
+    real = hf_capturable._unflatten
+
+    def sequence_first(rows, length, flat):
+        hook = real(rows, length, flat)
+
+        def planted(module, args):
+            out = hook(module, args)
+            if out is None:
+                return None
+            first = out[0]
+            return tuple(a.transpose(0, 1).reshape(first.shape) if a is not None and a.dim() > 1 else a for a in out)
+
+        return planted
+
+    monkeypatch.setattr(hf_capturable, "_unflatten", sequence_first)
+    model = build(family("qwen3_5_text"))
+    inputs, labels = padded_batch("right")
+    with pytest.raises(
+        UnsupportedModelError, match=r"stage 0: its forward mixes samples|linear_attn.norm.weight are wrong"
+    ):
+        pipedp_clipped_sum(model, token_loss, inputs, labels, CLIP, stages=2, microbatches=2)
