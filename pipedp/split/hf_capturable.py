@@ -77,7 +77,9 @@ def find_fixes(
     if reads:  # the modules reading a child's parameters without calling it replay it with them (torch.func)
         LayerFixes(reads=reads).adopt(layer)
         again = _run(layer, args, kwargs, rows, length, width, LayerFixes())
-        if again.used or again.outside:  # (not so replayable: refused as read outside its call)
+        checked = _run(layer, args, kwargs, rows, length, width, LayerFixes(), cut=True)
+        # (not so replayable, read by another module too, or not read by that one: refused as read outside)
+        if again.used or again.outside or checked.unread or checked.elsewhere:
             LayerFixes(reads=reads).adopt(layer, undo=True)
             reads = ()
         else:
@@ -226,9 +228,14 @@ class _Seen:
         self.outside_params: List[Tuple[str, str, nn.Module]] = []  # the same as (module path, name, module)
         self.guards: List[Tuple[str, torch.Tensor]] = []  # the other outputs of replayed owners (keywords.guarded)
         self.used: List[str] = []  # those the layer's output depends on
+        self.unread: List[str] = []  # weights a module is marked to read (READS) that its output does not reach
+        self.elsewhere: List[str] = []  # weights so marked that the layer's output reaches besides that module
 
 
-def _run(layer, args, kwargs, rows, length, width, fixes: LayerFixes) -> _Seen:
+def _run(layer, args, kwargs, rows, length, width, fixes: LayerFixes, cut: bool = False) -> _Seen:
+    """One call of ``layer`` on zeros, recorded; with ``cut``, each module reading a child's weight (READS) has
+    its outputs detached after checking that they reach the weights it reads (``seen.unread``), so that the
+    layer's output reaching them still is a read by another module (``seen.elsewhere``)."""
     seen = _Seen()
     modules = dict(layer.named_modules())
     trainable = trainable_of(modules)
@@ -239,6 +246,8 @@ def _run(layer, args, kwargs, rows, length, width, fixes: LayerFixes) -> _Seen:
             replays = rule_for(module).keywords
             handles.append(module.register_forward_hook(_record_owner(seen, path, replays), with_kwargs=True))
         handles.append(module.register_forward_hook(_record_output(seen, path)))
+        if cut and read_children(module):
+            handles.append(module.register_forward_hook(_cut_reader(seen, path, trainable)))
     hidden = torch.zeros(rows, length, width, dtype=_dtype(layer), device=_device(args, kwargs))
     checkpointing = layer.__dict__.get("gradient_checkpointing")
     layer.gradient_checkpointing = False  # run once, no recomputation (outside these hooks)
@@ -253,6 +262,9 @@ def _run(layer, args, kwargs, rows, length, width, fixes: LayerFixes) -> _Seen:
             if seen.guards and isinstance(result, torch.Tensor) and result.requires_grad:
                 reaches = reached_from(result)
                 seen.used = [what for what, view in seen.guards if reaches(view)]
+            if cut and isinstance(result, torch.Tensor) and result.requires_grad:
+                reaches = reached_from(result)
+                seen.elsewhere = [name for name, t in _read_weights(layer, trainable) if reaches(t)]
     finally:
         for handle in handles:
             handle.remove()
@@ -262,6 +274,31 @@ def _run(layer, args, kwargs, rows, length, width, fixes: LayerFixes) -> _Seen:
             layer.gradient_checkpointing = checkpointing
     seen.changed = [p for p, t in seen.owner_outputs.items() if t._version != seen.versions[p]]
     return seen
+
+
+def _read_weights(module: nn.Module, trainable: set, prefix: str = "") -> List[Tuple[str, torch.Tensor]]:
+    """The trainable tensors of the children that the modules in ``module`` read without calling them (READS),
+    as they stand now (stand-ins during a run)."""
+    found = []
+    for path, reader in module.named_modules(prefix=prefix):
+        for child in read_children(reader):
+            for sub, m in reader.get_submodule(child).named_modules(prefix=f"{path}.{child}" if path else child):
+                found += [(f"{sub}.{n}", t) for n, t in m._parameters.items() if (id(m), n) in trainable]
+    return found
+
+
+def _cut_reader(seen: _Seen, path: str, trainable: set):
+    def hook(module, args, output):
+        first = output[0] if isinstance(output, tuple) else output
+        reaches = reached_from(first) if isinstance(first, torch.Tensor) and first.requires_grad else (lambda t: False)
+        seen.unread += [name for name, t in _read_weights(module, trainable, path) if not reaches(t)]
+
+        def cut(t):
+            return t.detach().requires_grad_(t.requires_grad) if isinstance(t, torch.Tensor) else t
+
+        return tuple(cut(t) for t in output) if isinstance(output, tuple) else cut(output)
+
+    return hook
 
 
 def _record_owner(seen: _Seen, path: str, replays: bool):

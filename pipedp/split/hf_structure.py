@@ -153,10 +153,19 @@ def _accept_routing(s: Structure) -> None:
 
 
 def _layer_fixes(s: Structure, calls: list) -> List[LayerFixes]:
-    """One layer of each kind run on its own (hf_capturable.py): the same fixes for its kind (its class and
-    its modules' classes: a decoder may hold dense and mixture-of-experts layers of one class)."""
+    """One layer of each kind run on its own (hf_capturable.py): the same fixes for its kind (its class, its
+    modules' classes and its trainable parameters: a decoder may hold dense and mixture-of-experts layers of one
+    class, and layers frozen in part)."""
     found: Dict[tuple, LayerFixes] = {}
-    kinds = [(type(layer), tuple(type(m) for m in layer.modules())) for layer in s.layers]
+    # (and what it trains: a layer frozen in part reads, calls and flattens the same, but what needs fixing differs)
+    kinds = [
+        (
+            type(layer),
+            tuple(type(m) for m in layer.modules()),
+            tuple(n for n, p in layer.named_parameters() if p.requires_grad),
+        )
+        for layer in s.layers
+    ]
     for i, (layer, kind, (shape, args, kwargs)) in enumerate(zip(s.layers, kinds, calls)):
         if kind not in found:
             where = f"{type(s.model).__name__}: {s.layers_path}.{i}"

@@ -5,6 +5,9 @@ and a norm called on each head's tokens flattened ([batch T heads, d]) called on
 import copy
 
 import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
 
 pytest.importorskip("transformers")
 from hf_families import CLIP, FAMILIES, build, padded_batch  # noqa: E402
@@ -76,3 +79,59 @@ def test_planted_heads_flattened_sequence_first_are_caught_by_the_self_check(mon
         UnsupportedModelError, match=r"stage 0: its forward mixes samples|linear_attn.norm.weight are wrong"
     ):
         pipedp_clipped_sum(model, token_loss, inputs, labels, CLIP, stages=2, microbatches=2)
+
+
+class Mixer(nn.Module):
+    """Owns a scale and holds ``conv``, a Linear it never calls; ``reads``: its forward reads conv's weight."""
+
+    def __init__(self, reads: bool):
+        super().__init__()
+        self.scale = nn.Parameter(torch.ones(4, dtype=torch.float64))
+        self.conv = nn.Linear(4, 4, bias=False, dtype=torch.float64)
+        self.reads = reads
+
+    def forward(self, x):
+        return x * self.scale + (F.linear(x, self.conv.weight) if self.reads else 0)
+
+
+class Layer(nn.Module):
+    """``outside``: the layer itself reads its mixer's conv weight too (F.linear on its own input)."""
+
+    def __init__(self, reads: bool, outside: bool):
+        super().__init__()
+        self.mixer = Mixer(reads)
+        self.outside = outside
+
+    def forward(self, x):
+        return self.mixer(x) + (F.linear(x, self.mixer.conv.weight) if self.outside else 0)
+
+
+@pytest.mark.parametrize(
+    "reads, outside, made_one",
+    [(True, False, True), (False, True, False), (True, True, False)],
+    ids=["read by the mixer", "planted: read by the layer", "planted: read by both"],
+)
+def test_a_reader_is_made_one_layer_with_the_weight_only_where_its_own_output_holds_every_read(
+    reads, outside, made_one
+):
+    """The module above that ran is made one layer with the child only if its own output reaches the weight and
+    nothing else in the layer reads it: a layer's read outside the mixer (planted) would get no per-sample
+    gradient through the mixer's replay, and is refused as a read outside any call."""
+    layer = Layer(reads, outside)
+    if made_one:
+        assert hf_capturable.find_fixes("probe", layer, (), {}, 2, 3, 4).reads == (("mixer", ("conv",)),)
+        assert read_children(layer.mixer) == ("conv",)
+        return
+    with pytest.raises(UnsupportedModelError, match=r"probe: mixer.conv.weight \(in a Linear\) is read outside"):
+        hf_capturable.find_fixes("probe", layer, (), {}, 2, 3, 4)
+    assert read_children(layer.mixer) == ()
+
+
+def test_layers_of_one_class_frozen_differently_are_probed_each():
+    """The first convolution layer frozen (partial fine-tuning): the later one, trained, still reads its weight
+    through its module, one layer with it, not a weight no per-sample gradient reaches."""
+    model = build(family("lfm2"))
+    model.model.layers[0].requires_grad_(False)
+    layers = block_layers(model_blocks(model))
+    assert read_children(model.model.layers[2].conv) == ("conv",)
+    assert "model.layers.2.conv" in layers and "model.layers.2.conv.conv" not in layers

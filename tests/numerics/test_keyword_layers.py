@@ -229,3 +229,29 @@ def test_a_keyword_argument_holding_an_object_is_refused_by_name():
     ):
         net = nn.Sequential(nn.Linear(8, 8), BoxBlock(), nn.Linear(8, 4)).double()
         pipedp_clipped_sum(net, class_loss, x, y, 0.3, stages=1)
+
+
+def test_a_keyword_tensor_seen_shared_then_with_the_micro_batch_first_is_refused_by_name():
+    """Positions given as [1, T] at one call and as [batch, T] at a later one: shared once, it cannot become
+    per-sample (nor be broadcast against one sample's row), so the later call is refused, naming the argument."""
+
+    class Switching(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.gate = Gate()
+            self.per_row = False
+
+        def forward(self, h):
+            scale = torch.ones(h.shape[0] if self.per_row else 1, 8, dtype=torch.float64)
+            out, _ = self.gate(h, mask=torch.ones_like(h[:, 0]), scale=scale, pair=(h, h))
+            return out
+
+    torch.manual_seed(0)
+    block = Switching()
+    trainer = PipelineDPTrainer(
+        nn.Sequential(nn.Linear(8, 8), block, nn.Linear(8, 4)).double(), class_loss, stages=1, expected_batch_size=6
+    )
+    trainer.step(*data(6))
+    block.per_row = True
+    with pytest.raises(UnsupportedModelError, match=r"keyword argument \['scale'\] shared by the batch at an earlier"):
+        trainer.step(*data(6))

@@ -8,9 +8,10 @@ arguments or returning tuples, for the capture (runtime/capture.py): an attentio
   them as it treats the positional inputs; the rest (shared tensors, None, numbers, strings) is kept whole.
 - ``KeywordSorter``: which keyword tensors are per-sample, per layer and argument: those with the micro-batch's
   size first, except a parameter or buffer of the model, and except an argument seen shared once (its first
-  dimension not the micro-batch's: it stays shared). An argument taken as per-sample that later is not is
-  refused by name; a shared tensor the micro-batch's size at every call is caught by the self-check at each new
-  input shape (a sample's gradient computed from one row of it is wrong, their sum right).
+  dimension not the micro-batch's: it stays shared). An argument taken as per-sample that later is not, or
+  seen shared and later with the micro-batch's size first in another layout, is refused by name; a shared
+  tensor the micro-batch's size at every call is caught by the self-check at each new input shape (a sample's
+  gradient computed from one row of it is wrong, their sum right).
 - ``guarded``: a call's other outputs, passed on as views the I pass differentiates too: a gradient reaching one
   is an error, since the rule gives the layer's parameters the first output's gradient only.
 """
@@ -86,7 +87,7 @@ class KeywordSorter:
 
     def __init__(self, model: Set[int]):
         self.model = model
-        self.shared: Set[Tuple[str, str]] = set()
+        self.shared: Dict[Tuple[str, str], int] = {}  # (layer, argument) -> the first dimension it was seen with
         self.per_sample: Set[Tuple[str, str]] = set()
 
     def keep(self, name: str, module: nn.Module, kwargs: dict, batch: int, inputs: list) -> Keywords:
@@ -129,9 +130,17 @@ class KeywordSorter:
 
     def _is_per_sample(self, name: str, argument: str, t: torch.Tensor, batch: int, where: str) -> bool:
         key = (name, argument)
-        if id(t) in self.model or key in self.shared:
+        if id(t) in self.model:
             return False
         first = int(t.shape[0]) if t.dim() else -1
+        if key in self.shared:
+            if first == batch and batch > 1 and first != self.shared[key]:
+                raise UnsupportedModelError(
+                    f"{where} was given keyword argument {argument} shared by the batch at an earlier call (first "
+                    f"dimension {self.shared[key]}) and with the micro-batch's size first now, {tuple(t.shape)}: "
+                    "pipedp cannot tell whether it is one row per sample; pass it with the same layout at every call"
+                )
+            return False
         if batch == 1:  # (uninformative: a shared [1, ...] tensor and a sample's own are the same replay)
             return key in self.per_sample
         if first == batch:
@@ -144,7 +153,7 @@ class KeywordSorter:
                 "whose first dimension matched the micro-batch by chance; give it a leading dimension of 1 (or "
                 "[batch, ...] if it is per-sample)"
             )
-        self.shared.add(key)
+        self.shared[key] = first
         return False
 
 
