@@ -7,7 +7,7 @@ samples is off by the size of the value itself; rounding, by a few units of the 
   tolerance, absolute floor as a fraction of the sample's whole gradient on the stage).
 - ``FLOAT32_INSIDE``: the self-check's test that the forward keeps samples apart, for a float64 output whose
   forward computed in float32 too (a router's logits); and its gradient comparison, for a float64 layer whose
-  rule replays its forward and computes in float32 there (an attention's sink scale).
+  rule replays its forward and computes in float32 there (an attention's sink scale), as a relative tolerance.
 - ``NORM_WISE``: the construction checks' (split/hf_experts.py), two orders of the same sums (a rule's reading of
   an expert bank against the bank's own forward): the norm of the difference against the value's norm
   (``agree``), since an element-wise tolerance fails where large terms cancel.
