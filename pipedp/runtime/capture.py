@@ -119,8 +119,7 @@ class ActivationCapture:
         """``tensors``: the stage's parameters and buffers (a keyword argument among them is shared), read at
         each micro-batch (moving a module to a device replaces its buffers)."""
         self.layers = layers
-        self.tensors = tensors
-        self.sorter = KeywordSorter(set())
+        self.sorter = KeywordSorter(tensors)
         self._active: Optional[int] = None
         self._batch_size = 0
         self.records: Dict[int, Dict[str, List[LayerCall]]] = {}
@@ -150,7 +149,7 @@ class ActivationCapture:
             passed: Optional[tuple] = None
             guards: Tuple[Tuple[torch.Tensor, str], ...] = ()
             if rule.keywords and type(output) is tuple and output and isinstance(output[0], torch.Tensor):
-                passed, guards = guarded(output, name, module)
+                passed, guards = guarded(output)
                 output = output[0]
             if not isinstance(output, torch.Tensor):
                 raise UnsupportedModelError(
@@ -187,7 +186,7 @@ class ActivationCapture:
     def recording(self, microbatch: int, batch_size: int):
         self._active, self._batch_size = microbatch, batch_size
         self.records[microbatch] = {}
-        self.sorter.model = {id(t) for t in self.tensors()}
+        self.sorter.model = None  # (read again at the micro-batch's first keyword call)
         try:
             yield
         finally:

@@ -387,7 +387,7 @@ class Stage:
         grads = grads + [None] * (len(targets) - len(grads))
         for (name, _, what), g in zip(guards, grads[len(grads) - len(guards) :]):
             if g is not None and bool(g.ne(0).any()):  # (a call's other output used by the model: keywords.py)
-                raise guards_error(name, what)
+                raise guards_error(f"layer {name!r}", what)
         grads = grads[: len(grads) - len(guards)]
         input_grads = grads[len(pairs) :]
         message = None
@@ -438,16 +438,20 @@ class Stage:
             layer, backprops = self.layers[name], state.backprops[name]
             alone = len(calls) == 1 and name not in self._shares_params
             folds = self.units.single or pools_positions(layer)  # else per-row gradients summed per unit
-            with named_layer_errors(name, layer), calls[0].replayed(layer) if alone else contextlib.nullcontext():
+            with named_layer_errors(name, layer):
                 way = "materialize"
                 if alone and folds:
                     inputs, grads_out = self._folded(calls[0].inputs), self.units.fold(backprops[0])
                     way = self._way(name, inputs, grads_out)
                 if way == "keep":
-                    state.kept[name] = per_sample_grads(layer, inputs, grads_out)
+                    with calls[0].replayed(layer):
+                        state.kept[name] = per_sample_grads(layer, inputs, grads_out)
                     per_param.update({p: squared_norms(g) for p, g in state.kept[name].items()})
                     continue
-                norms = ghost_squared_norms(layer, inputs, grads_out, grams) if way == "ghost" else None
+                norms = None
+                if way == "ghost":
+                    with calls[0].replayed(layer):
+                        norms = ghost_squared_norms(layer, inputs, grads_out, grams)
                 if norms is not None:
                     per_param.update({p: v.reshape(state.units) for p, v in norms.items()})
                     continue

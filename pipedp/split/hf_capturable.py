@@ -31,7 +31,7 @@ import torch.nn as nn
 
 from ..errors import UnsupportedModelError
 from ..privacy.rules import holds_below, layer_parameters, rule_for
-from ..privacy.rules.keywords import guarded
+from ..privacy.rules.keywords import guarded, guards_error
 from ..privacy.rules.registry import READS, read_children, typed_rule
 from .hf_runs import outside_calls, reached_from, standing_in, trainable_of
 
@@ -85,11 +85,8 @@ def find_fixes(
         else:
             seen = again
     if seen.used:
-        raise UnsupportedModelError(
-            f"{where}.{seen.used[0]} reaches the layer's output: per-sample gradients replay a layer's first output "
-            "only (an attention's weights, returned second, used by the model: do not train on them, e.g. "
-            "output_attentions=False, or freeze the module)"
-        )
+        who, what = seen.used[0]
+        raise guards_error(f"{where}.{who}", what, "the layer's output")
     if seen.outside:
         raise UnsupportedModelError(
             f"{where}: {', '.join(seen.outside[:4])} is read outside the call of the module that owns it (e.g. "
@@ -226,8 +223,10 @@ class _Seen:
         self.keywords: Dict[str, List[str]] = {}  # parameter owners called with keyword arguments
         self.outside: List[str] = []  # trainable parameters read outside their module's call
         self.outside_params: List[Tuple[str, str, nn.Module]] = []  # the same as (module path, name, module)
-        self.guards: List[Tuple[str, torch.Tensor]] = []  # the other outputs of replayed owners (keywords.guarded)
-        self.used: List[str] = []  # those the layer's output depends on
+        # the other outputs of replayed owners (keywords.guarded): (owner, element, view); those the layer's output
+        # depends on: (owner, element)
+        self.guards: List[Tuple[str, str, torch.Tensor]] = []
+        self.used: List[Tuple[str, str]] = []
         self.unread: List[str] = []  # weights a module is marked to read (READS) that its output does not reach
         self.elsewhere: List[str] = []  # weights so marked that the layer's output reaches besides that module
 
@@ -261,7 +260,7 @@ def _run(layer, args, kwargs, rows, length, width, fixes: LayerFixes, cut: bool 
             seen.outside = [f"{p}.{n} (in a {type(m).__name__})" for p, n, m in seen.outside_params]
             if seen.guards and isinstance(result, torch.Tensor) and result.requires_grad:
                 reaches = reached_from(result)
-                seen.used = [what for what, view in seen.guards if reaches(view)]
+                seen.used = [(who, what) for who, what, view in seen.guards if reaches(view)]
             if cut and isinstance(result, torch.Tensor) and result.requires_grad:
                 reaches = reached_from(result)
                 seen.elsewhere = [name for name, t in _read_weights(layer, trainable) if reaches(t)]
@@ -311,8 +310,8 @@ def _record_owner(seen: _Seen, path: str, replays: bool):
             seen.first_dims[path] = int(first.shape[0])
         passed = None
         if type(output) is tuple and output and replays:  # (the capture keeps its first output)
-            passed, views = guarded(output, path, module)  # (as the capture passes them on)
-            seen.guards += [(f"{path} ({type(module).__name__}) returns a tuple whose {what}", v) for v, what in views]
+            passed, views = guarded(output)  # (as the capture passes them on)
+            seen.guards += [(f"{path} ({type(module).__name__})", what, v) for v, what in views]
             output = output[0]
         if isinstance(output, torch.Tensor):
             seen.owner_outputs[path], seen.versions[path] = output, output._version

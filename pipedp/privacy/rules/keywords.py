@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any, Dict, Iterator, List, Set, Tuple
+from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Set, Tuple
 
 import torch
 import torch.nn as nn
@@ -30,8 +30,6 @@ from ...errors import UnsupportedModelError
 
 # what a keyword argument may be besides a tensor: kept as it is for the replay
 PLAIN = (type(None), bool, int, float, str, torch.dtype, torch.device)
-# the layers a Keywords.replayed context is rebuilding the keyword arguments of (a nested context leaves it)
-_REPLAYING: Set[int] = set()
 
 
 @dataclass
@@ -57,10 +55,8 @@ class Keywords:
 
     @contextmanager
     def replayed(self, layer: nn.Module) -> Iterator[None]:
-        """While a rule replays ``layer`` from the call's inputs: the call's keyword arguments given back."""
-        if id(layer) in _REPLAYING:
-            yield
-            return
+        """While a rule replays ``layer`` from the call's inputs: the call's keyword arguments given back (one
+        context at a time: a nested one would rebuild them from the rebuilt arguments)."""
         for argument, tensor, version in self.versions:
             if tensor._version != version:
                 raise UnsupportedModelError(
@@ -73,20 +69,20 @@ class Keywords:
             return args, {**kwargs, **extra}
 
         handle = layer.register_forward_pre_hook(rebuild, with_kwargs=True, prepend=True)
-        _REPLAYING.add(id(layer))
         try:
             yield
         finally:
-            _REPLAYING.discard(id(layer))
             handle.remove()
 
 
 class KeywordSorter:
     """Which keyword tensors of the layers' calls are per-sample (the module docstring), remembered per layer and
-    argument over the run. ``model``: the ids of the stage's parameters and buffers (shared, whatever their shape)."""
+    argument over the run. ``tensors``: the stage's parameters and buffers (shared, whatever their shape), read
+    once per micro-batch that has a keyword call (moving a module to a device replaces its buffers)."""
 
-    def __init__(self, model: Set[int]):
-        self.model = model
+    def __init__(self, tensors: Callable[[], Iterable[torch.Tensor]]):
+        self.tensors = tensors
+        self.model: Optional[Set[int]] = None  # their ids, for the micro-batch being recorded
         self.shared: Dict[Tuple[str, str], int] = {}  # (layer, argument) -> the first dimension it was seen with
         self.per_sample: Set[Tuple[str, str]] = set()
 
@@ -130,6 +126,8 @@ class KeywordSorter:
 
     def _is_per_sample(self, name: str, argument: str, t: torch.Tensor, batch: int, where: str) -> bool:
         key = (name, argument)
+        if self.model is None:
+            self.model = {id(m) for m in self.tensors()}
         if id(t) in self.model:
             return False
         first = int(t.shape[0]) if t.dim() else -1
@@ -157,7 +155,7 @@ class KeywordSorter:
         return False
 
 
-def guarded(output: tuple, name: str, module: nn.Module) -> Tuple[tuple, Tuple[Tuple[torch.Tensor, str], ...]]:
+def guarded(output: tuple) -> Tuple[tuple, Tuple[Tuple[torch.Tensor, str], ...]]:
     """``output`` with the tensors of its elements after the first that carry a gradient replaced by views (the
     same values: a gradient reaching a view is what the model's use of it contributes, not the layer's own), and
     those views with the element each is in, for the I pass to differentiate (guards_error)."""
@@ -173,9 +171,11 @@ def guarded(output: tuple, name: str, module: nn.Module) -> Tuple[tuple, Tuple[T
     return (output[0], *rest), tuple(views)
 
 
-def guards_error(name: str, what: str) -> UnsupportedModelError:
+def guards_error(who: str, what: str, reaches: str = "the loss") -> UnsupportedModelError:
+    """``who`` (a layer) returns a tuple whose ``what`` (element k) ``reaches`` the loss (at a step; the layer's
+    output, when a Hugging Face model is split)."""
     return UnsupportedModelError(
-        f"layer {name!r} returns a tuple whose {what} reaches the loss: per-sample gradients replay a layer's first "
-        "output only (an attention's weights, returned second, used by the model: do not train on them, e.g. "
+        f"{who} returns a tuple whose {what} reaches {reaches}: per-sample gradients replay a layer's first output "
+        "only (an attention's weights, returned second, used by the model: do not train on them, e.g. "
         "output_attentions=False, or freeze the layer)"
     )

@@ -53,7 +53,7 @@ class LayerRule:
     # weights): capture hooks the module, not its children
     holds_below: bool = False
     # the rule replays the layer's own forward (torch.func): its calls may take keyword arguments (the capture
-    # keeps them for the replay, capture.Keywords) and return a tuple whose first element is its output (the
+    # keeps them for the replay, rules/keywords.py) and return a tuple whose first element is its output (the
     # others must carry no gradient: the capture guards them)
     keywords: bool = False
 
