@@ -305,6 +305,18 @@ FAMILIES = [
 ]
 
 
+def family(model_type: str, variant: str = "") -> Family:
+    """The row of ``model_type`` (its first, or the one of ``variant``)."""
+    return next(f for f in FAMILIES if f.model_type == model_type and (not variant or f.variant == variant))
+
+
+def hf_loss(out, labels):
+    """Per-sample token loss of a causal LM's output (its logits), for the loop oracle."""
+    from pipedp.models import token_loss
+
+    return token_loss(out.logits, labels)
+
+
 def tiny_config(family: Family, tie: Optional[bool] = None, labels: int = 0):
     """The family's config: hidden 16, 3 layers (2-4 as the family's names say), 2 heads, vocabulary 40."""
     import transformers

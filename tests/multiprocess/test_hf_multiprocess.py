@@ -163,10 +163,10 @@ def gemma_stage_step(rank, folder):
 
 
 def test_a_tied_gemma_loaded_stage_by_stage_in_processes_matches_the_loop_oracle(tmp_path):
-    from hf_families import CLIP, FAMILIES, build, padded_batch
+    from hf_families import CLIP, build, family, padded_batch
     from oracles import loop_clipped_sum
 
-    gemma = next(f for f in FAMILIES if f.model_type == "gemma")
+    gemma = family("gemma")
     build(gemma, tie=True).float().save_pretrained(tmp_path, max_shard_size="20KB")
     model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path).double()
     assert model.lm_head.weight is model.get_input_embeddings().weight

@@ -10,7 +10,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 pytest.importorskip("transformers")
-from hf_families import CLIP, FAMILIES, build, padded_batch  # noqa: E402
+from hf_families import CLIP, build, family, hf_loss, padded_batch  # noqa: E402
 from oracles import loop_clipped_sum, max_relative_error  # noqa: E402
 from steps import pipedp_clipped_sum  # noqa: E402
 
@@ -20,14 +20,6 @@ from pipedp.privacy.rules.registry import read_children  # noqa: E402
 from pipedp.runtime.capture import block_layers  # noqa: E402
 from pipedp.split import hf_capturable  # noqa: E402
 from pipedp.split.adapters import model_blocks  # noqa: E402
-
-
-def family(variant_of: str, variant: str = ""):
-    return next(f for f in FAMILIES if f.model_type == variant_of and (not variant or f.variant == variant))
-
-
-def hf_loss(out, y):
-    return token_loss(out.logits, y)
 
 
 def test_a_module_reading_its_convolution_s_weight_is_one_layer_with_it():

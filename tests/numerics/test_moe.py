@@ -15,7 +15,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 transformers = pytest.importorskip("transformers")
-from hf_families import CLIP, FAMILIES, Family, build, padded_batch, tiny_config  # noqa: E402
+from hf_families import CLIP, FAMILIES, Family, build, family, hf_loss, padded_batch, tiny_config  # noqa: E402
 from oracles import loop_clipped_sum, loop_unit_clipped_sum, max_relative_error  # noqa: E402
 from steps import pipedp_clipped_sum  # noqa: E402
 
@@ -28,19 +28,12 @@ from pipedp.split import hf_experts  # noqa: E402
 pytestmark = pytest.mark.filterwarnings("ignore:step\\(\\) got a batch whose sampling is not declared")
 
 
-FAMILIES_BY_NAME = {f.model_type: f for f in FAMILIES}
-
-
 def mixtral(**overrides):
     torch.manual_seed(0)
     if "num_local_experts" in overrides:
         overrides["num_experts"] = overrides["num_local_experts"]  # (tiny_config sets both)
     config = tiny_config(Family("mixtral", config=overrides))
     return transformers.AutoModelForCausalLM.from_config(config, experts_implementation="eager").double()
-
-
-def hf_loss(out, y):
-    return token_loss(out.logits, y)
 
 
 def test_units_of_two_rows_match_the_unit_loop():
@@ -154,7 +147,7 @@ def test_lora_on_the_experts_and_the_attention_of_every_moe_family_matches_the_l
 def test_gpt_oss_with_its_attention_sinks_matches_the_loop(lora):
     """GPT-OSS's attention owns trainable sinks and is called with keyword arguments: its rule replays it per
     sample with them (capture.Keywords), the sinks included; PEFT's LoRA leaves them frozen."""
-    model = build(FAMILIES_BY_NAME["gpt_oss"])
+    model = build(family("gpt_oss"))
     model = lora_on_the_experts(model) if lora else model
     inputs, labels = padded_batch("right")  # (eager attention only: no left padding)
     want = loop_clipped_sum(copy.deepcopy(model), hf_loss, inputs, labels, CLIP)
@@ -231,8 +224,8 @@ def test_a_cli_target_naming_both_a_module_and_a_bank_weight_is_refused_and_a_lo
     from pipedp.train.lora import with_lora
 
     with pytest.raises(ValueError, match=r"\['down_proj'\] name both modules and an expert bank's weights"):
-        with_lora(build(FAMILIES_BY_NAME["qwen2_moe"]), 2, ["down_proj"], seed=0)
-    model = with_lora(build(FAMILIES_BY_NAME["qwen2_moe"]), 2, ["q_proj", "experts.down_proj"], seed=0)
+        with_lora(build(family("qwen2_moe")), 2, ["down_proj"], seed=0)
+    model = with_lora(build(family("qwen2_moe")), 2, ["q_proj", "experts.down_proj"], seed=0)
     assert type(model.base_model.model.model.layers[0].mlp.experts).__name__ == "ParamWrapper"
 
 
@@ -338,9 +331,9 @@ def test_a_router_passed_its_score_correction_bias_matches_the_loop(model_type):
     """MiniMax-M2's and HY-V3's blocks pass their router a bias that chooses the experts (not trained): with a
     bias that changes which experts the tokens go to, the update is the loop oracle's (the construction check
     calls the router as the block does; the rule reads its hidden states only)."""
-    family = FAMILIES_BY_NAME[model_type]
+    row = family(model_type)
     torch.manual_seed(0)
-    model = build(family)
+    model = build(row)
     inputs, labels = padded_batch("left")
     unbiased = routed(model, inputs)
     g = torch.Generator().manual_seed(3)
@@ -350,7 +343,7 @@ def test_a_router_passed_its_score_correction_bias_matches_the_loop(model_type):
     assert not torch.equal(routed(model, inputs), unbiased)  # the bias chooses other experts
     want = loop_clipped_sum(copy.deepcopy(model), hf_loss, inputs, labels, CLIP)
     got = pipedp_clipped_sum(model, token_loss, inputs, labels, CLIP, stages=2, microbatches=2)
-    assert max_relative_error(got, want) < family.tolerance
+    assert max_relative_error(got, want) < row.tolerance
 
 
 def routers_passed(passed):
@@ -434,7 +427,7 @@ def test_planted_a_router_reading_its_linear_s_weight_outside_its_call_is_refuse
     """AFMoE's router computes its logits with a Linear child, captured as any Linear called on flattened
     tokens (from its calls): a router that computes them from the Linear's weight without calling it (a
     planted F.linear) is refused, not trained with no per-sample gradient."""
-    model = build(FAMILIES_BY_NAME["afmoe"])
+    model = build(family("afmoe"))
     router_type = type(next(layer.mlp.router for layer in model.model.layers if hasattr(layer.mlp, "router")))
 
     def planted(self, hidden_states, expert_bias):  # AFMoE's router, its Linear's weight read without a call

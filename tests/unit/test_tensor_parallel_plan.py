@@ -251,10 +251,9 @@ def test_the_planner_counts_each_ranks_slices_and_the_whole_tensors_once():
 def test_a_layer_replayed_whole_holding_split_projections_is_refused_by_name():
     """Doge's decoder layer owns its residual scales: its rule replays it whole per sample, split attention and
     MLP included, whose replay would need the other ranks."""
-    from hf_families import FAMILIES, build
+    from hf_families import build, family
 
-    doge = next(f for f in FAMILIES if f.model_type == "doge")
-    model = build(dataclasses.replace(doge, config={"num_key_value_heads": 2}))
+    model = build(dataclasses.replace(family("doge"), config={"num_key_value_heads": 2}))
     with pytest.raises(
         UnsupportedModelError, match=r"layer 'model.layers.0' owns \['input_residual', 'post_attention_residual'\]"
     ):
