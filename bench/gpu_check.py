@@ -18,8 +18,8 @@ Without CUDA (and without --device) it prints that it skipped and exits 0. With 
    are 2.3e-3 and 7.4e-3).
 3. Two devices in one process: PipelineConfig(devices=("cuda:0", "cuda:1")) when two GPUs exist, against
    the loop on cuda:0 (float64); skipped with the reason otherwise.
-4. Two processes: on one GPU (skipped: NCCL cannot, and the pinned-host staging transport is not built);
-   with two GPUs, a 2-stage run over NCCL (pipedp.runtime.launch, inputs on each rank's device) against
+4. Two processes: on one GPU, a 2-stage run over gloo with device "cuda" (both ranks share cuda:0, every tensor
+   crossing through pinned host memory: pipedp/wire.py) against the float64 loop; with two GPUs, the same over NCCL (pipedp.runtime.launch, inputs on each rank's device) against
    the float64 loop; with two GPUs, 2 tensor-parallel ranks of the small Llama over NCCL (one DP-SGD step,
    SGD, noise 0; the slices joined by state_dict) against the loop's step (float64, 1e-9; on the CPU with
    --tensor-parallel).
@@ -312,9 +312,7 @@ def _rank_clipped_sum(rank: int, device_type: str, clip: float) -> Dict[str, tor
     from pipedp import PipelineDPTrainer
     from pipedp.models import token_loss
 
-    device = f"cuda:{torch.cuda.current_device()}" if device_type == "cuda" else "cpu"
     base = small_gpt().double()
-    x, y = _batch(64, 7, 16, device)  # inputs on the rank's device: the batch check fingerprints them there
     got: Dict[int, torch.Tensor] = {}
     names = {id(p): k for k, p in base.named_parameters()}
     with warnings.catch_warnings():
@@ -325,11 +323,13 @@ def _rank_clipped_sum(rank: int, device_type: str, clip: float) -> Dict[str, tor
             lambda params: Recorder(params, got),
             noise_multiplier=0.0,
             max_grad_norm=clip,
-            expected_batch_size=len(y),
+            expected_batch_size=7,
             stages=2,
             microbatches=3,
             transport="distributed",
+            device=device_type,  # "cuda": NCCL's own GPU, or under gloo one the ranks share
         )
+        x, y = _batch(64, 7, 16, str(trainer.runtime.device))  # on the rank's device: the batch check reads them there
         trainer.step(x, y)
         trainer.close()
     return {names[i]: (g * len(y)).cpu() for i, g in got.items()}
@@ -410,34 +410,21 @@ def tensor_parallel(device: str, backend: str, where: str, deadline: float) -> N
         traceback.print_exc()
 
 
-def processes(device: str, deadline: float, with_tensor_parallel: bool = False) -> None:
-    """2 ranks: on one GPU (needs a staging transport), over NCCL on 2 GPUs (or gloo on the CPU), and a stall."""
+def two_process_parity(what: str, device: str, where: str, backend: str, deadline: float) -> None:
+    """A 2-stage run in 2 processes (ghost, 1f1b, 3 micro-batches, noise 0) against the float64 loop."""
     import copy
 
-    from pipedp.errors import RankFailedError
     from pipedp.models import token_loss
     from pipedp.runtime.launch import launch
 
-    cuda = device.startswith("cuda")
-    row(
-        "2 processes on one GPU",
-        device,
-        "float64",
-        "skip",
-        "NCCL cannot put two ranks on one GPU; pipedp refuses it by name (a pinned-host staging transport over "
-        "gloo is not built yet): pipedp train runs both stages in one process there",
-    )
-    if cuda and torch.cuda.device_count() < 2:
-        row("NCCL parity and stalled rank, 2 processes", device, "float64", "skip", "one GPU here")
-        return
-    backend, where = ("nccl", "cuda:0+cuda:1") if cuda else ("gloo", "cpu")
-    label = f"parity gpt: 2 processes over {backend}, ghost, 1f1b, m=3"
+    label = f"parity gpt: {what}, ghost, 1f1b, m=3"
     if time.monotonic() > deadline:
         row(label, where, "float64", "skip", "time budget spent")
         return
     start = time.monotonic()
     try:
-        parts = launch(_rank_clipped_sum, 2, ("cuda" if cuda else "cpu", 0.05), timeout_s=180, backend=backend)
+        device_type = "cuda" if device.startswith("cuda") else "cpu"
+        parts = launch(_rank_clipped_sum, 2, (device_type, 0.05), timeout_s=180, backend=backend)
         base = small_gpt().double().to(device)
         x, y = _batch(64, 7, 16, device)
         want = loop_clipped_sum(copy.deepcopy(base), token_loss, x, y, 0.05)
@@ -447,6 +434,21 @@ def processes(device: str, deadline: float, with_tensor_parallel: bool = False) 
     except Exception as exc:  # noqa: BLE001 - reported in the table
         row(label, where, "float64", "FAIL", f"{type(exc).__name__}: {str(exc)[:120]}", "", time.monotonic() - start)
         traceback.print_exc()
+
+
+def processes(device: str, deadline: float, with_tensor_parallel: bool = False) -> None:
+    """2 ranks: on one GPU (gloo, host-staged), over NCCL on 2 GPUs (or gloo on the CPU), and a stall."""
+    from pipedp.errors import RankFailedError
+    from pipedp.runtime.launch import launch
+
+    cuda = device.startswith("cuda")
+    if cuda:
+        two_process_parity("2 processes on one GPU over gloo, host-staged", device, "cuda:0 (shared)", "gloo", deadline)
+    if cuda and torch.cuda.device_count() < 2:
+        row("NCCL parity and stalled rank, 2 processes", device, "float64", "skip", "one GPU here")
+        return
+    backend, where = ("nccl", "cuda:0+cuda:1") if cuda else ("gloo", "cpu")
+    two_process_parity(f"2 processes over {backend}", device, where, backend, deadline)
     if cuda or with_tensor_parallel:
         tensor_parallel(device, backend, where, deadline)
     else:

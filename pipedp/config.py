@@ -126,7 +126,8 @@ class PipelineConfig:
         "where the stages run: auto (pipedp train: one process per stage, each on its own GPU over NCCL, when there "
         "are as many GPUs as ranks; every stage in one process spread over fewer GPUs; the CPU over gloo without "
         "a GPU. The Python API: where the model is, or the backend's device across processes), cpu (forces the "
-        "CPU) or cuda (refused where a stage would not be on a GPU)",
+        "CPU) or cuda (refused where a stage would not be on a GPU; across processes over gloo, ranks sharing a GPU, "
+        "their tensors crossing through host memory)",
         choices=("auto", "cpu", "cuda"),
     )
     balance: Balance = option(

@@ -102,8 +102,8 @@ def _run(args, defaults: Optional[dict], hold) -> int:
                 f"torchrun started {os.environ['WORLD_SIZE']} processes but --stages {stages} x --replicas "
                 f"{replicas} x --tensor-parallel {tp} = {world}: use torchrun --nproc_per_node {world}"
             )
-        init_from_env("gloo" if job.pipeline.device == "cpu" else None, timeout_s=job.pipeline.timeout)
-        _print_rank_device(world)
+        init_from_env(timeout_s=job.pipeline.timeout, device=job.pipeline.device)
+        _print_rank_device(world, job.pipeline.device)
         return _merged(job, exit_code(train_rank(int(os.environ["RANK"]), job)), lead)
     if (job.inprocess or world == 1) and replicas > 1:
         raise PipeDPError("--replicas > 1 needs one process per (stage, replica): drop --inprocess")
@@ -114,6 +114,8 @@ def _run(args, defaults: Optional[dict], hold) -> int:
         devices = None if set(placement.devices) == {"cpu"} else placement.devices
         pipeline = replace(job.pipeline, transport="inprocess", devices=devices)
         return _merged(job, exit_code(train_rank(0, replace(job, inprocess=True, pipeline=pipeline))), lead)
+    if placement.shared:  # its ranks' stages on the GPUs they share (under gloo, "auto" would be the CPU)
+        job = replace(job, pipeline=replace(job.pipeline, device="cuda"))
     return _merged(job, _launch(job, world, placement.backend or "gloo"), lead)
 
 
@@ -138,12 +140,14 @@ def place_job(job: Job):
     return placement
 
 
-def _print_rank_device(world: int) -> None:
+def _print_rank_device(world: int, device: str) -> None:
     import torch
     import torch.distributed as dist
 
-    where = f"cuda:{torch.cuda.current_device()}" if dist.get_backend() == "nccl" else "cpu"
-    print(f"pipedp: rank {dist.get_rank()} of {world} over {dist.get_backend()} on {where}", flush=True)
+    backend = dist.get_backend()
+    where = f"cuda:{torch.cuda.current_device()}" if backend == "nccl" or device == "cuda" else "cpu"
+    shared = " (shared, through host memory)" if backend != "nccl" and where != "cpu" else ""
+    print(f"pipedp: rank {dist.get_rank()} of {world} over {backend} on {where}{shared}", flush=True)
 
 
 def _launch(job: Job, world: int, backend: str) -> int:

@@ -14,7 +14,7 @@ reads its slice only.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
@@ -23,6 +23,7 @@ import torch.nn.functional as F
 
 from ..shards import Shard
 from ..split.safetensors_read import stored_of
+from ..wire import Wire
 
 
 @dataclass(frozen=True)
@@ -32,17 +33,25 @@ class Group:
     rank: int
     size: int
     handle: Any  # the torch.distributed group; None: the planner's simulation of rank ``rank`` (no peers)
+    wire: Optional[Wire] = None  # where the collectives' tensors cross (None: where they are)
 
     def all_reduce(self, t: torch.Tensor, op: Any = dist.ReduceOp.SUM) -> None:
         if self.handle is not None:  # (simulated: the sum's shape and memory, no communication)
-            dist.all_reduce(t, op=op, group=self.handle)
+            wired = self.wire.out(t) if self.wire is not None else t
+            dist.all_reduce(wired, op=op, group=self.handle)
+            Wire.into(t, wired)
 
     def all_gather(self, parts: list, t: torch.Tensor) -> None:
-        if self.handle is not None:
-            dist.all_gather(parts, t, group=self.handle)
-        else:
+        if self.handle is None:
             for part in parts:
                 part.copy_(t)
+        elif self.wire is None or not self.wire.staged:
+            dist.all_gather(parts, t, group=self.handle)
+        else:
+            wired = [self.wire.empty(p.shape, p.dtype) for p in parts]
+            dist.all_gather(wired, self.wire.out(t), group=self.handle)
+            for part, arrived in zip(parts, wired):
+                part.copy_(arrived)
 
 
 class _Copy(torch.autograd.Function):

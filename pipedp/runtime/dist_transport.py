@@ -10,7 +10,8 @@ message of a new shape is announced by a notice in that buffer, then sent as the
 checks every header against what it expects: a message of another shape can never land in a
 stale buffer (on gloo a smaller message into a larger buffer succeeds silently), and an
 out-of-order message is an error, not a wrong gradient. Sends are non-blocking (isend), freed
-once the peer has provably received them, else at the end of the pass.
+once the peer has provably received them, else at the end of the pass. Every tensor crosses on the stage's
+wire (pipedp/wire.py): host copies where the stage is on a GPU and the groups run gloo.
 Activations and gradients travel on two separate process groups (two communicators):
 in 1F1B neighbours send to each other at the same time, and on NCCL, where the operations
 of one communicator run in order on one stream, one shared channel could block a send
@@ -28,6 +29,7 @@ import torch.distributed as dist
 from schedules import ACTIVATIONS, CHANNEL_NAMES, GRADIENTS, Kind
 
 from ..errors import TransportError
+from ..wire import Wire
 from .microbatch import Activation
 from .protocols import PeerAborted
 
@@ -84,12 +86,12 @@ class DistReduction:
 
 
 class DistTransport:
-    def __init__(self, stage: int, rank: int, prev_rank, next_rank, groups: "PipelineGroups", device: torch.device):
+    def __init__(self, stage: int, rank: int, prev_rank, next_rank, groups: "PipelineGroups", wire: Wire):
         self.stage, self.rank = stage, rank
         self.neighbour = {+1: next_rank, -1: prev_rank}  # by Kind.peer
         self.channel_group = {ACTIVATIONS: groups.activations, GRADIENTS: groups.gradients}
         self.group = groups.norms
-        self.device = device
+        self.wire = wire
         self._pending: Dict[tuple, List] = {}  # (channel, mb) -> [(work, tensor kept alive)]
         # this pass's message shapes, by (side, channel, n): the n-th message of a micro-batch on a channel
         self._known: Dict[tuple, Spec] = {}
@@ -117,31 +119,30 @@ class DistTransport:
         known = self._known.get(slot)
         if known == spec:  # header and payload in one buffer of the size the receiver expects
             for tensor in tensors:
-                joined = torch.cat(
-                    [self._header(mb, kind, parts, tensor).view(torch.uint8), tensor.reshape(-1).view(torch.uint8)]
-                )
+                header = self._header(mb, kind, parts, tensor).view(torch.uint8).to(tensor.device)
+                joined = self.wire.out(torch.cat([header, tensor.reshape(-1).view(torch.uint8)]))
                 sent.append(self._post(joined, kind, mb))
             return
         if known is not None:  # another shape than this pass's earlier micro-batches: say so in the
             code, shape = known[1][0]  # buffer the receiver expects, then announce the new shape
-            padding = torch.zeros(_joined_bytes(code, shape) - _HEADER_BYTES, dtype=torch.uint8, device=self.device)
-            notice = torch.cat([self._header(mb, kind, _RESHAPED, None).view(torch.uint8), padding])
+            padding = torch.zeros(_joined_bytes(code, shape) - _HEADER_BYTES, dtype=torch.uint8)
+            notice = self.wire.copy(torch.cat([self._header(mb, kind, _RESHAPED, None).view(torch.uint8), padding]))
             sent.append(self._post(notice, kind, mb))
         if tensors:  # an empty message is never remembered: it always sends its header
             self._known[slot] = spec
         else:
-            header = self._header(mb, kind, 0, None)
+            header = self.wire.copy(self._header(mb, kind, 0, None))
             sent.append(self._post(header, kind, mb))
         for tensor in tensors:  # the header on its own, then the payload allocated from it
-            header = self._header(mb, kind, parts, tensor)
-            sent.extend([self._post(header, kind, mb), self._post(tensor, kind, mb)])
+            header = self.wire.copy(self._header(mb, kind, parts, tensor))
+            sent.extend([self._post(header, kind, mb), self._post(self.wire.out(tensor), kind, mb)])
 
     def send_aborted(self, kind: Kind, mb: int) -> None:
         """One header in place of the whole message (every tensor of it): this stage's step failed. It fits
         any buffer the receiver posts first (a header, or a larger joined buffer: gloo takes a smaller
         message into a larger buffer), and the receiver then stops reading that message."""
         self._slot("send", kind, mb)
-        header = self._header(mb, kind, _ABORTED, None)
+        header = self.wire.copy(self._header(mb, kind, _ABORTED, None))
         self._pending.setdefault((kind.channel, mb), []).append(self._post(header, kind, mb))
 
     def _post(self, tensor: torch.Tensor, kind: Kind, mb: int) -> tuple:
@@ -160,11 +161,11 @@ class DistTransport:
         return TransportError(f"rank {self.rank} (stage {self.stage}) {what} ({str(exc).splitlines()[0][:200]})")
 
     def _header(self, mb: int, kind: Kind, parts: int, tensor) -> torch.Tensor:
-        """The message's header, made on this stage's device (one copy from the host)."""
+        """The message's header, on the host (``wire.copy`` puts it on the wire: on a GPU, one copy)."""
         values = [mb, kind.channel, parts]
         if tensor is not None:
             values += [_DTYPES.index(tensor.dtype), tensor.dim(), *tensor.shape]
-        return torch.tensor(values + [0] * (_HEADER - len(values)), dtype=torch.int64, device=self.device)
+        return torch.tensor(values + [0] * (_HEADER - len(values)), dtype=torch.int64)
 
     def recv(self, kind: Kind, mb: int) -> Activation:
         slot = self._slot("recv", kind, mb)
@@ -189,28 +190,28 @@ class DistTransport:
 
     def _recv_one(self, kind: Kind, mb: int) -> Tuple[int, torch.Tensor]:
         src, group = self.neighbour[kind.peer], self.channel_group[kind.channel]
-        header = torch.zeros(_HEADER, dtype=torch.int64, device=self.device)
+        header = self.wire.empty((_HEADER,), torch.int64)
         self._wait_for(lambda: dist.recv(header, src, group=group), src, kind, mb)
         parts, dtype, shape = self._check(header, kind, mb, None)
         self._refuse_aborted(parts, kind, mb)
         if parts == 0:
             return 0, header
-        payload = torch.empty(shape, dtype=_DTYPES[dtype], device=self.device)
+        payload = self.wire.empty(shape, _DTYPES[dtype])
         self._wait_for(lambda: dist.recv(payload, src, group=group), src, kind, mb)
-        return parts, payload
+        return parts, self.wire.back(payload)
 
     def _recv_joined(
         self, kind: Kind, mb: int, parts: int, code: int, shape: Tuple[int, ...]
     ) -> Optional[torch.Tensor]:
         """The payload of a joined buffer, or None for a notice that a new shape follows."""
         src, group = self.neighbour[kind.peer], self.channel_group[kind.channel]
-        joined = torch.empty(_joined_bytes(code, shape), dtype=torch.uint8, device=self.device)
+        joined = self.wire.empty((_joined_bytes(code, shape),), torch.uint8)
         self._wait_for(lambda: dist.recv(joined, src, group=group), src, kind, mb)
         got = self._check(joined[:_HEADER_BYTES].view(torch.int64), kind, mb, (parts, code, shape))[0]
         self._refuse_aborted(got, kind, mb)
         if got == _RESHAPED:
             return None
-        return joined[_HEADER_BYTES:].view(_DTYPES[code]).view(shape)
+        return self.wire.back(joined[_HEADER_BYTES:].view(_DTYPES[code]).view(shape))
 
     def _check(self, header: torch.Tensor, kind: Kind, mb: int, expected: Optional[tuple]):
         """The header's (parts, dtype code, shape), refused unless it is the expected message."""
@@ -251,7 +252,7 @@ class DistTransport:
             raise self._lost(f"{what}: rank {src} stopped answering or died", exc) from exc
 
     def norm_reduce_start(self, mb: int, squared_norms: torch.Tensor) -> DistReduction:
-        tensor = squared_norms.to(self.device).clone()
+        tensor = self.wire.copy(squared_norms)  # (summed in place: the caller's stays as it is)
         try:  # (as for a send: gloo fails the post itself once a rank's connection is closed)
             work = dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=self.group, async_op=True)
         except RuntimeError as exc:

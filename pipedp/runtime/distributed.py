@@ -40,10 +40,12 @@ from ..parallel.plan import split_stage
 from ..shards import Shard
 from ..split.blocks import Block
 from ..split.partition import Tie
+from ..wire import Wire
 from .dist_transport import DistTransport, PipelineGroups
 from .executor import Executor
-from .launch import bounded, cuda_device_of_rank, nccl_fault_handling
+from .launch import bounded, cuda_device_of_rank, nccl_fault_handling, shared_cuda_device
 from .microbatch import Inputs, PassBatch, rows, tensors_of
+from .placement import no_cuda
 from .protocols import PeerAborted
 from .stage import Stage, StageOptions
 from .tie import TieRole
@@ -224,16 +226,19 @@ def _check_same_weights(stage: Stage, mesh: "Mesh") -> None:
 
 def _device_for_backend(device: str = "auto") -> torch.device:
     """This rank's device: under NCCL its own GPU (init_from_env set it; a group the user made may have left
-    every rank on cuda:0, so that one comes from LOCAL_RANK), under gloo the CPU; ``device`` is
-    PipelineConfig.device, refused where the backend puts the stage elsewhere."""
+    every rank on cuda:0, so that one comes from LOCAL_RANK); under gloo the CPU, or with ``device="cuda"`` a GPU
+    that several ranks may share (its tensors cross through host memory: pipedp/wire.py). ``device`` is
+    PipelineConfig.device, refused where the backend cannot put the stage there."""
     if dist.get_backend() != "nccl":
-        if device == "cuda":
-            raise ConfigError(
-                f"device 'cuda' but the process group runs {dist.get_backend()}, whose stages are on the CPU: "
-                "init_process_group('nccl') (one GPU per rank), or device='cpu'",
-                "device",
-            )
-        return torch.device("cpu")
+        if device != "cuda":
+            return torch.device("cpu")
+        if not torch.cuda.is_available():
+            raise no_cuda()
+        index = torch.cuda.current_device()
+        if index == 0:  # the default: nobody chose (as under NCCL below)
+            index = shared_cuda_device()
+            torch.cuda.set_device(index)
+        return torch.device("cuda", index)
     if device == "cpu":
         raise ConfigError(
             "device 'cpu' but the process group runs NCCL (GPU tensors only): init_process_group('gloo')", "device"
@@ -293,10 +298,10 @@ class DistributedRuntime:
         dp_group,
         world_group,
         tie_group,
-        device: torch.device,
+        wire: Wire,
         state_keys: Sequence[str],
     ):
-        self.mesh, self.device = mesh, device
+        self.mesh, self.wire, self.device = mesh, wire, wire.device
         self.rank = mesh.rank
         self.replicas, self.replica = mesh.replicas, mesh.replica
         self.stage = stage
@@ -328,7 +333,8 @@ class DistributedRuntime:
         ``tensor_parallel_plan``: the layers split across each stage's tensor-parallel ranks (parallel/plan.py)."""
         world, rank = dist.get_world_size(), dist.get_rank()
         device = _device_for_backend(pipeline.device)  # first: the agreement's own collective runs on it
-        if device.type == "cuda":
+        wire = Wire.of(device, dist.get_backend())
+        if dist.get_backend() == "nccl":
             nccl_fault_handling()  # the groups below read it when created (also under the user's own init)
         _agree({"world size": world, **agreement})
         mesh = Mesh(pipeline.stages, pipeline.replicas, rank, pipeline.tensor_parallel)
@@ -350,7 +356,9 @@ class DistributedRuntime:
         part = None
         if tp_group is not None:  # this rank's slices, cut before the stage moves to its device
             part = split_stage(
-                stage_blocks[mesh.stage], tensor_parallel_plan or {}, Group(mesh.t, mesh.tensor_parallel, tp_group)
+                stage_blocks[mesh.stage],
+                tensor_parallel_plan or {},
+                Group(mesh.t, mesh.tensor_parallel, tp_group, wire),
             )
         for b in stage_blocks[mesh.stage]:
             b.module.to(device)
@@ -367,12 +375,12 @@ class DistributedRuntime:
             ranks[mesh.stage - 1] if mesh.stage > 0 else None,
             ranks[mesh.stage + 1] if mesh.stage < mesh.stages - 1 else None,
             pipeline_groups,
-            device,
+            wire,
         )
         executor = Executor(stage, transport, schedule.for_stage(mesh.stage))
         tie_group = groups.ties.get((mesh.replica, mesh.t))
         dp_group = groups.data_parallel[(mesh.stage, mesh.t)]
-        runtime = cls(mesh, stage, executor, dp_group, groups.world, tie_group, device, state_keys)
+        runtime = cls(mesh, stage, executor, dp_group, groups.world, tie_group, wire, state_keys)
         runtime.tp_group = tp_group
         return runtime
 
@@ -383,7 +391,7 @@ class DistributedRuntime:
             [float(rows(inputs)), sum(_fingerprint(t) for t in tensors_of(inputs)), _fingerprint(targets)],
             dtype=torch.float64,
         )
-        extremes = torch.cat([mine, -mine]).to(self.device)  # one MAX all-reduce gives both max and -min
+        extremes = self.wire.copy(torch.cat([mine, -mine]))  # one MAX all-reduce gives both max and -min
         self._polled(
             "batch check",
             lambda: dist.all_reduce(extremes, op=dist.ReduceOp.MAX, group=self.world_group, async_op=True),
@@ -416,9 +424,11 @@ class DistributedRuntime:
         source = self.mesh.rank_of(self.replica, self.mesh.stage, 0)
         for p, g in zip(stage.parameters, grads):
             if id(p) not in stage.tensor_parallel.shards:
+                wired = self.wire.out(g)
                 self._collective(
-                    "tensor-parallel broadcast", functools.partial(dist.broadcast, g, source, self.tp_group)
+                    "tensor-parallel broadcast", functools.partial(dist.broadcast, wired, source, self.tp_group)
                 )
+                self.wire.into(g, wired)
         return grads
 
     def refuse_unequal_whole(self, stage: Stage, grads: List[torch.Tensor]) -> None:
@@ -429,10 +439,10 @@ class DistributedRuntime:
         whole = [(p, g) for p, g in zip(stage.parameters, grads) if id(p) not in stage.tensor_parallel.shards]
         if self.tp_group is None or not whole:
             return
-        mine = torch.stack([torch.stack([g.double().sum(), g.double().square().sum()]) for _, g in whole]).to(
-            self.device
+        mine = self.wire.copy(
+            torch.stack([torch.stack([g.double().sum(), g.double().square().sum()]) for _, g in whole])
         )
-        parts = [torch.empty_like(mine) for _ in range(self.mesh.tensor_parallel)]
+        parts = [self.wire.empty(mine.shape, mine.dtype) for _ in range(self.mesh.tensor_parallel)]
         self._collective("tensor-parallel check", functools.partial(dist.all_gather, parts, mine, self.tp_group))
         names = stage.names()
         # the same arithmetic on the same values: equal but for a kernel's order of additions (atomics on a GPU)
@@ -484,7 +494,7 @@ class DistributedRuntime:
     def _agree_on_pass(self, failed: Optional[BaseException]) -> None:
         """Every rank learns whether a rank's pass failed (one MAX all-reduce of a flag); if one did, every
         rank raises the failing ranks' first report."""
-        flag = torch.tensor([float(failed is not None)], dtype=torch.float64, device=self.device)
+        flag = self.wire.copy(torch.tensor([float(failed is not None)], dtype=torch.float64))
         self._polled(
             "failure check", lambda: dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.world_group, async_op=True)
         )
@@ -533,7 +543,10 @@ class DistributedRuntime:
         for bucket in _buckets(tensors):
             alone = len(bucket) == 1 and bucket[0].is_contiguous()
             flat = bucket[0].view(-1) if alone else torch.cat([t.reshape(-1) for t in bucket])
-            self._polled(what, functools.partial(op, flat))
+            wired = self.wire.out(flat)
+            self._polled(what, functools.partial(op, wired))
+            if keep:
+                self.wire.into(flat, wired)
             if not alone and keep:
                 for t, chunk in zip(bucket, flat.split([t.numel() for t in bucket])):
                     t.copy_(chunk.view_as(t))
@@ -556,22 +569,22 @@ class DistributedRuntime:
         """One parameter's optimizer state to ``dst``: a header (plain values, and each tensor's shape and dtype),
         then each tensor from this rank's device."""
         header = [{k: (_TENSOR, tuple(v.shape), v.dtype) if torch.is_tensor(v) else v for k, v in state.items()}]
-        send = functools.partial(dist.send_object_list, header, dst, self.dp_group, self.device)
+        send = functools.partial(dist.send_object_list, header, dst, self.dp_group, self.wire.host)
         self._collective("optimizer state gather", send)
         for v in state.values():
             if torch.is_tensor(v):
-                tensor = v.to(self.device).contiguous()
+                tensor = self.wire.out(v, pinned=False)
                 self._collective("optimizer state gather", functools.partial(dist.send, tensor, dst, self.dp_group))
 
     def _recv_state(self, src: int) -> Dict[str, Any]:
         """``_send_state``'s state from ``src``, its tensors on the CPU."""
         header: List[Any] = [None]
-        receive = functools.partial(dist.recv_object_list, header, src, self.dp_group, self.device)
+        receive = functools.partial(dist.recv_object_list, header, src, self.dp_group, self.wire.host)
         self._collective("optimizer state gather", receive)
         out: Dict[str, Any] = {}
         for k, v in header[0].items():
             if isinstance(v, tuple) and v and v[0] == _TENSOR:
-                buffer = torch.empty(v[1], dtype=v[2], device=self.device)
+                buffer = self.wire.landing(v[1], v[2])
                 self._collective("optimizer state gather", functools.partial(dist.recv, buffer, src, self.dp_group))
                 v = buffer.cpu()
             out[k] = v
@@ -582,15 +595,17 @@ class DistributedRuntime:
             return grads
 
         def all_reduce(total: torch.Tensor) -> None:
+            wired = self.wire.out(total)
             self._polled(
                 "tied weight sum",
-                lambda: dist.all_reduce(total, op=dist.ReduceOp.SUM, group=self.tie_group, async_op=True),
+                lambda: dist.all_reduce(wired, op=dist.ReduceOp.SUM, group=self.tie_group, async_op=True),
             )
+            self.wire.into(total, wired)
 
         return stage.tie.combine_across(grads, stage.parameters, all_reduce)
 
     def total(self, value: torch.Tensor) -> torch.Tensor:
-        value = value.to(self.device, torch.float64).clone()
+        value = self.wire.copy(value.to(torch.float64))
         self._polled(
             "loss total", lambda: dist.all_reduce(value, op=dist.ReduceOp.SUM, group=self.world_group, async_op=True)
         )
@@ -627,7 +642,7 @@ class DistributedRuntime:
                     "state gather", functools.partial(dist.recv_object_list, header, src, self.world_group)
                 )
                 for name, dtype, shape in header[0]:
-                    buffer = torch.empty(shape, dtype=dtype, device=self.device)
+                    buffer = self.wire.landing(shape, dtype)
                     self._collective("state gather", functools.partial(dist.recv, buffer, src, self.world_group))
                     merged[name] = buffer.cpu()
             return {k: merged[k] for k in self.state_keys if k in merged}
@@ -635,7 +650,7 @@ class DistributedRuntime:
             listing = [[(k, v.dtype, tuple(v.shape)) for k, v in own.items()]]
             self._collective("state gather", functools.partial(dist.send_object_list, listing, 0, self.world_group))
             for v in own.values():
-                sent = v.detach().contiguous().to(self.device)
+                sent = self.wire.out(v.detach(), pinned=False)
                 self._collective("state gather", functools.partial(dist.send, sent, 0, self.world_group))
         return None
 
@@ -660,9 +675,11 @@ class DistributedRuntime:
             if shard is None:
                 out.append(value)
                 continue
-            # on this rank's device for the collective (NCCL): a sharded optimizer's gathered state is on the CPU
-            sent = value.detach().to(self.device).contiguous()
-            parts = [torch.empty_like(sent) for _ in range(self.mesh.tensor_parallel)] if mine else None
+            # on the wire (NCCL: the rank's GPU, where a sharded optimizer's gathered state is on the CPU)
+            sent = self.wire.out(value.detach(), pinned=False)
+            parts = (
+                [self.wire.landing(sent.shape, sent.dtype) for _ in range(self.mesh.tensor_parallel)] if mine else None
+            )
             self._collective("tensor-parallel gather", functools.partial(dist.gather, sent, parts, root, self.tp_group))
             out.append(torch.cat(parts, dim=shard.dim).to(value.device) if parts is not None else value)
         return out if mine else None

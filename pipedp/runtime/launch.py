@@ -37,7 +37,7 @@ import torch.multiprocessing as mp
 
 from ..errors import RankFailedError
 from .lifeline import watch_agent
-from .placement import local_device
+from .placement import backend_for, local_device
 
 
 def free_port() -> int:
@@ -97,18 +97,31 @@ def cuda_device_of_rank() -> int:
     )
 
 
-def init_from_env(backend: Optional[str] = None, timeout_s: float = 300.0, store: Optional[dist.Store] = None) -> None:
-    """init_process_group from torchrun's environment (or the given store); NCCL when CUDA is there, else gloo.
-    Under NCCL each rank takes its own GPU (refused, by name, where two would share one) and NCCL's faults
-    raise within ``timeout_s``. Under torchrun the rank stops if torchrun's agent dies (lifeline.py)."""
+def shared_cuda_device() -> int:
+    """This rank's CUDA device where ranks share the GPUs (gloo with device "cuda"): LOCAL_RANK, round robin."""
+    return int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count()
+
+
+def init_from_env(
+    backend: Optional[str] = None, timeout_s: float = 300.0, store: Optional[dist.Store] = None, device: str = "auto"
+) -> None:
+    """init_process_group from torchrun's environment (or the given store). The backend, unless given, follows
+    ``device`` (PipelineConfig.device: pass the same) and the GPUs here (placement.backend_for): NCCL with a GPU
+    per rank, gloo on the CPU, gloo with ``device="cuda"`` where ranks share a GPU. Under NCCL each rank takes its
+    own GPU (refused, by name, where two would share one) and NCCL's faults raise within ``timeout_s``. Under
+    torchrun the rank stops if torchrun's agent dies (lifeline.py)."""
     watch_agent(timeout_s)
     if dist.is_initialized():
         return
     if backend is None:
-        backend = "nccl" if torch.cuda.is_available() else "gloo"
+        gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        ranks_here = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+        backend = backend_for(device, gpus, ranks_here, masked="CUDA_VISIBLE_DEVICES" in os.environ)
     if backend == "nccl":
         torch.cuda.set_device(cuda_device_of_rank())
         nccl_fault_handling()
+    elif device == "cuda" and torch.cuda.is_available():
+        torch.cuda.set_device(shared_cuda_device())
     with bounded("creating the default process group", timeout_s):
         if store is None:
             dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s))

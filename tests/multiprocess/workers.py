@@ -814,3 +814,48 @@ def uneven_replicas(rank, options, sizes):
     for step, n in enumerate(sizes):
         trainer.step(*make_batch(n, seed=step))
     return trainer.state_dict()
+
+
+def host_staged(rank, worker, *args):
+    """``worker(rank, *args)`` with this rank's wire staged through host memory as it is where a stage sits on a GPU
+    under gloo (here the stage is on the CPU, so the copies are CPU to CPU), and every tensor pipedp hands
+    torch.distributed checked to be one the wire made: a call that bypassed the wire would hand gloo a GPU
+    pointer. Returns the worker's result and how many calls were checked."""
+    import torch.distributed as dist
+
+    from pipedp import wire
+
+    made = set()  # storages of the tensors the wire made
+    alive = []  # ... kept, so that no address of theirs is reused by a tensor that bypassed the wire
+    checked = {"calls": 0}
+    for name in ("empty", "landing", "copy", "out"):  # (staged, out always copies)
+        real = getattr(wire.Wire, name)
+
+        def making(self, *a, _real=real, **k):
+            out = _real(self, *a, **k)
+            made.add(out.untyped_storage().data_ptr())
+            alive.append(out)
+            return out
+
+        setattr(wire.Wire, name, making)
+    wire.Wire.of = classmethod(lambda cls, device, backend: cls(device, staged=True))
+
+    def tensors(value):
+        if torch.is_tensor(value):
+            return [value]
+        if isinstance(value, (list, tuple)):
+            return [t for v in value for t in tensors(v)]
+        return []
+
+    for name in ("isend", "send", "recv", "all_reduce", "broadcast", "reduce", "all_gather", "gather"):
+        real = getattr(dist, name)
+
+        def checking(*a, _real=real, _name=name, **k):
+            handed = tensors(list(a) + list(k.values()))
+            stray = [tuple(t.shape) for t in handed if t.untyped_storage().data_ptr() not in made]
+            assert not stray, f"dist.{_name} got tensors the wire did not make: {stray}"
+            checked["calls"] += 1
+            return _real(*a, **k)
+
+        setattr(dist, name, checking)
+    return worker(rank, *args), checked["calls"]

@@ -18,6 +18,7 @@ LAYERS = {
     "pipedp.data": 0,
     "pipedp.shards": 0,
     "pipedp.rounding": 0,
+    "pipedp.wire": 0,  # where tensors cross torch.distributed: the runtime and the tensor-parallel layers
     "pipedp.privacy": 1,
     "pipedp.split": 2,
     "pipedp.parallel": 2,  # the tensor-parallel layers and their split: beside split, which it applies to

@@ -16,7 +16,8 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from pipedp import PipelineConfig
 from pipedp.errors import ConfigError
 from pipedp.runtime import distributed, launch, measure
-from pipedp.runtime.placement import local_device, place
+from pipedp.runtime.placement import backend_for, local_device, place
+from pipedp.wire import Wire
 
 
 # ---- 1. where pipedp train puts the ranks ------------------------------------------------------------------
@@ -34,6 +35,8 @@ from pipedp.runtime.placement import local_device, place
         (1, 1, "auto", 1, False, False, None, ("cuda:0",)),
         (2, 1, "cpu", 4, False, True, "gloo", ("cpu", "cpu")),
         (2, 1, "cuda", 2, False, True, "nccl", ("cuda:0", "cuda:1")),
+        (2, 2, "auto", 3, False, True, "gloo", ("cuda:0", "cuda:1", "cuda:2", "cuda:0")),  # shared, host-staged
+        (1, 2, "auto", 1, False, True, "gloo", ("cuda:0", "cuda:0")),
     ],
 )
 def test_placement(stages, replicas, device, gpus, inprocess, processes, backend, devices):
@@ -43,15 +46,13 @@ def test_placement(stages, replicas, device, gpus, inprocess, processes, backend
 
 
 @pytest.mark.parametrize("stages, replicas, gpus", [(s, r, g) for s in (1, 2, 3, 5) for r in (1, 2) for g in (1, 2, 4)])
-def test_with_gpus_never_on_the_cpu_and_never_two_ranks_on_one_gpu(stages, replicas, gpus):
-    try:
-        got = place(stages, replicas, "auto", gpus)
-    except ConfigError as exc:  # only replicas that need more GPUs than there are are refused
-        assert replicas > 1 and stages * replicas > gpus and "--device cpu" in str(exc)
-        return
+def test_with_gpus_never_on_the_cpu_and_never_two_nccl_ranks_on_one_gpu(stages, replicas, gpus):
+    got = place(stages, replicas, "auto", gpus)
     assert all(d.startswith("cuda:") and int(d[5:]) < gpus for d in got.devices)
-    if got.processes:
-        assert got.backend == "nccl" and len(set(got.devices)) == len(got.devices)
+    if got.backend == "nccl":  # NCCL cannot put two ranks on one GPU
+        assert len(set(got.devices)) == len(got.devices)
+    if got.shared:  # more ranks than GPUs: over gloo, and said so
+        assert got.backend == "gloo" and len(got.devices) > gpus and "host memory" in got.describe()
 
 
 def test_refusals_name_the_fix():
@@ -59,8 +60,6 @@ def test_refusals_name_the_fix():
         place(2, 1, "cuda", 0)
     with pytest.raises(ConfigError, match="device"):
         place(2, 1, "tpu", 0)
-    with pytest.raises(ConfigError, match="fewer replicas"):
-        place(2, 2, "auto", 3)
 
 
 @dataclass(frozen=True)
@@ -74,28 +73,31 @@ class _Job:  # the fields pipedp.cli.job.run reads
 
 
 @pytest.mark.parametrize(
-    "gpus, flag, want",
+    "gpus, flag, replicas, want",
     [
-        (2, "auto", ("launch", "nccl")),
-        (0, "auto", ("launch", "gloo")),
-        (4, "cpu", ("launch", "gloo")),
-        (1, "auto", ("inprocess", ("cuda:0", "cuda:0"))),
+        (2, "auto", 1, ("launch", "nccl", "auto")),
+        (0, "auto", 1, ("launch", "gloo", "auto")),
+        (4, "cpu", 1, ("launch", "gloo", "cpu")),
+        (1, "auto", 1, ("inprocess", ("cuda:0", "cuda:0"))),
+        (1, "auto", 2, ("launch", "gloo", "cuda")),  # 4 ranks share the GPU: their stages on it, not the CPU
     ],
 )
-def test_pipedp_train_uses_the_gpus_it_finds(monkeypatch, capsys, gpus, flag, want):
+def test_pipedp_train_uses_the_gpus_it_finds(monkeypatch, capsys, gpus, flag, replicas, want):
     from pipedp.cli import job as cli_job
     from pipedp.cli import preflight, record
 
     monkeypatch.delenv("RANK", raising=False)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: gpus)
-    the_job = _Job(pipeline=PipelineConfig(stages=2, device=flag))
+    the_job = _Job(pipeline=PipelineConfig(stages=2, replicas=replicas, device=flag))
     monkeypatch.setattr(preflight, "resolve", lambda args, say, lead, **kw: the_job)
     monkeypatch.setattr(
         record, "RunFolder", lambda path: SimpleNamespace(write_config=lambda *a: None, clear_record=lambda: None)
     )
     monkeypatch.setattr(cli_job, "_print_job", lambda job: None)
     got = []
-    monkeypatch.setattr(cli_job, "_launch", lambda job, world, backend: got.append(("launch", backend)) or 0)
+    monkeypatch.setattr(
+        cli_job, "_launch", lambda job, world, backend: got.append(("launch", backend, job.pipeline.device)) or 0
+    )
     monkeypatch.setattr(
         cli_job, "train_rank", lambda rank, job: got.append(("inprocess", job.pipeline.devices)) or {"loss": 0.0}
     )
@@ -197,8 +199,50 @@ def test_a_user_made_nccl_group_still_gets_the_local_ranks_gpu(monkeypatch, nccl
         distributed._device_for_backend("cpu")
     monkeypatch.setattr(dist, "get_backend", lambda group=None: "gloo")
     assert distributed._device_for_backend() == torch.device("cpu")
-    with pytest.raises(ConfigError, match="nccl"):
-        distributed._device_for_backend("cuda")
+    with pytest.raises(ConfigError, match="sees no CUDA device"):
+        distributed._device_for_backend("cuda")  # (this CPU build: no GPU to share)
+
+
+# ---- 4. several ranks on one GPU: gloo, every tensor crossing through host memory ----------------------------
+@pytest.mark.parametrize(
+    "device, gpus, ranks_here, masked, want",
+    [
+        ("auto", 0, 2, False, "gloo"),
+        ("cpu", 4, 2, False, "gloo"),
+        ("auto", 2, 2, False, "nccl"),
+        ("cuda", 2, 2, False, "nccl"),
+        ("cuda", 1, 2, False, "gloo"),  # shared: NCCL cannot put two ranks on one GPU
+        ("cuda", 2, 3, False, "gloo"),
+        ("cuda", 1, 2, True, "nccl"),  # CUDA_VISIBLE_DEVICES: each process sees its own GPU
+        ("auto", 1, 2, False, "nccl"),  # refused by local_device before init, naming device='cuda'
+    ],
+)
+def test_backend_for(device, gpus, ranks_here, masked, want):
+    assert backend_for(device, gpus, ranks_here, masked) == want
+
+
+def test_backend_for_refuses_cuda_without_a_gpu():
+    with pytest.raises(ConfigError, match="sees no CUDA device"):
+        backend_for("cuda", 0, 1)
+
+
+def test_two_ranks_share_one_gpu_over_gloo_when_asked(monkeypatch, nccl_calls):
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)  # nobody chose
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    with pytest.raises(ConfigError, match="device='cuda'"):  # auto: refused, naming the way to share
+        launch.init_from_env(timeout_s=7.0)
+    assert nccl_calls.init == []
+    launch.init_from_env(timeout_s=7.0, device="cuda")
+    ((args, _),) = nccl_calls.init
+    assert args == ("gloo",) and nccl_calls.set_device == [0]
+    monkeypatch.setattr(dist, "get_backend", lambda group=None: "gloo")
+    assert distributed._device_for_backend("cuda") == torch.device("cuda", 0)
+    assert distributed._device_for_backend("auto") == torch.device("cpu")  # gloo, not asked: the CPU as before
+    assert Wire.of(torch.device("cuda", 0), "gloo").staged and not Wire.of(torch.device("cuda", 0), "nccl").staged
+    assert not Wire.of(torch.device("cpu"), "gloo").staged
 
 
 def test_every_group_waits_at_most_the_timeout(nccl_calls):
@@ -225,11 +269,54 @@ def test_transport_messages_on_the_stage_device(monkeypatch):
     monkeypatch.setattr(dist, "isend", lambda tensor, dst, group=None: sent.append(tensor) or SimpleNamespace())
     with FakeTensorMode():
         device = torch.device("cuda:1")
-        transport = DistTransport(0, 0, None, 1, PipelineGroups(None, None, None), device)
+        transport = DistTransport(0, 0, None, 1, PipelineGroups(None, None, None), Wire(device))
         for mb in range(3):  # the first message (header, payload), then joined ones, then a new shape
             transport.send(Kind.SEND_F, mb, torch.empty(2, 4 if mb < 2 else 5, device=device))
         transport.send(Kind.SEND_F, 3, ())  # an empty message: a notice, then its header
     assert len(sent) == 2 + 1 + 1 + 2 + 2 and all(t.device == device for t in sent)
+
+
+def test_a_staged_transport_hands_gloo_host_memory_only(monkeypatch):
+    """A stage on a GPU over gloo: every send, receive buffer and reduction is on the host, and what arrives is
+    on the stage's GPU (gloo reads a tensor's raw pointer: a GPU one would be read as host memory)."""
+    from pipedp.runtime.dist_transport import DistTransport, PipelineGroups
+    from schedules import Kind
+
+    handed = []
+
+    def recv(tensor, src, group=None):
+        handed.append(tensor)
+        inbox.pop(0)(tensor)
+
+    monkeypatch.setattr(dist, "isend", lambda tensor, dst, group=None: handed.append(tensor) or SimpleNamespace())
+    monkeypatch.setattr(dist, "recv", recv)
+    monkeypatch.setattr(dist, "all_reduce", lambda t, **k: handed.append(t) or SimpleNamespace())
+    groups = PipelineGroups(None, None, None)
+    with FakeTensorMode():  # the sender's stage on a (fake) GPU: a tensor it hands gloo must be a host copy
+        device = torch.device("cuda:1")
+        sender = DistTransport(0, 0, None, 1, groups, Wire.of(device, "gloo"))
+        for mb in range(2):  # the first message (header, payload), then a joined one
+            sender.send(Kind.SEND_F, mb, torch.empty(2, 4, device=device))
+        sender.norm_reduce_start(0, torch.zeros(2, dtype=torch.float64, device=device))
+    assert len(handed) == 3 + 1 and all(t.device == torch.device("cpu") for t in handed)
+    # the receiver's stage on the meta device, standing for a GPU (its headers must be read, so real): every
+    # buffer gloo fills is on the host, and each payload arrives on the stage's device
+    messages = [
+        torch.tensor([0, 0, -1, 0, 2, 2, 4, 0, 0, 0, 0]),  # micro-batch 0's header: bare float32 [2, 4]
+        torch.arange(8.0).view(2, 4),
+        torch.cat(
+            [
+                torch.tensor([1, 0, -1, 0, 2, 2, 4, 0, 0, 0, 0]).view(torch.uint8),
+                (8 + torch.arange(8.0)).view(torch.uint8),
+            ]
+        ),
+    ]
+    inbox = [lambda t, m=m: t.copy_(m.view_as(t)) for m in messages]
+    handed.clear()
+    receiver = DistTransport(1, 1, 0, None, groups, Wire(torch.device("meta"), staged=True))
+    got = [receiver.recv(Kind.RECV_F, mb) for mb in range(2)]
+    assert len(handed) == 3 and all(t.device == torch.device("cpu") for t in handed)
+    assert all(g.device == torch.device("meta") and g.shape == (2, 4) for g in got)
 
 
 def test_noise_generator_on_the_sums_device(monkeypatch):

@@ -6,11 +6,19 @@ import torch
 
 from pipedp.errors import TransportError
 from pipedp.runtime.dist_transport import _BARE, DistTransport, PipelineGroups
+from pipedp.wire import Wire
 from schedules import Kind
 
 
 def transport(stage):
-    return DistTransport(stage, stage, stage - 1 if stage else None, stage + 1, PipelineGroups(None, None, None), "cpu")
+    return DistTransport(
+        stage,
+        stage,
+        stage - 1 if stage else None,
+        stage + 1,
+        PipelineGroups(None, None, None),
+        Wire(torch.device("cpu")),
+    )
 
 
 def test_a_header_says_what_the_receiver_checks():
