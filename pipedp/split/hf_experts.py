@@ -38,9 +38,9 @@ from ..privacy.rules.expert_lora import (
     ADAPTED_EXPERTS,
     DENSE_WEIGHTS,
     adapted,
-    computed_weights,
     dense_computed_weights,
     factors,
+    low_rank,
     wrapped_bank,
     wrappers,
 )
@@ -436,8 +436,8 @@ def _check_adapters(where: str, outer: nn.Module, bank: nn.Module, call: tuple) 
     with _random_factors(outer):
         own = outer(x, index, weights)
         try:  # (a PEFT that reads the weights otherwise gives factors of other shapes: refused by name below)
-            computed = computed_weights(bank, adapted(outer), x.dtype)
-            recomputed: Optional[torch.Tensor] = recomputed_output(bank, x, index, weights, computed)
+            terms = low_rank(bank, adapted(outer), x.dtype)
+            recomputed: Optional[torch.Tensor] = recomputed_output(bank, x, index, weights, terms)
         except torch.OutOfMemoryError:  # (no answer about the layout)
             raise
         except RuntimeError:

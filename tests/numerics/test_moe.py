@@ -706,7 +706,7 @@ def test_expert_adapters_of_an_older_peft_are_refused_naming_the_version(monkeyp
         )
 
     real_version = importlib.metadata.version
-    monkeypatch.setattr(hf_experts, "computed_weights", old_shapes)
+    monkeypatch.setattr(hf_experts, "low_rank", old_shapes)
     monkeypatch.setattr(importlib.metadata, "version", lambda name: "0.19.0" if name == "peft" else real_version(name))
     model = lora_on_the_experts(mixtral())
     inputs, labels = padded_batch("right")

@@ -13,7 +13,8 @@ factors' per-sample gradients are sums over the sample's pairs, as for the bank:
 so each factor is one more projection over the same pairs (inputs a_p and output-gradients s B_e^T g_p
 for A; inputs s A_e a_p and output-gradients g_p for B), and the bank rule's Gram norms, per-sample
 gradients and clipped sums apply to it unchanged. The pairs themselves are recomputed with the weights
-the forward used, W + s B A. split/hf_experts.py checks PEFT's forward against this reading with random
+the forward used, W + s B A, applied as x W^T + s (x A^T) B^T (forming W + s B A would cost as much as the bank's
+weight, per call). split/hf_experts.py checks PEFT's forward against this reading with random
 factors at construction.
 
 Llama-4's bank (rules/dense_experts.py: every token through every expert) stores its weights [E, in, out]
@@ -35,6 +36,7 @@ import torch.nn as nn
 from .dense_experts import DENSE_EXPERTS, costs_of, dense_pairs, experts_of, grams_fit, span_norms
 from .experts import (
     EXPERTS,
+    LowRank,
     Projection,
     first_weights,
     grads_of,
@@ -117,16 +119,14 @@ def adapted(outer: nn.Module) -> Dict[str, Factors]:
     return {w.parameter_name: factors(w) for w in wrappers(outer)}
 
 
-def computed_weights(bank: nn.Module, adapters: Dict[str, Factors], dtype: torch.dtype) -> Tuple:
-    """((w1, b1), (w2, b2)) as the forward computes with them: each adapted weight plus its delta."""
-    out = []
-    for name, (weight, bias) in zip(weight_names(bank), (first_weights(bank), second_weights(bank))):
-        w = weight.detach().to(dtype)
-        if name in adapters:
-            delta = adapters[name].delta(dtype)
-            w = w + (delta.transpose(-1, -2) if bank.is_transposed else delta)
-        out.append((w, bias.detach().to(dtype) if bias is not None else None))
-    return tuple(out)
+def low_rank(bank: nn.Module, adapters: Dict[str, Factors], dtype: torch.dtype) -> Tuple[Optional[LowRank], ...]:
+    """Each of the bank's two weights' adapter term (the forward computes with W_e + s B_e A_e), or None: applied
+    as thin products, never formed as an [E, out, in] sum (which costs as much as the weight itself to make)."""
+    terms = []
+    for name in weight_names(bank):
+        f = adapters.get(name)
+        terms.append(LowRank(f.a(dtype), f.b(dtype), f.scaling) if f is not None else None)
+    return tuple(terms)
 
 
 def _with_factors(proj: Projection, experts: torch.Tensor, f: Factors) -> List[Projection]:
@@ -156,7 +156,7 @@ def _with_factors(proj: Projection, experts: torch.Tensor, f: Factors) -> List[P
 def _projections(outer: nn.Module, inputs: Sequence[torch.Tensor], backprops: torch.Tensor):
     bank = wrapped_bank(outer)
     adapters = adapted(outer)
-    experts, projections = pairs(bank, inputs, backprops, computed_weights(bank, adapters, backprops.dtype))
+    experts, projections = pairs(bank, inputs, backprops, low_rank(bank, adapters, backprops.dtype))
     out = []
     for name, proj in zip(weight_names(bank), projections):
         out.append(proj)

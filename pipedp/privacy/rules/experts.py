@@ -98,14 +98,45 @@ def weight_names(bank: nn.Module) -> Tuple[str, str]:
     return ("gate_up_proj" if bank.has_gate else "up_proj"), "down_proj"
 
 
-def _apply(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], transposed: bool) -> torch.Tensor:
+@dataclass(frozen=True)
+class LowRank:
+    """An adapter's term s B_e A_e added to a bank weight's expert matrices [out, in] (PEFT's LoRA on the
+    bank), applied as two thin products instead of the [E, out, in] sum: x (W_e + s B_e A_e)^T =
+    x W_e^T + s (x A_e^T) B_e^T, in either storage layout of W."""
+
+    a: torch.Tensor  # [E, r, in]
+    b: torch.Tensor  # [E, out, r]
+    scaling: float
+
+
+def _apply(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: Optional[torch.Tensor],
+    transposed: bool,
+    low: Optional[Tuple[torch.Tensor, torch.Tensor, float]] = None,
+) -> torch.Tensor:
+    """x's product with one expert's matrix (plus ``low``: that expert's A_e, B_e and s, the adapter's term)."""
     y = x @ weight if transposed else x @ weight.t()
+    if low is not None:
+        y = y + low[2] * ((x @ low[0].t()) @ low[1].t())
     return y + bias if bias is not None else y
 
 
-def _back(g: torch.Tensor, weight: torch.Tensor, transposed: bool) -> torch.Tensor:
+def _back(
+    g: torch.Tensor,
+    weight: torch.Tensor,
+    transposed: bool,
+    low: Optional[Tuple[torch.Tensor, torch.Tensor, float]] = None,
+) -> torch.Tensor:
     """The input-gradient of ``_apply`` for output-gradient ``g``."""
-    return g @ weight.t() if transposed else g @ weight
+    back = g @ weight.t() if transposed else g @ weight
+    return back + low[2] * ((g @ low[1]) @ low[0]) if low is not None else back
+
+
+def _expert_term(low: Optional[LowRank], e: int, dtype: torch.dtype):
+    """Expert e's (A_e, B_e, s) of an adapter term, or None."""
+    return None if low is None else (low.a[e].to(dtype), low.b[e].to(dtype), low.scaling)
 
 
 def _out_in(transposed: bool) -> Callable[[torch.Tensor], torch.Tensor]:
@@ -114,12 +145,15 @@ def _out_in(transposed: bool) -> Callable[[torch.Tensor], torch.Tensor]:
 
 
 def pairs(
-    bank: nn.Module, inputs: Sequence[torch.Tensor], backprops: torch.Tensor, computed: Optional[Sequence] = None
+    bank: nn.Module,
+    inputs: Sequence[torch.Tensor],
+    backprops: torch.Tensor,
+    low_rank: Sequence[Optional[LowRank]] = (None, None),
 ) -> Tuple[torch.Tensor, List[Projection]]:
     """(expert ids [n, P], [first projection, second projection]) of the micro-batch's P = T k pairs per
     sample, recomputed from the captured hidden states [n, T, d], routing [n, T, k] and weights [n, T, k]
-    with the bank's own weights and gate (one product per expert the micro-batch reaches); ``computed``:
-    the weights the forward computed with instead of the bank's own, as ((w1, b1), (w2, b2))."""
+    with the bank's own weights and gate (one product per expert the micro-batch reaches); ``low_rank``:
+    an adapter's term added to each weight in the forward (PEFT's LoRA on the bank), or None."""
     hidden, index, weights = inputs[0], inputs[1], inputs[2]
     n, t, d = hidden.shape
     k = index.shape[-1]
@@ -127,17 +161,19 @@ def pairs(
     a1 = hidden.to(dtype).unsqueeze(2).expand(n, t, k, d).reshape(n * t * k, d)  # pair (t, j) reads a_t
     g2 = (backprops.unsqueeze(2) * weights.to(dtype).unsqueeze(-1)).reshape(n * t * k, -1)  # w_tj * token's grad
     experts = index.reshape(-1)
-    (w1, b1), (w2, b2) = computed if computed is not None else (first_weights(bank), second_weights(bank))
+    (w1, b1), w2 = first_weights(bank), second_weights(bank)[0]
+    low1, low2 = low_rank
     transposed = bool(bank.is_transposed)
     width = w1.shape[-1] if transposed else w1.shape[-2]  # the first projection's output, the second's input
     g1 = a1.new_zeros(n * t * k, width)
     a2 = a1.new_zeros(n * t * k, w2.shape[-2] if transposed else w2.shape[-1])
     for e, rows in rows_by_expert(experts, w1.shape[0]):
         with torch.enable_grad():
-            z = _apply(a1[rows], w1[e].to(dtype), b1[e].to(dtype) if b1 is not None else None, transposed)
+            bias = b1[e].detach().to(dtype) if b1 is not None else None
+            z = _apply(a1[rows], w1[e].detach().to(dtype), bias, transposed, _expert_term(low1, e, dtype))
             z = z.detach().requires_grad_(True)
             h = bank._apply_gate(z) if bank.has_gate else bank.act_fn(z)
-            gh = _back(g2[rows], w2[e].to(dtype), transposed)
+            gh = _back(g2[rows], w2[e].detach().to(dtype), transposed, _expert_term(low2, e, dtype))
             (g1[rows],) = torch.autograd.grad(h, z, gh)
         a2[rows] = h.detach()
     experts = experts.reshape(n, t * k)
@@ -157,19 +193,25 @@ def rows_by_expert(experts: torch.Tensor, count: int):
 
 
 def recomputed_output(
-    bank: nn.Module, hidden: torch.Tensor, index: torch.Tensor, weights: torch.Tensor, computed=None
+    bank: nn.Module,
+    hidden: torch.Tensor,
+    index: torch.Tensor,
+    weights: torch.Tensor,
+    low_rank: Sequence[Optional[LowRank]] = (None, None),
 ) -> torch.Tensor:
     """The bank's output for tokens [N, d] as this rule reads its layout (checked against the bank's own
-    forward at construction: split/hf_experts.py); ``computed``: other weights, as ``pairs`` takes them."""
-    (w1, b1), (w2, b2) = computed if computed is not None else (first_weights(bank), second_weights(bank))
-    transposed = bool(bank.is_transposed)
+    forward at construction: split/hf_experts.py); ``low_rank``: as ``pairs`` takes it."""
+    (w1, b1), (w2, b2) = first_weights(bank), second_weights(bank)
+    transposed, dtype = bool(bank.is_transposed), hidden.dtype
     out = torch.zeros_like(hidden)
     for t in range(hidden.shape[0]):
         for j in range(index.shape[1]):
             e = int(index[t, j])
-            z = _apply(hidden[t : t + 1], w1[e], b1[e] if b1 is not None else None, transposed)
+            term1, term2 = _expert_term(low_rank[0], e, dtype), _expert_term(low_rank[1], e, dtype)
+            z = _apply(hidden[t : t + 1], w1[e], b1[e] if b1 is not None else None, transposed, term1)
             h = bank._apply_gate(z) if bank.has_gate else bank.act_fn(z)
-            out[t] += weights[t, j].to(out.dtype) * _apply(h, w2[e], b2[e] if b2 is not None else None, transposed)[0]
+            y = _apply(h, w2[e], b2[e] if b2 is not None else None, transposed, term2)
+            out[t] += weights[t, j].to(out.dtype) * y[0]
     return out
 
 
