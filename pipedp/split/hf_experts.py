@@ -38,7 +38,6 @@ from ..privacy.rules.expert_lora import (
     ADAPTED_EXPERTS,
     DENSE_WEIGHTS,
     adapted,
-    dense_computed_weights,
     factors,
     low_rank,
     wrapped_bank,
@@ -436,7 +435,7 @@ def _check_adapters(where: str, outer: nn.Module, bank: nn.Module, call: tuple) 
     with _random_factors(outer):
         own = outer(x, index, weights)
         try:  # (a PEFT that reads the weights otherwise gives factors of other shapes: refused by name below)
-            terms = low_rank(bank, adapted(outer), x.dtype)
+            terms = low_rank(weight_names(bank), adapted(outer), x.dtype)
             recomputed: Optional[torch.Tensor] = recomputed_output(bank, x, index, weights, terms)
         except torch.OutOfMemoryError:  # (no answer about the layout)
             raise
@@ -491,8 +490,7 @@ def _check_dense_adapters(where: str, outer: nn.Module, bank: nn.Module, routed:
     try:  # (a PEFT that reads the weights otherwise gives factors of other shapes: refused by name below)
         with _random_factors(outer), torch.no_grad():
             own = outer(routed)
-            computed = dense_computed_weights(bank, adapted(outer), routed.dtype)
-            recomputed = recomputed_bank_output(bank, routed, computed)
+            recomputed = recomputed_bank_output(bank, routed, low_rank(DENSE_WEIGHTS, adapted(outer), routed.dtype))
     except torch.OutOfMemoryError:  # (no answer about the layout)
         raise
     except RuntimeError:

@@ -712,3 +712,25 @@ def test_expert_adapters_of_an_older_peft_are_refused_naming_the_version(monkeyp
     inputs, labels = padded_batch("right")
     with pytest.raises(UnsupportedModelError, match=r"pip install 'peft>=0\.20' \(PEFT 0\.19\.0 is installed"):
         pipedp_clipped_sum(model, token_loss, inputs, labels, CLIP, stages=2, microbatches=2)
+
+
+@pytest.mark.parametrize("plant", ["the adapter term dropped", "A and B exchanged in the term"])
+@pytest.mark.parametrize("bank", ["mixtral", "llama4"])
+def test_planted_adapter_terms_of_the_recomputed_pairs_are_refused_at_construction(monkeypatch, bank, plant):
+    """The rule applies each expert's W_e + s B_e A_e as x W_e^T + s (x A_e^T) B_e^T (never forming the sum); the
+    construction check compares that reading with PEFT's own forward, with random factors."""
+    real = hf_experts.low_rank
+
+    def planted(names, adapters, dtype):
+        terms = real(names, adapters, dtype)
+        if plant == "the adapter term dropped":
+            return tuple(None for _ in terms)
+        return tuple(  # (where the shapes then clash, the reading fails: refused the same way)
+            None if t is None else expert_rules.LowRank(t.b.transpose(1, 2), t.a.transpose(1, 2), t.scaling)
+            for t in terms
+        )
+
+    monkeypatch.setattr(hf_experts, "low_rank", planted)
+    model = lora_on_the_experts(mixtral() if bank == "mixtral" else llama4())
+    with pytest.raises(UnsupportedModelError, match=r"PEFT's LoRA on its experts .*does not compute"):
+        PipelineDPTrainer(model, token_loss, stages=2, expected_batch_size=4)

@@ -29,7 +29,7 @@ import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
 from . import linear
-from .experts import Projection, _out_in, grads_of, weight_of
+from .experts import LowRank, Projection, _out_in, grads_of, weight_of
 from .grams import gram
 from .registry import MACS_PER_BYTE, Grads, LayerRule
 
@@ -59,26 +59,40 @@ def _gated(bank: nn.Module, z: torch.Tensor) -> torch.Tensor:
     return up * bank.act_fn(gate)
 
 
+def _times(x: torch.Tensor, w: torch.Tensor, low: Optional[LowRank], e: int) -> torch.Tensor:
+    """x @ (w_e + s B_e A_e), a weight stored [E, in, out] plus its adapter's term as stored (PEFT reads the
+    stored [E, X, Y] as [E, out, in]: B_e [X, r], A_e [r, Y]), the term as two thin products."""
+    y = x @ w[e]
+    return y if low is None else y + low.scaling * ((x @ low.b[e].to(x.dtype)) @ low.a[e].to(x.dtype))
+
+
+def _times_t(g: torch.Tensor, w: torch.Tensor, low: Optional[LowRank], e: int) -> torch.Tensor:
+    """g @ (w_e + s B_e A_e)^T: ``_times``'s input-gradient."""
+    y = g @ w[e].t()
+    return y if low is None else y + low.scaling * ((g @ low.a[e].to(g.dtype).t()) @ low.b[e].to(g.dtype).t())
+
+
 def dense_pairs(
-    bank: nn.Module, inputs: Sequence[torch.Tensor], backprops: torch.Tensor, computed: Optional[Sequence] = None
+    bank: nn.Module,
+    inputs: Sequence[torch.Tensor],
+    backprops: torch.Tensor,
+    low_rank: Sequence[Optional[LowRank]] = (None, None),
 ):
     """(expert ids [n, T E], [gate_up projection, down projection]) from the folded inputs [n, T E, d]
     and output-gradients [n, T E, d], the gate's input-gradient by autograd through the bank's own act_fn;
-    ``computed``: the two weights as the forward computed with them (PEFT's LoRA: each plus its delta)."""
+    ``low_rank``: each weight's adapter term in the forward (PEFT's LoRA), or None."""
     x = inputs[0].to(backprops.dtype)
     n, p, _ = x.shape
     count = experts_of(bank)
-    if computed is None:
-        computed = (bank.gate_up_proj, bank.down_proj)
-    w1, w2 = (w.detach().to(x.dtype) for w in computed)
+    w1, w2 = (w.detach().to(x.dtype) for w in (bank.gate_up_proj, bank.down_proj))
     g1 = x.new_zeros(n, p, w1.shape[-1])
     a2 = x.new_zeros(n, p, w2.shape[1])
     for e in range(count):
         span = slice(e, None, count)  # (expert e's positions)
         with torch.enable_grad():
-            z = (x[:, span] @ w1[e]).requires_grad_(True)
+            z = _times(x[:, span], w1, low_rank[0], e).requires_grad_(True)
             h = _gated(bank, z)
-            (g1[:, span],) = torch.autograd.grad(h, z, backprops[:, span] @ w2[e].t())
+            (g1[:, span],) = torch.autograd.grad(h, z, _times_t(backprops[:, span], w2, low_rank[1], e))
         a2[:, span] = h.detach()
     experts = (torch.arange(p, device=x.device) % count).expand(n, p)
     layout = _out_in(True)  # (both stored [E, in, out])
@@ -87,13 +101,15 @@ def dense_pairs(
     return experts, [first, second]
 
 
-def recomputed_bank_output(bank: nn.Module, x: torch.Tensor, computed: Optional[Sequence] = None) -> torch.Tensor:
+def recomputed_bank_output(
+    bank: nn.Module, x: torch.Tensor, low_rank: Sequence[Optional[LowRank]] = (None, None)
+) -> torch.Tensor:
     """The bank's output for its [E N, d] input as this rule reads its layout (checked at construction);
-    ``computed``: the weights as dense_pairs takes them."""
+    ``low_rank``: as dense_pairs takes it."""
     count = experts_of(bank)
-    w1, w2 = computed if computed is not None else (bank.gate_up_proj, bank.down_proj)
+    w1, w2 = bank.gate_up_proj, bank.down_proj
     rows = x.reshape(count, -1, x.shape[-1])
-    out = [_gated(bank, rows[e] @ w1[e]) @ w2[e] for e in range(count)]
+    out = [_times(_gated(bank, _times(rows[e], w1, low_rank[0], e)), w2, low_rank[1], e) for e in range(count)]
     return torch.cat(out).reshape(-1, w2.shape[-1])
 
 

@@ -102,10 +102,6 @@ class Factors:
         out = self.b_weight.shape[0]
         return self.b_weight.detach().to(dtype).reshape(out, -1, self.experts).permute(2, 0, 1)
 
-    def delta(self, dtype: torch.dtype) -> torch.Tensor:
-        """s B_e A_e for every expert, [E, out, in]."""
-        return self.scaling * torch.bmm(self.b(dtype), self.a(dtype))
-
 
 def factors(wrapper: nn.Module) -> Factors:
     """The one active adapter of a wrapper (split/hf_experts.py refuses any other state at construction)."""
@@ -119,14 +115,13 @@ def adapted(outer: nn.Module) -> Dict[str, Factors]:
     return {w.parameter_name: factors(w) for w in wrappers(outer)}
 
 
-def low_rank(bank: nn.Module, adapters: Dict[str, Factors], dtype: torch.dtype) -> Tuple[Optional[LowRank], ...]:
-    """Each of the bank's two weights' adapter term (the forward computes with W_e + s B_e A_e), or None: applied
-    as thin products, never formed as an [E, out, in] sum (which costs as much as the weight itself to make)."""
-    terms = []
-    for name in weight_names(bank):
-        f = adapters.get(name)
-        terms.append(LowRank(f.a(dtype), f.b(dtype), f.scaling) if f is not None else None)
-    return tuple(terms)
+def low_rank(names: Sequence[str], adapters: Dict[str, Factors], dtype: torch.dtype) -> Tuple[Optional[LowRank], ...]:
+    """The adapter term of each of the bank's weights ``names`` (the forward computes with W_e + s B_e A_e), or
+    None: applied as thin products, never formed as an [E, out, in] sum (as costly to make as the weight)."""
+    return tuple(
+        LowRank(adapters[name].a(dtype), adapters[name].b(dtype), adapters[name].scaling) if name in adapters else None
+        for name in names
+    )
 
 
 def _with_factors(proj: Projection, experts: torch.Tensor, f: Factors) -> List[Projection]:
@@ -156,7 +151,7 @@ def _with_factors(proj: Projection, experts: torch.Tensor, f: Factors) -> List[P
 def _projections(outer: nn.Module, inputs: Sequence[torch.Tensor], backprops: torch.Tensor):
     bank = wrapped_bank(outer)
     adapters = adapted(outer)
-    experts, projections = pairs(bank, inputs, backprops, low_rank(bank, adapters, backprops.dtype))
+    experts, projections = pairs(bank, inputs, backprops, low_rank(weight_names(bank), adapters, backprops.dtype))
     out = []
     for name, proj in zip(weight_names(bank), projections):
         out.append(proj)
@@ -258,15 +253,6 @@ register(adapted_bank, ADAPTED_EXPERTS)
 DENSE_WEIGHTS = ("gate_up_proj", "down_proj")
 
 
-def dense_computed_weights(bank: nn.Module, adapters: Dict[str, Factors], dtype: torch.dtype) -> Tuple:
-    """(gate_up_proj, down_proj) as the forward computes with them: each plus its adapter's delta, as stored."""
-    out = []
-    for name in DENSE_WEIGHTS:
-        w = getattr(bank, name).detach().to(dtype)
-        out.append(w + adapters[name].delta(dtype) if name in adapters else w)
-    return tuple(out)
-
-
 def _exchanged(proj: Projection) -> Projection:
     """The pairs with input and output-gradient exchanged (the module docstring: Llama-4's weights)."""
     return Projection(proj.weight, proj.bias, proj.g, proj.a, proj.experts, proj.as_weight)
@@ -275,7 +261,7 @@ def _exchanged(proj: Projection) -> Projection:
 def _dense_projections(outer: nn.Module, inputs: Sequence[torch.Tensor], backprops: torch.Tensor):
     bank = wrapped_bank(outer)
     adapters = adapted(outer)
-    experts, projections = dense_pairs(bank, inputs, backprops, dense_computed_weights(bank, adapters, backprops.dtype))
+    experts, projections = dense_pairs(bank, inputs, backprops, low_rank(DENSE_WEIGHTS, adapters, backprops.dtype))
     out = []
     for name, proj in zip(DENSE_WEIGHTS, projections):
         out.append(proj)
