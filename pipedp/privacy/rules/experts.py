@@ -102,7 +102,9 @@ def weight_names(bank: nn.Module) -> Tuple[str, str]:
 class LowRank:
     """An adapter's term s B_e A_e added to a bank weight's expert matrices [out, in] (PEFT's LoRA on the
     bank), applied as two thin products instead of the [E, out, in] sum: x (W_e + s B_e A_e)^T =
-    x W_e^T + s (x A_e^T) B_e^T, in either storage layout of W."""
+    x W_e^T + s (x A_e^T) B_e^T, in either storage layout of W. (Llama-4's dense bank, whose weights PEFT
+    reads as stored [E, X, Y] with X the product's input, uses it with A [E, r, Y] and B [E, X, r]:
+    rules/dense_experts.py ``_times``.)"""
 
     a: torch.Tensor  # [E, r, in]
     b: torch.Tensor  # [E, out, r]
