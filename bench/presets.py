@@ -32,6 +32,7 @@ BALANCE = "params"
 
 
 def _token_mean_loss(out, y):
+    out = getattr(out, "logits", out)  # (a Hugging Face model's output, called whole by the one-process contenders)
     return F.cross_entropy(out.reshape(-1, out.shape[-1]), y.reshape(-1))
 
 

@@ -149,3 +149,12 @@ def test_bench_memory_sweep_quick(tmp_path):
     out = _run("bench.memory_sweep", "--microbatches", "2,4", "--microbatch-size", "1", "--out", str(tmp_path))
     for contender in ("torch-1f1b", "pipedp-1f1b", "pipedp-dp-zb", "pipedp-1f1b-keep"):
         assert re.search(rf"\| {contender} \| \d+ / \d+ \| \d+ / \d+ \| [\d.]+ \|", out.stdout), contender
+
+
+def test_the_flop_bound_of_a_hugging_face_preset():
+    """bench.questions dp-cost prints each figure's FLOP ratio: its plain step calls the whole Hugging Face model
+    (a ModelOutput, not logits); it crashed after the rounds on the Mixtral slice."""
+    from bench.overhead import flop_bound
+
+    got = flop_bound("tiny-mixtral", "ghost")
+    assert 0 < got["plain_flops"] < got["dp_flops"] and 0 < got["bound"] < 1
