@@ -207,9 +207,12 @@ class _OperatorTimes(TorchDispatchMode):
         start = time.perf_counter()
         out = func(*args, **(kwargs or {}))
         name = func.overloadpacket.__name__
-        product = name in self.PRODUCTS  # (one row: plain's weight gradients are mm, W's addmm_)
+        grouped = name == "_grouped_mm"  # an expert bank's products: each row of one operand meets one group's matrix
+        product = name in self.PRODUCTS or grouped  # (one row: plain's weight gradients are mm, W's addmm_)
         self.ms["matrix products" if product else name] += 1000 * (time.perf_counter() - start)
-        if product:  # 2 x (output elements) x (the contracted length)
+        if grouped:  # 2 x (the first operand's elements) x (the second's last dimension), in each of its layouts
+            self.flops += 2 * args[0].numel() * args[1].shape[-1]
+        elif product:  # 2 x (output elements) x (the contracted length)
             contracted = [a for a in args if isinstance(a, torch.Tensor) and a.dim() >= 1][-1]
             length = contracted.shape[-2] if contracted.dim() >= 2 else contracted.shape[-1]
             self.flops += 2 * out.numel() * length

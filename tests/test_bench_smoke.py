@@ -158,3 +158,11 @@ def test_the_flop_bound_of_a_hugging_face_preset():
 
     got = flop_bound("tiny-mixtral", "ghost")
     assert 0 < got["plain_flops"] < got["dp_flops"] and 0 < got["bound"] < 1
+    # the experts' grouped products counted: the banks' forward and backward alone (2 x 3 products of k pairs per
+    # token through d x 3 ffn weights) outweigh everything else plain multiplies at this size
+    from bench.presets import PRESETS
+
+    cfg = PRESETS["tiny-mixtral"].build().config
+    x, _ = PRESETS["tiny-mixtral"].make_batch(PRESETS["tiny-mixtral"].batch, 0)
+    banks = 6 * x.numel() * cfg.num_experts_per_tok * 3 * cfg.hidden_size * cfg.intermediate_size
+    assert got["plain_flops"] > banks * cfg.num_hidden_layers
