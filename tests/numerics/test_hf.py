@@ -10,7 +10,7 @@ import pytest
 import torch
 
 transformers = pytest.importorskip("transformers")
-from hf_families import CLIP, FAMILIES, build, dp_update, padded_batch, sequence_loss, tiny_config  # noqa: E402
+from hf_families import CLIP, FAMILIES, build, dp_update, hf_loss, padded_batch, sequence_loss, tiny_config  # noqa: E402
 from oracles import loop_clipped_sum, max_relative_error  # noqa: E402
 
 from pipedp import BatchError, PipelineDPTrainer, UnsupportedModelError  # noqa: E402
@@ -31,10 +31,6 @@ def one_thread():
     torch.set_num_threads(before)
 
 
-def causal_loss(out, y):
-    return token_loss(out.logits, y)
-
-
 def token_batch(n=7, seq=8, seed=0):
     g = torch.Generator().manual_seed(seed)
     return torch.randint(0, 40, (n, seq), generator=g), torch.randint(0, 40, (n, seq), generator=g)
@@ -45,7 +41,7 @@ def test_plain_token_ids_match_the_loop_oracle(name, stages):
     """No input dict: the later stages recompute positions and masks from the hidden state's shape."""
     model = build(FAMILY[name])
     x, y = token_batch()
-    want = loop_clipped_sum(copy.deepcopy(model), causal_loss, x, y, CLIP)
+    want = loop_clipped_sum(copy.deepcopy(model), hf_loss, x, y, CLIP)
     assert max_relative_error(dp_update(model, token_loss, x, y, stages=stages), want) < 1e-12
 
 
@@ -64,7 +60,7 @@ def test_a_users_subclass_with_its_own_forward_is_split_as_its_family_and_matche
     inputs, labels = padded_batch("left")
     plain = build(FAMILY["llama"])
     plain.load_state_dict(model.state_dict())  # the same weights without the user's rescaling
-    want = loop_clipped_sum(copy.deepcopy(model), lambda out, y: token_loss(out.logits, y), inputs, labels, CLIP)
+    want = loop_clipped_sum(copy.deepcopy(model), hf_loss, inputs, labels, CLIP)
     got = dp_update(model, token_loss, inputs, labels, stages=3)
     assert max_relative_error(got, want) < 1e-12
     assert max_relative_error(dp_update(plain, token_loss, inputs, labels, stages=3), want) > 1e-3  # (it matters)
@@ -73,7 +69,7 @@ def test_a_users_subclass_with_its_own_forward_is_split_as_its_family_and_matche
 def test_tied_weights_on_one_stage_match_the_loop_oracle():
     model = build(FAMILY["gpt2"], tie=True)
     x, y = token_batch()
-    want = loop_clipped_sum(copy.deepcopy(model), causal_loss, x, y, CLIP)
+    want = loop_clipped_sum(copy.deepcopy(model), hf_loss, x, y, CLIP)
     assert max_relative_error(dp_update(model, token_loss, x, y, stages=1, microbatches=2), want) < 1e-12
 
 
@@ -86,7 +82,7 @@ def test_the_tie_cross_term_matters(name):
     got = dp_update(copy.deepcopy(model), token_loss, inputs, labels, stages=2)
     untied = copy.deepcopy(model)
     untied.lm_head.weight = torch.nn.Parameter(untied.get_input_embeddings().weight.detach().clone())
-    other = loop_clipped_sum(untied, causal_loss, inputs, labels, CLIP)
+    other = loop_clipped_sum(untied, hf_loss, inputs, labels, CLIP)
     key = next(k for k in got if "embed" in k or "wte" in k)
     assert max_relative_error({key: got[key]}, {key: other[key]}) > 1e-3
 
@@ -103,7 +99,7 @@ def test_eager_attention_matches_the_loop_oracle(mode):
     """Right padding: eager attention's own output is NaN where a query sees no key (left padding)."""
     model = build(FAMILY["llama"], attention="eager")
     inputs, labels = padded_batch("right")
-    want = loop_clipped_sum(copy.deepcopy(model), causal_loss, inputs, labels, CLIP)
+    want = loop_clipped_sum(copy.deepcopy(model), hf_loss, inputs, labels, CLIP)
     assert max_relative_error(dp_update(model, token_loss, inputs, labels, stages=3, grad_mode=mode), want) < 1e-12
 
 
@@ -124,7 +120,7 @@ def test_one_trainer_through_several_batch_shapes_matches_the_loop_oracle():
         inputs, labels = padded_batch(side, seed=step)
         inputs = {k: v[:, -length:] if side == "left" else v[:, :length] for k, v in inputs.items()}
         labels = labels[:, -length:] if side == "left" else labels[:, :length]
-        want = loop_clipped_sum(copy.deepcopy(model), causal_loss, inputs, labels, CLIP)
+        want = loop_clipped_sum(copy.deepcopy(model), hf_loss, inputs, labels, CLIP)
         before = {k: v.detach().clone() for k, v in model.named_parameters()}
         trainer.step(inputs, labels)
         got = {k: before[k] - p.detach() for k, p in model.named_parameters()}
@@ -141,7 +137,7 @@ def test_activation_checkpointing_non_reentrant_is_exact_reentrant_is_refused(re
         with pytest.raises(UnsupportedModelError, match="reentrant activation checkpointing.*use_reentrant': False"):
             PipelineDPTrainer(model, token_loss, stages=2, expected_batch_size=1)
         return
-    want = loop_clipped_sum(oracle_model, causal_loss, x, y, CLIP)
+    want = loop_clipped_sum(oracle_model, hf_loss, x, y, CLIP)
     assert max_relative_error(dp_update(model, token_loss, x, y, stages=2), want) < 1e-12
 
 

@@ -24,6 +24,7 @@ from hf_families import (  # noqa: E402
     TABLE_START,
     build,
     dp_update,
+    hf_loss,
     padded_batch,
     render_table,
     sequence_loss,
@@ -108,7 +109,7 @@ def check_causal_step(family, stages, mode, tied, side):
     model = build(family, tie=tied)
     assert (model.get_output_embeddings().weight is model.get_input_embeddings().weight) == tied
     inputs, labels = padded_batch("right" if family.eager_only else side)
-    want = loop_clipped_sum(copy.deepcopy(model), lambda out, y: token_loss(out.logits, y), inputs, labels, CLIP)
+    want = loop_clipped_sum(copy.deepcopy(model), hf_loss, inputs, labels, CLIP)
     got = dp_update(model, token_loss, inputs, labels, stages=stages, grad_mode=mode)
     assert max_relative_error(got, want) < family.tolerance
     if tied:

@@ -9,6 +9,7 @@ import torch
 peft = pytest.importorskip("peft")
 transformers = pytest.importorskip("transformers")
 
+from hf_families import hf_loss  # noqa: E402
 from oracles import loop_clipped_sum, max_relative_error  # noqa: E402
 from steps import tiny_llama_config  # noqa: E402
 
@@ -40,7 +41,7 @@ def batch():
 def test_lora_on_linear_layers_matches_the_loop_oracle(mode, targets, saved):
     model = lora_llama(targets, saved)
     x, y = batch()
-    want = loop_clipped_sum(copy.deepcopy(model), lambda out, t: token_loss(out.logits, t), x, y, 0.05)
+    want = loop_clipped_sum(copy.deepcopy(model), hf_loss, x, y, 0.05)
     before = {k: v.detach().clone() for k, v in model.named_parameters()}
     PipelineDPTrainer(
         model,
@@ -75,7 +76,7 @@ def dp_change(model, x, y, **kw):
 def test_lora_on_the_embedding_matches_the_loop_oracle(mode, stages):
     model = lora_llama(["embed_tokens", "q_proj"])
     x, y = batch()
-    want = loop_clipped_sum(copy.deepcopy(model), lambda out, t: token_loss(out.logits, t), x, y, 0.05)
+    want = loop_clipped_sum(copy.deepcopy(model), hf_loss, x, y, 0.05)
     got = dp_change(model, x, y, grad_mode=mode, stages=stages)
     assert max_relative_error(got, want) < 1e-8
     assert any("lora_embedding_A" in k and float(v.abs().max()) > 0 for k, v in got.items())
@@ -88,7 +89,7 @@ def test_ia3_matches_the_loop_oracle(feedforward):
     )
     model = peft_llama(config)
     x, y = batch()
-    want = loop_clipped_sum(copy.deepcopy(model), lambda out, t: token_loss(out.logits, t), x, y, 0.05)
+    want = loop_clipped_sum(copy.deepcopy(model), hf_loss, x, y, 0.05)
     got = dp_change(model, x, y)
     assert max_relative_error(got, want) < 1e-8
     assert any("ia3_l" in k and float(v.abs().max()) > 0 for k, v in got.items())
@@ -121,7 +122,7 @@ def test_a_peft_model_is_accepted_directly_under_its_own_names():
     model = peft.get_peft_model(transformers.LlamaForCausalLM(wrapped.config).double(), cfg)
     model.base_model.model.load_state_dict(inner.state_dict())  # the same weights as the inner-model run
     x, y = batch()
-    want = loop_clipped_sum(copy.deepcopy(inner), lambda out, t: token_loss(out.logits, t), x, y, 0.05)
+    want = loop_clipped_sum(copy.deepcopy(inner), hf_loss, x, y, 0.05)
     trainer = PipelineDPTrainer(
         model,
         token_loss,

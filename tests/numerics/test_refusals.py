@@ -8,6 +8,7 @@ import warnings
 import pytest
 import torch
 import torch.nn as nn
+from hf_families import hf_loss
 from oracles import loop_clipped_sum, max_relative_error
 from steps import class_loss, tiny_llama_config
 
@@ -97,10 +98,6 @@ def peft_llama(config):
 def tokens():
     g = torch.Generator().manual_seed(1)
     return torch.randint(0, 40, (6, 8), generator=g), torch.randint(0, 40, (6, 8), generator=g)
-
-
-def hf_loss(out, t):
-    return token_loss(out.logits, t)
 
 
 WAY_OUT = r"use LoRA, IA3, VeRA or OFT"
