@@ -38,18 +38,15 @@ class Wire:
         runs asynchronously (the caching host allocator keeps the buffer until it is done)."""
         return self.staged and self.device.type == "cuda" and torch.cuda.is_available()
 
-    def empty(self, shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
-        """A buffer for torch.distributed to fill."""
-        return torch.empty(tuple(shape), dtype=dtype, device=self.host, pin_memory=self.pinned)
+    def empty(self, shape: Sequence[int], dtype: torch.dtype, pinned: bool = True) -> torch.Tensor:
+        """A buffer for torch.distributed to fill. ``pinned=False``: one whose contents are kept (a checkpoint's
+        state), out of the caching host allocator's page-locked blocks, which are scarce."""
+        return torch.empty(tuple(shape), dtype=dtype, device=self.host, pin_memory=self.pinned and pinned)
 
-    def landing(self, shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
-        """A buffer for what arrives to stay on the host (a checkpoint's state): never pinned, since page-locked
-        memory is scarce and this is kept."""
-        return torch.empty(tuple(shape), dtype=dtype, device=self.host)
-
-    def copy(self, t: torch.Tensor) -> torch.Tensor:
-        """A new tensor on the wire holding ``t``'s values, complete when this returns (gloo reads it at once)."""
-        if not self.pinned:
+    def copy(self, t: torch.Tensor, pinned: bool = True) -> torch.Tensor:
+        """A new tensor on the wire holding ``t``'s values, complete when this returns (gloo reads it at once);
+        ``pinned`` as for ``empty``."""
+        if not (self.pinned and pinned):
             return t.detach().to(self.host, copy=True, memory_format=torch.contiguous_format)
         buffer = self.empty(t.shape, t.dtype)
         buffer.copy_(t.detach())
@@ -57,12 +54,10 @@ class Wire:
 
     def out(self, t: torch.Tensor, pinned: bool = True) -> torch.Tensor:
         """``t`` on the wire, contiguous: ``t`` itself where it already is (an in-place collective then changes
-        it), else a copy; after an in-place collective on a copy, copy it back (``Wire.into``). ``pinned=False``:
-        a one-off copy (a checkpoint's state), kept out of the caching host allocator's page-locked blocks."""
-        if self.staged and not pinned:
-            return t.detach().to(self.host, copy=True, memory_format=torch.contiguous_format)
+        it), else a copy (``pinned`` as for ``empty``); after an in-place collective on a copy, copy it back
+        (``Wire.into``)."""
         if self.staged:
-            return self.copy(t)
+            return self.copy(t, pinned)
         return t.to(self.host).contiguous()  # (both return t itself where nothing is to change)
 
     def back(self, t: torch.Tensor) -> torch.Tensor:

@@ -301,7 +301,7 @@ class DistributedRuntime:
         wire: Wire,
         state_keys: Sequence[str],
     ):
-        self.mesh, self.wire, self.device = mesh, wire, wire.device
+        self.mesh, self.wire = mesh, wire
         self.rank = mesh.rank
         self.replicas, self.replica = mesh.replicas, mesh.replica
         self.stage = stage
@@ -311,6 +311,11 @@ class DistributedRuntime:
         self.state_keys = list(state_keys)
         self.failure: Optional[str] = None  # an earlier step raised here: the ranks are out of step
         self.tp_group: Any = None  # this stage's tensor-parallel ranks (tensor_parallel > 1)
+
+    @property
+    def device(self) -> torch.device:
+        """The stage's device."""
+        return self.wire.device
 
     @property
     def local_stages(self) -> List[Stage]:
@@ -584,7 +589,7 @@ class DistributedRuntime:
         out: Dict[str, Any] = {}
         for k, v in header[0].items():
             if isinstance(v, tuple) and v and v[0] == _TENSOR:
-                buffer = self.wire.landing(v[1], v[2])
+                buffer = self.wire.empty(v[1], v[2], pinned=False)
                 self._collective("optimizer state gather", functools.partial(dist.recv, buffer, src, self.dp_group))
                 v = buffer.cpu()
             out[k] = v
@@ -642,7 +647,7 @@ class DistributedRuntime:
                     "state gather", functools.partial(dist.recv_object_list, header, src, self.world_group)
                 )
                 for name, dtype, shape in header[0]:
-                    buffer = self.wire.landing(shape, dtype)
+                    buffer = self.wire.empty(shape, dtype, pinned=False)
                     self._collective("state gather", functools.partial(dist.recv, buffer, src, self.world_group))
                     merged[name] = buffer.cpu()
             return {k: merged[k] for k in self.state_keys if k in merged}
@@ -678,7 +683,9 @@ class DistributedRuntime:
             # on the wire (NCCL: the rank's GPU, where a sharded optimizer's gathered state is on the CPU)
             sent = self.wire.out(value.detach(), pinned=False)
             parts = (
-                [self.wire.landing(sent.shape, sent.dtype) for _ in range(self.mesh.tensor_parallel)] if mine else None
+                [self.wire.empty(sent.shape, sent.dtype, pinned=False) for _ in range(self.mesh.tensor_parallel)]
+                if mine
+                else None
             )
             self._collective("tensor-parallel gather", functools.partial(dist.gather, sent, parts, root, self.tp_group))
             out.append(torch.cat(parts, dim=shard.dim).to(value.device) if parts is not None else value)

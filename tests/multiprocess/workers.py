@@ -828,7 +828,7 @@ def host_staged(rank, worker, *args):
     made = set()  # storages of the tensors the wire made
     alive = []  # ... kept, so that no address of theirs is reused by a tensor that bypassed the wire
     checked = {"calls": 0}
-    for name in ("empty", "landing", "copy", "out"):  # (staged, out always copies)
+    for name in ("empty", "copy", "out"):  # (staged, out always copies)
         real = getattr(wire.Wire, name)
 
         def making(self, *a, _real=real, **k):

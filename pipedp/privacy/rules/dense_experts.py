@@ -63,13 +63,13 @@ def _times(x: torch.Tensor, w: torch.Tensor, low: Optional[LowRank], e: int) -> 
     """x @ (w_e + s B_e A_e), a weight stored [E, in, out] plus its adapter's term as stored (PEFT reads the
     stored [E, X, Y] as [E, out, in]: B_e [X, r], A_e [r, Y]), the term as two thin products."""
     y = x @ w[e]
-    return y if low is None else y + low.scaling * ((x @ low.b[e].to(x.dtype)) @ low.a[e].to(x.dtype))
+    return y if low is None else y + low.scaling * ((x @ low.b[e]) @ low.a[e])
 
 
 def _times_t(g: torch.Tensor, w: torch.Tensor, low: Optional[LowRank], e: int) -> torch.Tensor:
     """g @ (w_e + s B_e A_e)^T: ``_times``'s input-gradient."""
     y = g @ w[e].t()
-    return y if low is None else y + low.scaling * ((g @ low.a[e].to(g.dtype).t()) @ low.b[e].to(g.dtype).t())
+    return y if low is None else y + low.scaling * ((g @ low.a[e].t()) @ low.b[e].t())
 
 
 def dense_pairs(

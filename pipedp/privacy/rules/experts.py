@@ -136,9 +136,9 @@ def _back(
     return back + low[2] * ((g @ low[1]) @ low[0]) if low is not None else back
 
 
-def _expert_term(low: Optional[LowRank], e: int, dtype: torch.dtype):
-    """Expert e's (A_e, B_e, s) of an adapter term, or None."""
-    return None if low is None else (low.a[e].to(dtype), low.b[e].to(dtype), low.scaling)
+def _expert_term(low: Optional[LowRank], e: int):
+    """Expert e's (A_e, B_e, s) of an adapter term (made in the products' dtype: expert_lora.low_rank), or None."""
+    return None if low is None else (low.a[e], low.b[e], low.scaling)
 
 
 def _out_in(transposed: bool) -> Callable[[torch.Tensor], torch.Tensor]:
@@ -172,10 +172,10 @@ def pairs(
     for e, rows in rows_by_expert(experts, w1.shape[0]):
         with torch.enable_grad():
             bias = b1[e].detach().to(dtype) if b1 is not None else None
-            z = _apply(a1[rows], w1[e].detach().to(dtype), bias, transposed, _expert_term(low1, e, dtype))
+            z = _apply(a1[rows], w1[e].detach().to(dtype), bias, transposed, _expert_term(low1, e))
             z = z.detach().requires_grad_(True)
             h = bank._apply_gate(z) if bank.has_gate else bank.act_fn(z)
-            gh = _back(g2[rows], w2[e].detach().to(dtype), transposed, _expert_term(low2, e, dtype))
+            gh = _back(g2[rows], w2[e].detach().to(dtype), transposed, _expert_term(low2, e))
             (g1[rows],) = torch.autograd.grad(h, z, gh)
         a2[rows] = h.detach()
     experts = experts.reshape(n, t * k)
@@ -204,12 +204,12 @@ def recomputed_output(
     """The bank's output for tokens [N, d] as this rule reads its layout (checked against the bank's own
     forward at construction: split/hf_experts.py); ``low_rank``: as ``pairs`` takes it."""
     (w1, b1), (w2, b2) = first_weights(bank), second_weights(bank)
-    transposed, dtype = bool(bank.is_transposed), hidden.dtype
+    transposed = bool(bank.is_transposed)
     out = torch.zeros_like(hidden)
     for t in range(hidden.shape[0]):
         for j in range(index.shape[1]):
             e = int(index[t, j])
-            term1, term2 = _expert_term(low_rank[0], e, dtype), _expert_term(low_rank[1], e, dtype)
+            term1, term2 = _expert_term(low_rank[0], e), _expert_term(low_rank[1], e)
             z = _apply(hidden[t : t + 1], w1[e], b1[e] if b1 is not None else None, transposed, term1)
             h = bank._apply_gate(z) if bank.has_gate else bank.act_fn(z)
             y = _apply(h, w2[e], b2[e] if b2 is not None else None, transposed, term2)
