@@ -6,8 +6,10 @@ A block is accepted when it is dropless top-k routing over a fused expert bank (
 tokens, both checked on a few random tokens against the block's own modules; shared experts and
 their gates are ordinary layers. What couples samples is refused: a batch-level load-balancing loss
 (``output_router_logits``), noise written into the hidden states in place (``*_jitter_noise``), expert
-parallelism, a trainable parameter of the router other than its weight and bias (bias balancing); a
-router that samples its experts in training is refused too (not a coupling, but nothing here verifies it).
+parallelism, a trainable parameter of the router other than its weight and bias (bias balancing). A router
+that samples its experts in training (Phi-MoE's sparsemixer) draws per token, which couples no samples: the
+rules read the experts and weights the forward drew, the router's gradient is autograd's through the model's
+own backward, and its logits are checked in training mode too.
 A block frozen whole needs no rule and is accepted as it is (the self-check still compares each checked
 sample's output from its own rows alone, so a block that mixes samples is refused there).
 """
@@ -356,14 +358,14 @@ def _check(where: str, logits_layer: nn.Module, call: _RouterCall, bank: nn.Modu
             )
         if outer is not bank:
             _check_adapters(where, outer, bank, (x, index, weights))
-    with modes_kept(router):
+    with modes_kept(router), rng_kept(x.device), torch.no_grad():  # (a router sampling its experts in training)
         router.train()
-        if _draws_random_numbers(call, x):
-            raise UnsupportedModelError(
-                f"{where}: its router draws the experts at random in training (sampled routing, e.g. phimoe's "
-                f"sparsemixer), which pipedp's oracles cannot reproduce and it has not verified: {FREEZE}, or use a "
-                "model with top-k routing"
-            )
+        trained = call(x)[0]
+    if not agree(trained.to(want.dtype), want, weight.dtype):
+        raise UnsupportedModelError(
+            f"{where}: in training its router's first output is not F.linear(hidden, weight, bias), which pipedp's "
+            f"per-sample rule for it assumes: {FREEZE}"
+        )
 
 
 def _check_dense(where: str, router: nn.Module, bank: nn.Module, outer: nn.Module) -> None:

@@ -4,6 +4,7 @@ top-1 and top-3 routing, bf16-free float32 with transformers' default (grouped) 
 catching a routed pair given to the wrong sample; and the couplings refused by name."""
 
 import copy
+import dataclasses
 import importlib.metadata
 import os
 import re
@@ -411,6 +412,51 @@ def test_deepseek_v4_s_hash_router_on_the_token_ids_is_refused_by_name():
     model = transformers.AutoModelForCausalLM.from_config(config, experts_implementation="eager")
     with pytest.raises(UnsupportedModelError, match=r"DeepseekV4HashRouter\) cannot be called on the hidden states"):
         PipelineDPTrainer(model, token_loss, stages=2, expected_batch_size=4)
+
+
+def layer_routes(model, inputs, training: bool):
+    """The experts layer 0's router picks for each token, the model in training mode or not."""
+    seen = []
+    hook = model.model.layers[0].mlp.router.register_forward_hook(lambda m, a, out: seen.append(out[2]))
+    with torch.no_grad():
+        model.train(training)(**inputs)
+    hook.remove()
+    model.train()
+    return seen[0]
+
+
+def test_phi_moe_s_sampled_routing_is_live_and_trains_with_torch_s_own_draws():
+    """Phi-MoE's router samples its experts in training, one draw per token (no coupling of samples): the rules
+    read the experts the forward drew and the router's gradient through the model's own backward. The families
+    matrix checks it against the loop oracle with each token's draws keyed to its values (tests/keyed_draws.py);
+    here the draws are shown to route otherwise than eval's top-2, and the real draws train with the self-check."""
+    keyed_model = build(family("phimoe"))
+    inputs, labels = padded_batch("right")
+    sampled, top = layer_routes(keyed_model, inputs, True), layer_routes(keyed_model, inputs, False)
+    assert int((sampled != top).any(-1).sum()) >= 10  # of 40 tokens
+    model = build(dataclasses.replace(family("phimoe"), sampled=""))  # torch's own draws
+    first, second = layer_routes(model, inputs, True), layer_routes(model, inputs, True)
+    assert not torch.equal(first, second)
+    got = pipedp_clipped_sum(model, token_loss, inputs, labels, CLIP, stages=2, microbatches=2)
+    assert float(got["model.layers.0.mlp.router.weight"].abs().max()) > 0
+    assert all(v.isfinite().all() for v in got.values())
+
+
+def test_planted_a_router_whose_training_logits_are_not_its_linear_s_is_refused():
+    """The router's rule reads its first output as F.linear of its input: checked in training mode too, where a
+    sampling router runs another code path (a planted one that scales its logits in training only)."""
+    model = build(family("phimoe"))
+    router_type = type(model.model.layers[0].mlp.router)
+    real = router_type.forward
+
+    def planted(self, hidden_states):
+        logits, weights, experts = real(self, hidden_states)
+        return (logits * 2 if self.training else logits), weights, experts
+
+    with mock.patch.object(router_type, "forward", planted):
+        model = build(dataclasses.replace(family("phimoe"), sampled=""))
+        with pytest.raises(UnsupportedModelError, match="in training its router's first output is not F.linear"):
+            PipelineDPTrainer(model, token_loss, stages=2, expected_batch_size=4)
 
 
 def test_construction_leaves_every_module_in_its_own_training_mode():
