@@ -17,6 +17,14 @@ from typing import Sequence
 import torch
 
 
+def carrier(backend: str, device_type: str) -> str:
+    """The backend that carries ``device_type``'s tensors: ``backend`` itself, or its part for that type in
+    torch.distributed's mixed form ("cpu:gloo,cuda:nccl"; "" where it names none)."""
+    if ":" not in backend:
+        return backend
+    return dict(part.split(":", 1) for part in backend.split(",")).get(device_type, "")
+
+
 @dataclass(frozen=True)
 class Wire:
     device: torch.device  # the stage's
@@ -25,7 +33,7 @@ class Wire:
     @classmethod
     def of(cls, device: torch.device, backend: str) -> "Wire":
         """The wire of a stage on ``device`` whose process groups run ``backend``."""
-        return cls(device, staged=backend != "nccl" and device.type != "cpu")
+        return cls(device, staged=carrier(backend, device.type) != "nccl" and device.type != "cpu")
 
     @property
     def host(self) -> torch.device:

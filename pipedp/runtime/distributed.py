@@ -40,7 +40,7 @@ from ..parallel.plan import split_stage
 from ..shards import Shard
 from ..split.blocks import Block
 from ..split.partition import Tie
-from ..wire import Wire
+from ..wire import Wire, carrier
 from .dist_transport import DistTransport, PipelineGroups
 from .executor import Executor
 from .launch import bounded, cuda_device_of_rank, nccl_fault_handling, shared_cuda_device
@@ -229,8 +229,9 @@ def _device_for_backend(device: str = "auto") -> torch.device:
     every rank on cuda:0, so that one comes from LOCAL_RANK); under gloo the CPU, or with ``device="cuda"`` a GPU
     that several ranks may share (its tensors cross through host memory: pipedp/wire.py). ``device`` is
     PipelineConfig.device, refused where the backend cannot put the stage there."""
-    if dist.get_backend() != "nccl":
-        if device != "cuda":
+    backend = dist.get_backend()
+    if carrier(backend, "cuda") != "nccl" or (device == "cpu" and carrier(backend, "cpu") == "gloo"):
+        if device != "cuda":  # (a mixed "cpu:gloo,cuda:nccl" group runs a CPU stage over gloo)
             return torch.device("cpu")
         if not torch.cuda.is_available():
             raise no_cuda()

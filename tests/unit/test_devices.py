@@ -243,6 +243,18 @@ def test_two_ranks_share_one_gpu_over_gloo_when_asked(monkeypatch, nccl_calls):
     assert distributed._device_for_backend("auto") == torch.device("cpu")  # gloo, not asked: the CPU as before
     assert Wire.of(torch.device("cuda", 0), "gloo").staged and not Wire.of(torch.device("cuda", 0), "nccl").staged
     assert not Wire.of(torch.device("cpu"), "gloo").staged
+    # a mixed backend: NCCL carries the CUDA tensors (each rank on its own GPU), gloo the CPU's
+    monkeypatch.setattr(dist, "get_backend", lambda group=None: "cpu:gloo,cuda:nccl")
+    with pytest.raises(ConfigError, match="NCCL cannot put two ranks on one GPU"):  # (2 ranks here, 1 GPU)
+        distributed._device_for_backend("auto")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "1"), monkeypatch.setenv("LOCAL_RANK", "0")
+    assert distributed._device_for_backend("auto") == torch.device("cuda", 0)
+    assert distributed._device_for_backend("cpu") == torch.device("cpu")
+    assert not Wire.of(torch.device("cuda", 0), "cpu:gloo,cuda:nccl").staged
+    assert (
+        Wire.of(torch.device("cuda", 0), "cpu:gloo,cuda:gloo").staged
+        and Wire.of(torch.device("cuda"), "cpu:gloo").staged
+    )
 
 
 def test_every_group_waits_at_most_the_timeout(nccl_calls):
