@@ -100,7 +100,8 @@ def family_rows() -> List[List[str]]:
     return [
         [
             "Hugging Face decoder families",
-            f"{len(exact)} family rows (causal LM, tied and untied head; sequence classification: {classifiers})",
+            f"{len(exact)} family rows (causal LM, tied and untied head, untied only where the config cannot tie: "
+            f"{sum(not f.ties for f in exact)}; sequence classification: {classifiers})",
             "exact vs the loop oracle",
             source,
         ],
@@ -137,12 +138,14 @@ def rule_rows() -> List[List[str]]:
 
     from pipedp.privacy.rules import EXPERTS, ROUTER
     from pipedp.privacy.rules.dense_experts import DENSE_EXPERTS, SCORING_ROUTER
+    from pipedp.privacy.rules.sliced_experts import SLICED_EXPERTS
 
     per_class = (
         (ROUTER, "a mixture of experts' router"),
         (EXPERTS, "a fused expert bank"),
         (SCORING_ROUTER, "a router scoring every expert (Llama-4's)"),
         (DENSE_EXPERTS, "an expert bank every token passes through (Llama-4's)"),
+        (SLICED_EXPERTS, "an expert bank stored as row slices of [E h, d] matrices (DBRX's)"),
     )
     layers: Dict[str, List[str]] = {}  # rule name -> the layer types and predicates it is registered for
     for layer, rule in RULES.items():

@@ -19,9 +19,12 @@ import torch.nn as nn
 
 from ..errors import UnsupportedModelError
 from ..privacy.rules import holds_below, layer_parameters, rule_for
+from ..privacy.rules.generic import first_output
 from ..privacy.rules.keywords import Keywords, KeywordSorter, guarded
-from ..privacy.rules.registry import read_children
+from ..privacy.rules.registry import fold_tokens, read_children
 from ..split.blocks import Block
+from ..split.hf_runs import modes_kept, rng_kept
+from . import self_check
 
 
 @dataclass
@@ -42,19 +45,6 @@ class LayerCall:
     def replayed(self, layer: nn.Module):
         """While a rule replays ``layer`` from this call's inputs: a call with keyword arguments gets them back."""
         return self.keywords.replayed(layer) if self.keywords is not None else nullcontext()
-
-
-def fold_tokens(t: torch.Tensor, rows: int, experts: int = 1) -> torch.Tensor:
-    """Tokens flattened [rows T, ...] as [rows, T, ...]; flattened expert-first, [experts, rows T, ...], as
-    [rows, T experts, ...] (sample i's position t E + e: expert e's call on its token t, so that the expert
-    of a position is its index modulo E, also once a privacy unit's rows are folded into its positions)."""
-    if experts == 1:
-        return t.reshape(rows, -1, *t.shape[1:])
-    return (
-        t.reshape(experts, rows, -1, *t.shape[1:])
-        .permute(1, 2, 0, *range(3, t.dim() + 2))
-        .reshape(rows, -1, *t.shape[1:])
-    )
 
 
 def find_layers(named_modules: Iterator[Tuple[str, nn.Module]]) -> Dict[str, nn.Module]:
@@ -97,19 +87,61 @@ def block_layers(blocks: Sequence[Block]) -> Dict[str, nn.Module]:
     )
 
 
+def _batch_first(a: torch.Tensor, batch: int, positions: int) -> bool:
+    """``a`` is already [batch, positions, ...] (DBRX's experts take the hidden states so beside a flattened
+    routing), not tokens flattened."""
+    return a.dim() >= 3 and tuple(a.shape[:2]) == (batch, positions)
+
+
 def _folded_tokens(name: str, module: nn.Module, args, batch: int, experts: int = 1) -> Tuple[torch.Tensor, ...]:
     """A flattened-token layer's inputs [batch T, ...] held as [batch, T, ...] (token t of sample i is row
-    i * T + t: how Hugging Face's MoE blocks flatten [batch, T, d]); with ``experts`` > 1, inputs
-    [experts batch T, ...] held as [batch, experts T, ...] (fold_tokens)."""
+    i * T + t: how Hugging Face's MoE blocks flatten [batch, T, d]); an input already [batch, T, ...] beside
+    them kept as it is; with ``experts`` > 1, inputs [experts batch T, ...] held as [batch, experts T, ...]
+    (fold_tokens)."""
     tensors = [a for a in args if isinstance(a, torch.Tensor) and a.dim() > 0]
-    rows = {int(a.shape[0]) for a in tensors}
-    if len(tensors) != len(args) or len(rows) != 1 or next(iter(rows)) % (batch * experts):
+    flat = {int(a.shape[0]) for a in tensors if a.shape[0] != batch} or {int(a.shape[0]) for a in tensors}
+    positions = next(iter(flat)) // (batch * experts) if len(flat) == 1 else 0
+    folded = [
+        a if experts == 1 and _batch_first(a, batch, positions) else fold_tokens(a, batch, experts) for a in tensors
+    ]
+    if (
+        len(tensors) != len(args)
+        or len(flat) != 1
+        or next(iter(flat)) % (batch * experts)
+        or any(tuple(f.shape[:2]) != (batch, positions * experts) for f in folded)
+    ):
         shapes = [tuple(a.shape) if isinstance(a, torch.Tensor) else type(a).__name__ for a in args]
         raise UnsupportedModelError(
             f"layer {name!r} ({type(module).__name__}) takes the micro-batch's tokens flattened, but got inputs of "
-            f"shapes {shapes}, not all [{batch} x positions, ...]: its per-sample gradients cannot be captured"
+            f"shapes {shapes}, not all [{batch} x positions, ...] (or [{batch}, positions, ...]): its per-sample "
+            "gradients cannot be captured"
         )
-    return tuple(fold_tokens(a.detach(), batch, experts) for a in tensors)
+    return tuple(f.detach() for f in folded)
+
+
+def check_keyword_rows(name: str, module: nn.Module, inputs: Sequence[torch.Tensor], keywords: Keywords, fresh) -> None:
+    """The keyword tensors ``fresh`` just taken as per-sample by their first dimension are: the layer replayed on
+    the first and the last sample's rows alone (its positional inputs' rows and those keyword tensors' rows) gives
+    that sample's rows of its replay on the whole call, in eval mode from one random state. A tensor shared by
+    the batch whose first dimension is the micro-batch's by chance fails here, self-check or not (each sample
+    would be replayed with one row of it: its gradient wrong, their sum right)."""
+    batch = int(inputs[0].shape[0])
+    device = inputs[0].device
+    with torch.no_grad(), modes_kept(module), keywords.replayed(module):  # (no grad: the capture's hooks stand by)
+        module.eval()
+        with rng_kept(device), self_check.Precisions() as computed:
+            whole = first_output(module(*inputs))
+        for i in sorted({0, batch - 1}):
+            with rng_kept(device):
+                alone = first_output(module(*(t[i : i + 1] for t in inputs)))
+            if not self_check.same_values(whole[i : i + 1], alone, self_check.alone_tolerance(alone, computed.dtypes)):
+                raise UnsupportedModelError(
+                    f"layer {name!r} ({type(module).__name__}) was given keyword argument(s) {fresh} with the "
+                    f"micro-batch's size ({batch}) first, taken as one row per sample, but sample {i}'s rows replayed "
+                    "alone do not give its rows of the whole call: one of them is a tensor shared by the batch whose "
+                    "first dimension matched the micro-batch by chance (give it a leading dimension of 1), or the "
+                    "layer mixes samples"
+                )
 
 
 class ActivationCapture:
@@ -160,8 +192,10 @@ class ActivationCapture:
             if rule.flat_tokens:
                 experts = rule.experts_first(module) if rule.experts_first is not None else 1
                 folded = _folded_tokens(name, module, args, self._batch_size, experts)
+                # (an output already [batch, T, ...], as DBRX's experts return theirs, needs no fold)
+                rows = 0 if _batch_first(output, self._batch_size, folded[0].shape[1]) else self._batch_size
                 calls = self.records[self._active].setdefault(name, [])
-                calls.append(LayerCall(folded, output, output._version, self._batch_size, experts))
+                calls.append(LayerCall(folded, output, output._version, rows, experts))
                 return
             inputs = []
             for a in args:
@@ -176,6 +210,8 @@ class ActivationCapture:
                     )
                 inputs.append(a.detach())
             keywords = self.sorter.keep(name, module, kwargs, self._batch_size, inputs) if kwargs else None
+            if keywords is not None and self.sorter.fresh:
+                check_keyword_rows(name, module, inputs, keywords, self.sorter.fresh)
             calls = self.records[self._active].setdefault(name, [])
             calls.append(LayerCall(tuple(inputs), output, output._version, keywords=keywords, guards=guards))
             return passed

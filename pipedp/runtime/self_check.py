@@ -143,17 +143,21 @@ class Precisions(TorchFunctionMode):
         return out
 
 
-def refuse_mixed(stage: int, batch_rows, alone, span: slice, computed: Iterable[torch.dtype] = ()) -> None:
-    """Refuse a stage whose output for rows ``span`` differs between the micro-batch and those rows alone, beyond
-    the rounding of the output's dtype; a float64 output whose forward ``computed`` in float32 too, beyond
-    FLOAT32_INSIDE (a few hundred float32 ulps: not float32's own tolerance, which is sized for gradients)."""
+def alone_tolerance(alone, computed: Iterable[torch.dtype] = ()) -> float:
+    """The relative tolerance between rows computed alone and in their micro-batch: the rounding of the output's
+    dtype; a float64 output whose forward ``computed`` in float32 too, FLOAT32_INSIDE (a few hundred float32 ulps:
+    not float32's own tolerance, which is sized for gradients)."""
     dtypes = {t.dtype for t in _leaves(alone) if t.is_floating_point()}
     rtol = max(
         (ELEMENT_WISE.get(d, ELEMENT_WISE[torch.float32])[0] for d in dtypes), default=ELEMENT_WISE[torch.float64][0]
     )
-    if dtypes == {torch.float64} and torch.float32 in set(computed):
-        rtol = FLOAT32_INSIDE
-    if same_values(batch_rows, alone, rtol):
+    return FLOAT32_INSIDE if dtypes == {torch.float64} and torch.float32 in set(computed) else rtol
+
+
+def refuse_mixed(stage: int, batch_rows, alone, span: slice, computed: Iterable[torch.dtype] = ()) -> None:
+    """Refuse a stage whose output for rows ``span`` differs between the micro-batch and those rows alone, beyond
+    alone_tolerance."""
+    if same_values(batch_rows, alone, alone_tolerance(alone, computed)):
         return
     raise UnsupportedModelError(
         f"stage {stage}: its forward mixes samples: the output of rows {span.start}..{span.stop - 1} computed from "

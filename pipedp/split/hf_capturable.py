@@ -5,7 +5,9 @@ batch-first inputs and its output left as it returned it; two families' layers d
 - flattened inputs: OPT's layer runs its feed-forward on [batch * seq, hidden], a linear attention its
   gated norm on [batch * seq * heads, head_dim] (Qwen3-Next). The module gets [batch, seq (* heads), ...]
   instead, batch-major as the model flattens, and its output is flattened back for the layer (the same
-  values; a wrong grouping would change them, which the self-check's forward comparison sees);
+  values). That the model flattens batch-major, for these modules and for a router's or an expert bank's
+  flattened tokens (which the capture folds), is checked by autograd on random hidden states
+  (``_check_token_order``);
 - a child's weight read by the module above it without calling the child (F.conv1d(x, self.conv.weight):
   a Mamba mixer, LFM2's short convolution): that module is one layer with the child (privacy.rules READS);
 - an output changed in place: Falcon adds the attention output into the MLP's output (``+=``), the
@@ -32,8 +34,8 @@ import torch.nn as nn
 from ..errors import UnsupportedModelError
 from ..privacy.rules import holds_below, layer_parameters, rule_for
 from ..privacy.rules.keywords import guarded, guards_error
-from ..privacy.rules.registry import READS, read_children, typed_rule
-from .hf_runs import outside_calls, reached_from, standing_in, trainable_of
+from ..privacy.rules.registry import READS, fold_tokens, read_children, typed_rule
+from .hf_runs import modes_kept, outside_calls, reached_from, rng_kept, standing_in, trainable_of
 
 
 @dataclass(frozen=True)
@@ -137,7 +139,62 @@ def find_fixes(
         left = [p for p in again.first_dims if again.first_dims[p] != rows and p not in tokens] + again.changed
         if left:
             raise UnsupportedModelError(f"{where}: {left} cannot be made capturable per sample: freeze them")
+    _check_token_order(where, layer, args, kwargs, rows, length, width, fixes, (*flattened, *tokens))
     return fixes
+
+
+def _check_token_order(where, layer, args, kwargs, rows, length, width, fixes: LayerFixes, paths) -> None:
+    """Each module called on the tokens flattened (``paths``: a gated norm over each head's tokens, a router, an
+    expert bank) gets them batch-major, as the capture folds them (privacy.rules.fold_tokens): the rows of each
+    sample's share depend on that sample's hidden states and on no other's. Checked by autograd (one random
+    combination of each share's rows) on random hidden states through the layer's own weights (on meta, skipped:
+    the self-check compares every checked sample's gradient), so that a model flattening [T, batch] is refused by
+    name whether or not the self-check runs, instead of each row's gradient going to another sample."""
+    if rows < 2 or not paths or any(t.is_meta for t in [*layer.parameters(), *layer.buffers()]):
+        return
+    seen: Dict[str, torch.Tensor] = {}
+
+    def keep(path: str):
+        def hook(module, inputs):
+            first = inputs[0] if inputs and isinstance(inputs[0], torch.Tensor) else None
+            if first is not None and first.dim() and first.requires_grad and first.shape[0] != rows:
+                seen.setdefault(path, first)
+
+        return hook
+
+    handles = [layer.get_submodule(p).register_forward_pre_hook(keep(p), prepend=True) for p in paths]
+    # (a cache the dry run passed holds its keys by now: this run goes without it)
+    kwargs = {k: None if type(v).__name__.endswith("Cache") else v for k, v in kwargs.items()}
+    g = torch.Generator(device="cpu").manual_seed(0)
+    hidden = torch.randn(rows, length, width, generator=g, dtype=torch.float64).to(_device(args, kwargs), _dtype(layer))
+    hidden.requires_grad_(True)
+    try:
+        with torch.enable_grad(), modes_kept(layer), rng_kept(hidden.device), capturable(layer, fixes, rows, length):
+            layer.eval()(hidden, *args, **kwargs)
+    finally:
+        for handle in handles:
+            handle.remove()
+    for path, flat in seen.items():
+        rule = rule_for(layer.get_submodule(path))
+        experts = rule.experts_first(layer.get_submodule(path)) if rule.experts_first is not None else 1
+        if flat.shape[0] % (rows * experts):
+            continue  # (refused above: neither the batch nor a multiple of batch x sequence)
+        shares = fold_tokens(torch.arange(flat.shape[0]), rows, experts)  # [rows, ...]: each sample's rows
+        for i in range(rows):
+            with torch.enable_grad():  # (model_blocks may run under no_grad: an evaluation)
+                share = flat[shares[i].reshape(-1)]
+                weights = torch.randn(share.shape, generator=g, dtype=torch.float64).to(share.device, share.dtype)
+                combined = (share * weights).sum()
+            (grad,) = torch.autograd.grad(combined, hidden, retain_graph=True, allow_unused=True)
+            reached = [] if grad is None else (grad.reshape(rows, -1).abs().sum(1) > 0).tolist()
+            if any(reached) and reached != [j == i for j in range(rows)]:
+                samples = [j for j, hit in enumerate(reached) if hit]
+                raise UnsupportedModelError(
+                    f"{where}.{path} ({type(layer.get_submodule(path)).__name__}) is called on the tokens flattened, "
+                    f"and the rows per-sample capture reads as sample {i}'s (batch-major) depend on the hidden states "
+                    f"of samples {samples}: the model flattens them in another order (e.g. [T, batch]) or mixes "
+                    "samples; freeze it, or give the model a pipeline_blocks() method"
+                )
 
 
 def _readers(layer: nn.Module, seen: "_Seen") -> Tuple[Tuple[str, Tuple[str, ...]], ...]:

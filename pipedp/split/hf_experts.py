@@ -2,8 +2,9 @@
 exactly (privacy/rules/experts.py), refused at construction, by name, otherwise.
 
 A block is accepted when it is dropless top-k routing over a fused expert bank (transformers'
-``use_experts_implementation`` layout) by a router whose first output is a Linear's logits over the
-tokens, both checked on a few random tokens against the block's own modules; shared experts and
+``use_experts_implementation`` layout; or DBRX's, row slices of [E h, d] matrices: rules/sliced_experts.py)
+by a router whose first output is a Linear's logits over the tokens (or the logits alone, which its block
+routes: DBRX), both checked on a few random tokens against the block's own modules; shared experts and
 their gates are ordinary layers. What couples samples is refused: a batch-level load-balancing loss
 (``output_router_logits``), noise written into the hidden states in place (``*_jitter_noise``), expert
 parallelism, a trainable parameter of the router other than its weight and bias (bias balancing). A router
@@ -46,6 +47,7 @@ from ..privacy.rules.expert_lora import (
     wrappers,
 )
 from ..privacy.rules.experts import first_weights, recomputed_output, second_weights, weight_names
+from ..privacy.rules.sliced_experts import SLICED_EXPERTS, is_sliced_bank, recomputed_sliced_output, sliced_weights
 from ..rounding import agree
 from .hf_runs import Stop, modes_kept, rng_kept
 
@@ -53,6 +55,12 @@ from .hf_runs import Stop, modes_kept, rng_kept
 ROUTING = re.compile(r"expert|router|sparse_?moe|moe(block|layer|mlp)?$", re.IGNORECASE)
 CHECK_TOKENS = 5  # the random tokens a bank and its router are checked on
 ROUTER_NAMES = ("gate", "router")
+# (a module's attribute, the config's name) of noise multiplied into the hidden states in training
+JITTER = (
+    ("jitter_noise", "router_jitter_noise"),
+    ("input_jitter_noise", "input_jitter_noise"),
+    ("moe_jitter_eps", "ffn_config.moe_jitter_eps"),
+)
 PEFT_READ = (0, 20)  # the PEFT whose expert adapters (target_parameters) pipedp's rules read: 0.18, 0.19 store others
 # the way out of every refusal below: a block frozen whole needs no rule (accept_experts skips it)
 FREEZE = "freeze the whole block (block.requires_grad_(False): a frozen block needs no rule)"
@@ -96,7 +104,14 @@ def accept_experts(model: nn.Module, path: str, module: nn.Module) -> None:
             register(type(router), SCORING_ROUTER)
             register(type(bank), DENSE_EXPERTS)
             continue
+        if isinstance(bank, nn.Module) and is_sliced_bank(bank):  # DBRX: experts as row slices of [E h, d]
+            _refuse_adapters_below(where, outer)
+            router, logits = _router(where, block, bank)
+            _check(where, logits, _as_called(where, block, router, logits), bank, outer)
+            register(type(bank), SLICED_EXPERTS)
+            continue
         if not isinstance(bank, nn.Module) or not _is_fused_bank(bank):
+            _refuse_adapters_below(where, outer)
             raise UnsupportedModelError(
                 f"{where} is a mixture of experts whose experts pipedp has no per-sample rule for (it trains fused "
                 "expert banks: transformers' use_experts_implementation layout, gate_up_proj / down_proj of shape "
@@ -109,6 +124,17 @@ def accept_experts(model: nn.Module, path: str, module: nn.Module) -> None:
         if logits is router:  # (a Linear child computing the logits is a Linear on flattened tokens: hf_capturable)
             register(type(router), ROUTER)
         register(type(bank), EXPERTS)
+
+
+def _refuse_adapters_below(where: str, outer: Any) -> None:
+    """PEFT's adapters inside experts that are not a fused bank (DBRX's row slices): no rule reads them."""
+    modules = outer.named_modules() if isinstance(outer, nn.Module) else []
+    below = [n for n, m in modules if type(m).__module__.startswith("peft.")]
+    if below:
+        raise UnsupportedModelError(
+            f"{where}: PEFT's adapters on its experts ({below[0]}), which are not a fused bank [experts, out, in], "
+            f"have no per-sample rule: put the adapters on the attention and other Linear layers, or {FREEZE}"
+        )
 
 
 def refuse_experts(model: nn.Module, why: str) -> None:
@@ -129,12 +155,13 @@ def _refuse_config(where: str, config, block: nn.Module) -> None:
             "router probabilities are statistics of the whole batch (one sample's loss depends on the others): "
             "set config.output_router_logits = False"
         )
-    for key, name in (("jitter_noise", "router_jitter_noise"), ("input_jitter_noise", "input_jitter_noise")):
-        if float(getattr(block, key, 0.0) or 0.0) > 0:
-            raise UnsupportedModelError(
-                f"{where}: {name}={getattr(block, key)} multiplies the hidden states by noise in place in training "
-                f"(a change pipedp's capture refuses): set config.{name} = 0.0"
-            )
+    for key, name in JITTER:
+        for module in block.modules():  # (DBRX's router holds its own)
+            if float(getattr(module, key, 0.0) or 0.0) > 0:
+                raise UnsupportedModelError(
+                    f"{where}: {name}={getattr(module, key)} multiplies the hidden states by noise in place in "
+                    f"training (a change pipedp's capture refuses): set config.{name} = 0.0 (None for DBRX's)"
+                )
 
 
 def _is_fused_bank(bank: nn.Module) -> bool:
@@ -148,6 +175,17 @@ def _is_fused_bank(bank: nn.Module) -> bool:
     )
 
 
+def _experts(bank: nn.Module) -> int:
+    """How many experts a routed bank holds."""
+    return bank.num_experts if is_sliced_bank(bank) else bank.down_proj.shape[0]
+
+
+def _random_routing(g: torch.Generator, x: torch.Tensor, experts: int, k: int) -> Tuple[torch.Tensor, torch.Tensor]:
+    """(weights [T, k], experts [T, k]): k distinct experts per token and positive weights, drawn at random."""
+    index = torch.rand(x.shape[0], experts, generator=g).argsort(-1)[:, :k].to(x.device)
+    return torch.rand(x.shape[0], k, generator=g, dtype=torch.float64).add(0.5).to(x.device, x.dtype), index
+
+
 def _logits_layer(router: nn.Module) -> nn.Module:
     """What computes the router's logits: the router with a weight of its own, else its one Linear child
     (AFMoE's router.gate)."""
@@ -159,7 +197,7 @@ def _logits_layer(router: nn.Module) -> nn.Module:
 
 def _router(where: str, block: nn.Module, bank: nn.Module) -> Tuple[nn.Module, nn.Module]:
     """The block's router, and what computes its logits (_logits_layer)."""
-    experts = bank.down_proj.shape[0]
+    experts = _experts(bank)
     found = [m for n, m in block.named_children() if n in ROUTER_NAMES and m is not bank]
     router: Optional[nn.Module] = found[0] if found else None
     logits = _logits_layer(router) if router is not None else None
@@ -313,7 +351,8 @@ def _check(where: str, logits_layer: nn.Module, call: _RouterCall, bank: nn.Modu
     bank's weights plus their product), on a few random tokens (skipped for weights not loaded yet: the
     self-check compares every checked sample's gradient with its own backward anyway)."""
     router, weight = call.router, logits_layer.weight
-    if weight.is_meta or bank.down_proj.is_meta:
+    sliced = is_sliced_bank(bank)
+    if weight.is_meta or any(w.is_meta for w in (sliced_weights(bank) if sliced else [bank.down_proj])):
         return
     g = torch.Generator(device="cpu").manual_seed(0)
     x = torch.randn(CHECK_TOKENS, weight.shape[1], generator=g, dtype=torch.float64).to(weight.device, weight.dtype)
@@ -328,11 +367,15 @@ def _check(where: str, logits_layer: nn.Module, call: _RouterCall, bank: nn.Modu
                 f"block passes it besides them ({passed}): {type(exc).__name__}: {exc}; pipedp's per-sample rule "
                 f"for it calls it so: {FREEZE}, or use a model whose router takes the hidden states"
             ) from exc
-        if not isinstance(out, tuple) or len(out) < 3:
+        if sliced and isinstance(out, torch.Tensor):  # (DBRX's router returns the logits: its block routes them)
+            logits = out
+            weights, index = _random_routing(g, x, _experts(bank), min(2, _experts(bank)))
+        elif isinstance(out, tuple) and len(out) >= 3:
+            logits, weights, index = out[0], out[1], out[2]
+        else:
             raise UnsupportedModelError(
                 f"{where}: its router returns {type(out).__name__}, not (logits, weights, experts): {FREEZE}"
             )
-        logits, weights, index = out[0], out[1], out[2]
         want = F.linear(x, weight, getattr(logits_layer, "bias", None))
         if not agree(logits.to(want.dtype), want, weight.dtype):
             raise UnsupportedModelError(
@@ -344,9 +387,10 @@ def _check(where: str, logits_layer: nn.Module, call: _RouterCall, bank: nn.Modu
                 f"{where}: its router's logits change with what its block passes it besides the hidden states, which "
                 f"pipedp's per-sample rule for the router does not read: {FREEZE}"
             )
-        own = bank(x, index, weights)
+        own = bank(x, index, weights).reshape(x.shape)  # (DBRX's bank returns [T, 1, d] for these [T, d])
         try:
-            recomputed = recomputed_output(bank, x, index, weights)
+            read = recomputed_sliced_output if sliced else recomputed_output
+            recomputed = read(bank, x, index, weights)
         except torch.OutOfMemoryError:  # (no answer about the layout)
             raise
         except RuntimeError:  # (the weights' shapes do not fit the layout the flags describe)
@@ -360,7 +404,8 @@ def _check(where: str, logits_layer: nn.Module, call: _RouterCall, bank: nn.Modu
             _check_adapters(where, outer, bank, (x, index, weights))
     with modes_kept(router), rng_kept(x.device), torch.no_grad():  # (a router sampling its experts in training)
         router.train()
-        trained = call(x)[0]
+        trained = call(x)
+        trained = trained if isinstance(trained, torch.Tensor) else trained[0]
     if not agree(trained.to(want.dtype), want, weight.dtype):
         raise UnsupportedModelError(
             f"{where}: in training its router's first output is not F.linear(hidden, weight, bias), which pipedp's "

@@ -49,7 +49,8 @@ def test_without_a_reader_the_weight_read_outside_its_call_is_refused(monkeypatc
 def test_planted_heads_flattened_sequence_first_are_caught_by_the_self_check(monkeypatch):
     """Qwen3.5's gated norm runs on [batch T heads, d]: its calls are made on [batch, T heads, d], batch-major as
     the model flattens. A planted grouping by another order gives each sample other rows (and, reshaped back, the
-    model other values): refused by the self-check at the first step."""
+    model other values): refused at the first step, where the layer's replay on a sample's rows alone is first
+    compared with the whole call (its keyword arguments taken as per-sample), or by the self-check."""
     real = hf_capturable._unflatten
 
     def sequence_first(rows, length, flat):
@@ -68,7 +69,8 @@ def test_planted_heads_flattened_sequence_first_are_caught_by_the_self_check(mon
     model = build(family("qwen3_5_text"))
     inputs, labels = padded_batch("right")
     with pytest.raises(
-        UnsupportedModelError, match=r"stage 0: its forward mixes samples|linear_attn.norm.weight are wrong"
+        UnsupportedModelError,
+        match=r"stage 0: its forward mixes samples|linear_attn.norm.weight are wrong|linear_attn.*replayed alone do not",
     ):
         pipedp_clipped_sum(model, token_loss, inputs, labels, CLIP, stages=2, microbatches=2)
 
@@ -127,3 +129,29 @@ def test_layers_of_one_class_frozen_differently_are_probed_each():
     layers = block_layers(model_blocks(model))
     assert read_children(model.model.layers[2].conv) == ("conv",)
     assert "model.layers.2.conv" in layers and "model.layers.2.conv.conv" not in layers
+
+
+class Flattening(nn.Module):
+    """A layer running its feed-forward on its tokens flattened, batch-major (as OPT's) or, planted, [T, batch]."""
+
+    def __init__(self, sequence_major: bool):
+        super().__init__()
+        torch.manual_seed(0)
+        self.ffn = nn.Linear(4, 4, dtype=torch.float64)
+        self.sequence_major = sequence_major
+
+    def forward(self, x):
+        batch, length, width = x.shape
+        if self.sequence_major:
+            out = self.ffn(x.transpose(0, 1).reshape(-1, width))
+            return x + out.reshape(length, batch, width).transpose(0, 1)
+        return x + self.ffn(x.reshape(-1, width)).reshape(batch, length, width)
+
+
+def test_planted_tokens_flattened_sequence_major_are_refused_when_the_model_is_split():
+    """A module called on [batch T, ...] is called on [batch, T, ...], batch-major: checked by autograd on random
+    hidden states when the model is split (each sample's rows depend on its own hidden states only), so a layer
+    flattening [T, batch] (planted) is refused by name there, not left to the self-check."""
+    assert hf_capturable.find_fixes("probe", Flattening(False), (), {}, 2, 3, 4).flattened == ("ffn",)
+    with pytest.raises(UnsupportedModelError, match=r"probe.ffn \(Linear\) is called on the tokens flattened"):
+        hf_capturable.find_fixes("probe", Flattening(True), (), {}, 2, 3, 4)

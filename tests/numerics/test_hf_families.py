@@ -85,7 +85,9 @@ def pipelined(model, inputs, stages):
     return out
 
 
-@pytest.mark.parametrize("family", EXACT, ids=lambda f: f.name)
+@pytest.mark.parametrize(
+    "family", [pytest.param(f, id=f.name, marks=[pytest.mark.exhaustive] * f.exhaustive) for f in EXACT]
+)
 def test_pipelined_forward_equals_the_models_own_forward(family):
     for attention in family.attention:
         for kind in ("causal", "classification") if family.classification else ("causal",):
@@ -106,6 +108,7 @@ def test_pipelined_forward_equals_the_models_own_forward(family):
 
 
 def check_causal_step(family, stages, mode, tied, side):
+    tied = tied and family.ties  # (a family that cannot tie runs untied)
     model = build(family, tie=tied)
     assert (model.get_output_embeddings().weight is model.get_input_embeddings().weight) == tied
     inputs, labels = padded_batch("right" if family.eager_only else side)
@@ -118,13 +121,13 @@ def check_causal_step(family, stages, mode, tied, side):
 
 def tiered(families, runs, default: int):
     """(family, *run) for each family and run; a slow family's runs after the first ``default`` in the exhaustive
-    tier only."""
+    tier only (an exhaustive family's all)."""
     return [
         pytest.param(
             f,
             *run,
             id=f"{f.name}-{'-'.join(map(str, run))}",
-            marks=[pytest.mark.exhaustive] * (f.slow and k >= default),
+            marks=[pytest.mark.exhaustive] * ((f.slow and k >= default) or f.exhaustive),
         )
         for f in families
         for k, run in enumerate(runs)

@@ -31,25 +31,27 @@ class Gate(nn.Module):
 
 class GateBlock(nn.Module):
     """Calls its Gate with keyword arguments: ``computed``, a tensor shared by the batch computed in the forward
-    (else a buffer); ``second``, the Gate's second output reaches the loss too."""
+    (else a buffer), its entries all equal with ``constant``; ``second``, the Gate's second output reaches the loss
+    too."""
 
-    def __init__(self, computed: bool = False, second: bool = False):
+    def __init__(self, computed: bool = False, second: bool = False, constant: bool = False):
         super().__init__()
         self.gate = Gate()
         self.register_buffer("scale", torch.linspace(0.5, 1.5, 8, dtype=torch.float64))
         self.register_buffer("cos", self.scale.cos())
-        self.computed, self.second = computed, second
+        self.computed, self.second, self.constant = computed, second, constant
 
     def forward(self, h):
         mask = (h[:, 0] > -0.5).double() + 0.5
         shared = self.scale.cos() if self.computed else self.cos
+        shared = shared * 0 + 0.7 if self.constant else shared
         out, total = self.gate(h, mask=mask, scale=self.scale, pair=(h.sin(), shared), nothing=None)
         return out + total[:, None] if self.second else out
 
 
-def model(computed: bool = False, second: bool = False):
+def model(computed: bool = False, second: bool = False, constant: bool = False):
     torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(8, 8), GateBlock(computed, second), nn.Linear(8, 4)).double()
+    return nn.Sequential(nn.Linear(8, 8), GateBlock(computed, second, constant), nn.Linear(8, 4)).double()
 
 
 def data(rows: int):
@@ -76,14 +78,18 @@ def test_keyword_layers_with_units_of_two_rows():
     assert max_relative_error(got, want) < 1e-12
 
 
-def test_planted_a_shared_keyword_tensor_the_size_of_the_micro_batch_is_caught_by_the_self_check():
+@pytest.mark.parametrize("self_check", [True, False])
+def test_planted_a_shared_keyword_tensor_the_size_of_the_micro_batch_is_refused_at_its_first_call(self_check):
     """A shared tensor computed in the forward with 8 entries: with micro-batches of 8 rows it looks per-sample and
-    is replayed one entry per sample, a wrong per-sample gradient whose sum is right. The self-check compares each
-    sample's gradient with autograd's at the first step of each input shape and refuses, naming the keyword cause;
-    a buffer of the model with 8 entries is shared whatever the micro-batch's size (exact)."""
+    would be replayed one entry per sample, a wrong per-sample gradient whose sum is right. Where it is first taken
+    as per-sample, the layer replayed on a sample's rows alone is compared with the whole call's rows, and refused
+    naming the argument, whether or not the self-check runs; a buffer of the model with 8 entries is shared whatever
+    the micro-batch's size (exact)."""
     x, y = data(16)
-    with pytest.raises(UnsupportedModelError, match=r"gate.w are wrong though their sum .*passed by keyword"):
-        pipedp_clipped_sum(model(computed=True), class_loss, x, y, 0.3, stages=1, microbatches=2)
+    with pytest.raises(
+        UnsupportedModelError, match=r"keyword argument\(s\) .*'pair'\]\[1\]\"\] with the micro-batch's size \(8\)"
+    ):
+        pipedp_clipped_sum(model(computed=True), class_loss, x, y, 0.3, stages=1, microbatches=2, self_check=self_check)
     for computed, rows in ((False, 16), (True, 12)):  # a buffer; the computed one without the coincidence
         x, y = data(rows)
         net = model(computed)
@@ -93,11 +99,13 @@ def test_planted_a_shared_keyword_tensor_the_size_of_the_micro_batch_is_caught_b
 
 
 def test_a_keyword_tensor_taken_per_sample_then_shared_is_refused_by_name():
-    """With the self-check off, the coincidence above is not caught at its step; a later call where that tensor is
-    not the micro-batch's size shows it was shared, and is refused naming the argument."""
+    """A shared tensor of 8 equal entries with micro-batches of 8 rows: taken as per-sample, which replays each
+    sample exactly (its one entry equals all of them), so the first step passes its check; a later call where that
+    tensor is not the micro-batch's size shows it was shared, and is refused naming the argument."""
     trainer = PipelineDPTrainer(
-        model(computed=True), class_loss, stages=1, microbatches=2, expected_batch_size=8, self_check=False
-    )
+        model(computed=True, constant=True), class_loss, stages=1, microbatches=2, expected_batch_size=8,
+        self_check=False,
+    )  # fmt: skip
     trainer.step(*data(16))
     with pytest.raises(UnsupportedModelError, match=r"keyword argument \['pair'\]\[1\] with the micro-batch's size"):
         trainer.step(*data(12))

@@ -22,7 +22,7 @@ from steps import pipedp_clipped_sum  # noqa: E402
 
 from pipedp import PipelineDPTrainer, UnsupportedModelError  # noqa: E402
 from pipedp.models import token_loss  # noqa: E402
-from pipedp.privacy.rules import expert_lora  # noqa: E402
+from pipedp.privacy.rules import expert_lora, sliced_experts  # noqa: E402
 from pipedp.privacy.rules import experts as expert_rules  # noqa: E402
 from pipedp.split import hf_experts  # noqa: E402
 
@@ -129,7 +129,8 @@ def test_lora_on_one_expert_weight_with_the_bank_trained_too_matches_the_loop():
     assert float(got["model.layers.0.mlp.experts.base_layer.gate_up_proj"].abs().max()) > 0
 
 
-MOE_FAMILIES = [f for f in FAMILIES if f.experts and f.exact]  # (Llama-4's too: every token through every expert)
+# (Llama-4's too: every token through every expert; not DBRX's row slices, whose LoRA is refused by name)
+MOE_FAMILIES = [f for f in FAMILIES if f.experts and f.exact and f.model_type != "dbrx"]
 
 
 @pytest.mark.parametrize(
@@ -490,23 +491,83 @@ def test_planted_a_router_reading_its_linear_s_weight_outside_its_call_is_refuse
             PipelineDPTrainer(model, token_loss, stages=2, expected_batch_size=4)
 
 
-def test_dbrx_s_bank_is_refused_by_name_and_trains_what_is_around_it_once_frozen():
-    """DBRX keeps its experts as [E h, d] matrices sliced per expert inside the bank's loop (no fused layout):
-    refused by name, and with its expert blocks frozen the rest matches the loop oracle (docs/models.md)."""
-    sizes = {"ffn_hidden_size": 16, "moe_num_experts": 4, "moe_top_k": 2, "moe_jitter_eps": None}
-    attention = {"kv_n_heads": 1, "rope_theta": 10000.0, "clip_qkv": 8.0}
-    config = {"d_model": 16, "n_heads": 2, "n_layers": 3, "max_seq_len": 32, "ffn_config": sizes}
-    torch.manual_seed(0)
-    config = tiny_config(Family("dbrx", config={**config, "attn_config": attention}))
-    model = transformers.AutoModelForCausalLM.from_config(config).double()
-    with pytest.raises(UnsupportedModelError, match=r"DbrxForCausalLM: transformer.blocks.0.ffn \(DbrxFFN\) .*freeze"):
-        PipelineDPTrainer(copy.deepcopy(model), token_loss, stages=2, expected_batch_size=4)
+def test_dbrx_s_sliced_bank_with_lora_on_the_attention_and_frozen_matches_the_loop():
+    """DBRX keeps its experts as row slices of [E h, d] matrices (rules/sliced_experts.py; the families matrix
+    runs its full fine-tune): with LoRA on the attention beside the trained bank, and with the bank frozen."""
+    for frozen in (False, True):
+        model = build(family("dbrx"))
+        if frozen:
+            for block in model.transformer.blocks:
+                block.ffn.requires_grad_(False)
+        else:
+            peft = pytest.importorskip("peft")
+            config = peft.LoraConfig(r=2, target_modules=["Wqkv"], init_lora_weights=False)
+            model = peft.get_peft_model(model, config).base_model.model
+            for block in model.transformer.blocks:
+                block.ffn.experts.requires_grad_(True)
+        inputs, labels = padded_batch("left")
+        want = loop_clipped_sum(copy.deepcopy(model), hf_loss, inputs, labels, CLIP)
+        got = pipedp_clipped_sum(model, token_loss, inputs, labels, CLIP, stages=3, microbatches=2)
+        assert max_relative_error(got, want) < 1e-12, frozen
+        assert (float(got["transformer.blocks.0.ffn.experts.mlp.v1"].abs().max()) > 0) != frozen
+
+
+def test_planted_dbrx_s_misread_slices_and_noise_and_adapters_on_its_bank_are_refused(monkeypatch):
+    """Refused at construction: the gate and up slices read swapped (a planted misreading: the bank's own
+    forward disagrees), noise multiplied into the hidden states (moe_jitter_eps), PEFT's LoRA on the slices."""
+    peft = pytest.importorskip("peft")
+    with monkeypatch.context() as planted:
+        planted.setattr(sliced_experts, "NAMES", ("v1", "w1", "w2"))
+        with pytest.raises(UnsupportedModelError, match=r"transformer.blocks.0.ffn .*do not compute what pipedp"):
+            PipelineDPTrainer(build(family("dbrx")), token_loss, stages=2, expected_batch_size=4)
+    model = build(family("dbrx"))
     for block in model.transformer.blocks:
-        block.ffn.requires_grad_(False)
+        block.ffn.router.moe_jitter_eps = 0.01
+    with pytest.raises(UnsupportedModelError, match=r"ffn_config.moe_jitter_eps=0.01 multiplies the hidden states"):
+        PipelineDPTrainer(model, token_loss, stages=2, expected_batch_size=4)
+    config = peft.LoraConfig(r=2, target_parameters=["ffn.experts.mlp.w1"], init_lora_weights=False)
+    model = peft.get_peft_model(build(family("dbrx")), config).base_model.model
+    with pytest.raises(UnsupportedModelError, match=r"PEFT's adapters on its experts \(mlp\), which are not a fused"):
+        PipelineDPTrainer(model, token_loss, stages=2, expected_batch_size=4)
+
+
+def test_planted_a_dbrx_pair_given_to_the_wrong_sample_is_caught_by_the_self_check(monkeypatch):
+    real = sliced_experts.sliced_pairs
+
+    def misattributed(bank, inputs, backprops):
+        experts, projections = real(bank, inputs, backprops)
+        for proj in projections if len(experts) > 1 else []:  # the first pair of sample 0 counted as sample 1's
+            proj.g[1, 0], proj.g[0, 0] = proj.g[0, 0].clone(), 0
+        return experts, projections
+
+    monkeypatch.setattr(sliced_experts, "sliced_pairs", misattributed)
+    with pytest.raises(UnsupportedModelError, match=r"norms of .*experts.mlp.w1.* disagree with their per-sample"):
+        pipedp_clipped_sum(build(family("dbrx")), token_loss, *padded_batch("right"), CLIP, stages=2, grad_mode="ghost")
+
+
+@pytest.mark.parametrize("self_check", [True, False])
+def test_planted_a_block_flattening_its_tokens_sequence_major_is_refused_at_construction(self_check):
+    """Per-sample capture reads a router's and a bank's flattened tokens batch-major (row i T + t is sample i's
+    token t). A block flattening them [T, batch] (planted) computes the same outputs but would give each row's
+    gradient to another sample: refused by name at construction by autograd on random hidden states, whether or
+    not the self-check runs."""
+    model = mixtral()
+    block_type = type(model.model.layers[0].mlp)
+
+    def sequence_major(self, hidden_states):
+        batch, length, width = hidden_states.shape
+        flat = hidden_states.transpose(0, 1).reshape(-1, width)  # row t batch + i
+        _, weights, index = self.gate(flat)
+        out = self.experts(flat, index, weights)
+        return out.reshape(length, batch, width).transpose(0, 1)
+
     inputs, labels = padded_batch("right")
     want = loop_clipped_sum(copy.deepcopy(model), hf_loss, inputs, labels, CLIP)
-    got = pipedp_clipped_sum(model, token_loss, inputs, labels, CLIP, stages=2, microbatches=2)
-    assert max_relative_error(got, want) < 1e-12
+    with mock.patch.object(block_type, "forward", sequence_major):
+        again = loop_clipped_sum(copy.deepcopy(model), hf_loss, inputs, labels, CLIP)  # (the same function)
+        assert max_relative_error(again, want) < 1e-12
+        with pytest.raises(UnsupportedModelError, match=r"mlp.gate \(MixtralTopKRouter\) is called on the tokens"):
+            PipelineDPTrainer(model, token_loss, stages=2, expected_batch_size=4, self_check=self_check)
 
 
 def test_planted_a_bank_read_in_the_wrong_layout_is_refused_at_construction():

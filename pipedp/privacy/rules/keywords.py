@@ -10,8 +10,9 @@ arguments or returning tuples, for the capture (runtime/capture.py): an attentio
   size first, except a parameter or buffer of the model, and except an argument seen shared once (its first
   dimension not the micro-batch's: it stays shared). An argument taken as per-sample that later is not, or
   seen shared and later with the micro-batch's size first in another layout, is refused by name; a shared
-  tensor the micro-batch's size at every call is caught by the self-check at each new input shape (a sample's
-  gradient computed from one row of it is wrong, their sum right).
+  tensor the micro-batch's size at every call (a sample's gradient computed from one row of it is wrong, their
+  sum right) is caught where it is first taken as per-sample, by replaying the layer on samples' rows alone
+  (runtime/capture.py ``check_keyword_rows``), and by the self-check.
 - ``guarded``: a call's other outputs, passed on as views the I pass differentiates too: a gradient reaching one
   is an error, since the rule gives the layer's parameters the first output's gradient only.
 """
@@ -85,10 +86,12 @@ class KeywordSorter:
         self.model: Optional[Set[int]] = None  # their ids, for the micro-batch being recorded
         self.shared: Dict[Tuple[str, str], int] = {}  # (layer, argument) -> the first dimension it was seen with
         self.per_sample: Set[Tuple[str, str]] = set()
+        self.fresh: List[str] = []  # the arguments the last call's keep first took as per-sample (to be checked)
 
     def keep(self, name: str, module: nn.Module, kwargs: dict, batch: int, inputs: list) -> Keywords:
         """The call's keyword arguments kept for its replay; their per-sample tensors appended to ``inputs``."""
         found, spec = tree_flatten_with_path(kwargs)
+        self.fresh = []
         positional = len(inputs)
         kept: List[Any] = []
         per_sample, versions = [], []
@@ -142,6 +145,8 @@ class KeywordSorter:
         if batch == 1:  # (uninformative: a shared [1, ...] tensor and a sample's own are the same replay)
             return key in self.per_sample
         if first == batch:
+            if key not in self.per_sample:
+                self.fresh.append(argument)
             self.per_sample.add(key)
             return True
         if key in self.per_sample:

@@ -58,6 +58,19 @@ class LayerRule:
     keywords: bool = False
 
 
+def fold_tokens(t: torch.Tensor, rows: int, experts: int = 1) -> torch.Tensor:
+    """Tokens flattened [rows T, ...] as [rows, T, ...]; flattened expert-first, [experts, rows T, ...], as
+    [rows, T experts, ...] (sample i's position t E + e: expert e's call on its token t, so that the expert
+    of a position is its index modulo E, also once a privacy unit's rows are folded into its positions)."""
+    if experts == 1:
+        return t.reshape(rows, -1, *t.shape[1:])
+    return (
+        t.reshape(experts, rows, -1, *t.shape[1:])
+        .permute(1, 2, 0, *range(3, t.dim() + 2))
+        .reshape(rows, -1, *t.shape[1:])
+    )
+
+
 RULES: Dict[type, LayerRule] = {}
 PREDICATES: List[Tuple[Callable[[nn.Module], bool], LayerRule]] = []
 
