@@ -270,7 +270,8 @@ FAMILIES = [
         float32_inside=True,
     ),
     Family("llama4_text", "every token through every expert", classification=False, experts=True, float32_inside=True),
-    # experts as row slices of [E h, d] matrices (rules/sliced_experts.py); its router returns the logits alone
+    # experts as row slices of [E h, d] matrices (rules/sliced_experts.py; h 24, d 16: w2's [in, out] layout shows);
+    # its router returns the logits alone
     Family(
         "dbrx",
         "experts as row slices of [E h, d] matrices",
@@ -279,7 +280,7 @@ FAMILIES = [
             "n_heads": 2,
             "n_layers": 3,
             "max_seq_len": 32,
-            "ffn_config": {"ffn_hidden_size": 16, "moe_num_experts": 4, "moe_top_k": 2, "moe_jitter_eps": None},
+            "ffn_config": {"ffn_hidden_size": 24, "moe_num_experts": 4, "moe_top_k": 2, "moe_jitter_eps": None},
             "attn_config": {"kv_n_heads": 1, "rope_theta": 10000.0, "clip_qkv": 8.0},
         },
         classification=False,

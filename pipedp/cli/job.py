@@ -144,9 +144,12 @@ def _print_rank_device(world: int, device: str) -> None:
     import torch
     import torch.distributed as dist
 
+    from ..wire import carrier
+
     backend = dist.get_backend()
-    where = f"cuda:{torch.cuda.current_device()}" if backend == "nccl" or device == "cuda" else "cpu"
-    shared = " (shared, through host memory)" if backend != "nccl" and where != "cpu" else ""
+    nccl = carrier(backend, "cuda") == "nccl"
+    where = f"cuda:{torch.cuda.current_device()}" if (nccl and device != "cpu") or device == "cuda" else "cpu"
+    shared = " (shared, through host memory)" if not nccl and where != "cpu" else ""
     print(f"pipedp: rank {dist.get_rank()} of {world} over {backend} on {where}{shared}", flush=True)
 
 

@@ -340,7 +340,7 @@ class DistributedRuntime:
         world, rank = dist.get_world_size(), dist.get_rank()
         device = _device_for_backend(pipeline.device)  # first: the agreement's own collective runs on it
         wire = Wire.of(device, dist.get_backend())
-        if dist.get_backend() == "nccl":
+        if carrier(dist.get_backend(), device.type) == "nccl":
             nccl_fault_handling()  # the groups below read it when created (also under the user's own init)
         _agree({"world size": world, **agreement})
         mesh = Mesh(pipeline.stages, pipeline.replicas, rank, pipeline.tensor_parallel)

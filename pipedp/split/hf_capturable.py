@@ -147,8 +147,9 @@ def _check_token_order(where, layer, args, kwargs, rows, length, width, fixes: L
     """Each module called on the tokens flattened (``paths``: a gated norm over each head's tokens, a router, an
     expert bank) gets them batch-major, as the capture folds them (privacy.rules.fold_tokens): the rows of each
     sample's share depend on that sample's hidden states and on no other's. Checked by autograd (one random
-    combination of each share's rows) on random hidden states through the layer's own weights (on meta, skipped:
-    the self-check compares every checked sample's gradient), so that a model flattening [T, batch] is refused by
+    combination of each share's rows) on random hidden states through the layer's own weights (skipped on meta,
+    or for a layer that cannot run without the dry run's cache: the self-check compares every checked sample's
+    gradient), so that a model flattening [T, batch] is refused by
     name whether or not the self-check runs, instead of each row's gradient going to another sample."""
     if rows < 2 or not paths or any(t.is_meta for t in [*layer.parameters(), *layer.buffers()]):
         return
@@ -171,6 +172,8 @@ def _check_token_order(where, layer, args, kwargs, rows, length, width, fixes: L
     try:
         with torch.enable_grad(), modes_kept(layer), rng_kept(hidden.device), capturable(layer, fixes, rows, length):
             layer.eval()(hidden, *args, **kwargs)
+    except Exception:  # (a layer that cannot run this way, e.g. without its cache: the self-check still compares)
+        return
     finally:
         for handle in handles:
             handle.remove()

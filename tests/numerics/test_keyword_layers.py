@@ -98,6 +98,38 @@ def test_planted_a_shared_keyword_tensor_the_size_of_the_micro_batch_is_refused_
         assert max_relative_error(got, want) < 1e-12, computed
 
 
+class Mix(nn.Module):
+    """Owns a scale; multiplies its input by a matrix passed by keyword."""
+
+    def __init__(self):
+        super().__init__()
+        self.w = nn.Parameter(torch.ones(8, dtype=torch.float64))
+
+    def forward(self, x, *, m):
+        return (x @ m) * self.w
+
+
+class MixBlock(nn.Module):
+    """Passes its Mix an [8, 8] matrix computed in the forward: shared by the batch, 8 rows like its micro-batch."""
+
+    def __init__(self):
+        super().__init__()
+        self.mix = Mix()
+        self.register_buffer("base", torch.linspace(0.5, 1.5, 64, dtype=torch.float64).reshape(8, 8))
+
+    def forward(self, h):
+        return self.mix(h, m=self.base.cos())
+
+
+def test_planted_a_shared_keyword_matrix_the_size_of_the_micro_batch_is_refused_by_name_not_a_shape_error():
+    """Sliced to one row per sample, the shared matrix no longer fits the product it enters: the replay's own
+    error becomes the named refusal."""
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(8, 8), MixBlock(), nn.Linear(8, 4)).double()
+    with pytest.raises(UnsupportedModelError, match=r"keyword argument\(s\) \[\"\['m'\]\"\] with the micro-batch"):
+        pipedp_clipped_sum(net, class_loss, *data(16), 0.3, stages=1, microbatches=2, self_check=False)
+
+
 def test_a_keyword_tensor_taken_per_sample_then_shared_is_refused_by_name():
     """A shared tensor of 8 equal entries with micro-batches of 8 rows: taken as per-sample, which replays each
     sample exactly (its one entry equals all of them), so the first step passes its check; a later call where that

@@ -443,6 +443,30 @@ def test_phi_moe_s_sampled_routing_is_live_and_trains_with_torch_s_own_draws():
     assert all(v.isfinite().all() for v in got.values())
 
 
+@pytest.mark.parametrize("checkpointing", [False, True])
+def test_phi_moe_with_torch_s_own_draws_matches_the_loop_drawing_in_the_same_order(checkpointing):
+    """One stage, one sample per micro-batch, from one seed: pipedp's forwards draw the routing in the loop
+    oracle's order, so torch's own draws give both the same experts, and the update is the oracle's. A path that
+    drew again (a recomputation not replaying the forward's random state) would route otherwise and differ;
+    activation checkpointing's recomputation replays it."""
+    model = build(dataclasses.replace(family("phimoe"), sampled=""))  # torch's own draws
+    inputs, labels = padded_batch("right")
+    torch.manual_seed(8)  # (another seed routes otherwise: the comparison sees the draws)
+    other = loop_clipped_sum(copy.deepcopy(model), hf_loss, inputs, labels, CLIP)
+    torch.manual_seed(7)
+    want = loop_clipped_sum(copy.deepcopy(model), hf_loss, inputs, labels, CLIP)
+    assert max_relative_error(other, want) > 1e-6
+    before = {k: v.detach().clone() for k, v in model.named_parameters()}
+    trainer = PipelineDPTrainer(
+        model, token_loss, lambda p: torch.optim.SGD(p, lr=1.0), noise_multiplier=0.0, max_grad_norm=CLIP,
+        expected_batch_size=1, stages=1, microbatches=len(labels), activation_checkpointing=checkpointing,
+    )  # fmt: skip
+    torch.manual_seed(7)
+    trainer.step(inputs, labels)
+    got = {k: before[k] - p.detach() for k, p in model.named_parameters()}
+    assert max_relative_error(got, want) < 1e-12
+
+
 def test_planted_a_router_whose_training_logits_are_not_its_linear_s_is_refused():
     """The router's rule reads its first output as F.linear of its input: checked in training mode too, where a
     sampling router runs another code path (a planted one that scales its logits in training only)."""
