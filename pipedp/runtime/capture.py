@@ -117,7 +117,9 @@ def _folded_tokens(name: str, module: nn.Module, args, batch: int, experts: int 
     return tuple(f.detach() for f in folded)
 
 
-def check_keyword_rows(name: str, module: nn.Module, inputs: Sequence[torch.Tensor], keywords: Keywords, fresh) -> None:
+def check_keyword_rows(
+    name: str, module: nn.Module, inputs: Sequence[torch.Tensor], keywords: Keywords, fresh: Sequence[str]
+) -> None:
     """The keyword tensors ``fresh`` just taken as per-sample by their first dimension are: the layer replayed on
     the first and the last sample's rows alone (its positional inputs' rows and those keyword tensors' rows) gives
     that sample's rows of its replay on the whole call, in eval mode from one random state. A tensor shared by

@@ -149,8 +149,8 @@ def _check_token_order(where, layer, args, kwargs, rows, length, width, fixes: L
     sample's share depend on that sample's hidden states and on no other's. Checked by autograd (one random
     combination of each share's rows) on random hidden states through the layer's own weights (skipped on meta,
     or for a layer that cannot run without the dry run's cache: the self-check compares every checked sample's
-    gradient), so that a model flattening [T, batch] is refused by
-    name whether or not the self-check runs, instead of each row's gradient going to another sample."""
+    gradient), so that a model flattening [T, batch] is refused by name whether or not the self-check runs,
+    instead of each row's gradient going to another sample."""
     if rows < 2 or not paths or any(t.is_meta for t in [*layer.parameters(), *layer.buffers()]):
         return
     seen: Dict[str, torch.Tensor] = {}
