@@ -298,9 +298,13 @@ def _run(layer, args, kwargs, rows, length, width, fixes: LayerFixes, cut: bool 
     seen = _Seen()
     modules = dict(layer.named_modules())
     trainable = trainable_of(modules)
+    # modules below a layer that holds every parameter below it (DBRX's bank holds its mlp, which it calls per
+    # expert on that expert's rows) are part of that layer, as for the capture (find_layers): no owners here
+    holders = [p + "." for p, m in modules.items() if p and holds_below(m)]
     handles = []
     for path, module in modules.items():
-        if _reads_trainable(module, trainable):  # what per-sample capture records (its rule read before the
+        inner = any(path.startswith(h) for h in holders)
+        if not inner and _reads_trainable(module, trainable):  # what per-sample capture records (its rule read before the
             # stand-ins, which may set requires_grad on frozen tensors)
             replays = rule_for(module).keywords
             handles.append(module.register_forward_hook(_record_owner(seen, path, replays), with_kwargs=True))

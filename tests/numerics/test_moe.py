@@ -536,6 +536,18 @@ def test_dbrx_s_sliced_bank_with_lora_on_the_attention_and_frozen_matches_the_lo
         assert (float(got["transformer.blocks.0.ffn.experts.mlp.v1"].abs().max()) > 0) != frozen
 
 
+def test_dbrx_s_bank_is_one_layer_with_its_mlp_whatever_the_routing():
+    """DBRX's bank calls its mlp once per expert on that expert's rows (sorted by token, of any count): the mlp is
+    part of the bank's layer, not a module on flattened tokens, for the split's probes too. Before, where the
+    random routing of the token-order check gave an expert rows of both samples, the mlp was refused (4 of 12
+    weight draws)."""
+    config = tiny_config(family("dbrx"), False)
+    for seed in range(12):
+        torch.manual_seed(seed)
+        model = transformers.AutoModelForCausalLM.from_config(config).double()
+        PipelineDPTrainer(model, token_loss, stages=2, expected_batch_size=4)
+
+
 def test_planted_dbrx_s_misread_slices_and_noise_and_adapters_on_its_bank_are_refused(monkeypatch):
     """Refused at construction: the gate and up slices read swapped (a planted misreading: the bank's own
     forward disagrees), noise multiplied into the hidden states (moe_jitter_eps), PEFT's LoRA on the slices."""
