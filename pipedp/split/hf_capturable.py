@@ -70,10 +70,11 @@ def _reads_trainable(module: nn.Module, trainable: set) -> bool:
 
 
 def find_fixes(
-    where: str, layer: nn.Module, args: tuple, kwargs: dict, rows: int, length: int, width: int
+    where: str, layer: nn.Module, args: tuple, kwargs: dict, rows: int, length: int, width: Tuple[int, ...]
 ) -> LayerFixes:
-    """Run ``layer`` once on [rows, length, width] zeros with its recorded arguments; refuse what the
-    fixes cannot cover, naming the module."""
+    """Run ``layer`` once on [rows, length, *width] zeros with its recorded arguments (``width``: the hidden
+    states' sizes after the positions, [hidden], or [streams, hidden] for DeepSeek-V4's hyper-connections);
+    refuse what the fixes cannot cover, naming the module."""
     seen = _run(layer, args, kwargs, rows, length, width, LayerFixes())
     reads = _readers(layer, seen)
     if reads:  # the modules reading a child's parameters without calling it replay it with them (torch.func)
@@ -167,7 +168,9 @@ def _check_token_order(where, layer, args, kwargs, rows, length, width, fixes: L
     # (a cache the dry run passed holds its keys by now: this run goes without it)
     kwargs = {k: None if type(v).__name__.endswith("Cache") else v for k, v in kwargs.items()}
     g = torch.Generator(device="cpu").manual_seed(0)
-    hidden = torch.randn(rows, length, width, generator=g, dtype=torch.float64).to(_device(args, kwargs), _dtype(layer))
+    hidden = torch.randn(rows, length, *width, generator=g, dtype=torch.float64).to(
+        _device(args, kwargs), _dtype(layer)
+    )
     hidden.requires_grad_(True)
     try:
         with torch.enable_grad(), modes_kept(layer), rng_kept(hidden.device), capturable(layer, fixes, rows, length):
@@ -313,7 +316,7 @@ def _run(layer, args, kwargs, rows, length, width, fixes: LayerFixes, cut: bool 
         handles.append(module.register_forward_hook(_record_output(seen, path)))
         if cut and read_children(module):
             handles.append(module.register_forward_hook(_cut_reader(seen, path, trainable)))
-    hidden = torch.zeros(rows, length, width, dtype=_dtype(layer), device=_device(args, kwargs))
+    hidden = torch.zeros(rows, length, *width, dtype=_dtype(layer), device=_device(args, kwargs))
     checkpointing = layer.__dict__.get("gradient_checkpointing")
     layer.gradient_checkpointing = False  # run once, no recomputation (outside these hooks)
     try:

@@ -18,6 +18,7 @@ sample's output from its own rows alone, so a block that mixes samples is refuse
 from __future__ import annotations
 
 import importlib.metadata
+import inspect
 import re
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -120,7 +121,8 @@ def accept_experts(model: nn.Module, path: str, module: nn.Module) -> None:
         router, logits = _router(where, block, bank)
         if outer is not bank:
             _refuse_adapter_states(where, outer, bank)
-        _check(where, logits, _as_called(where, block, router, logits), bank, outer)
+        vocab = getattr(getattr(model, "config", None), "vocab_size", None)
+        _check(where, logits, _as_called(where, block, router, logits, vocab), bank, outer)
         if logits is router:  # (a Linear child computing the logits is a Linear on flattened tokens: hf_capturable)
             register(type(router), ROUTER)
         register(type(bank), EXPERTS)
@@ -231,6 +233,23 @@ class _RouterCall:
     dim: int = 2
     args: tuple = ()
     kwargs: Dict[str, Any] = field(default_factory=dict)
+    vocab: Optional[int] = None  # the model's vocabulary: token ids for a router that takes them (a hash router)
+
+    def with_token_ids(self, g: torch.Generator, tokens: int, device: torch.device) -> "_RouterCall":
+        """The call with random token ids for a router whose forward takes ``input_ids`` and whose block passes
+        them (DeepSeek-V4's hash router picks the experts from the model's own token ids), else itself."""
+        try:
+            signature = inspect.signature(self.router.forward)
+        except (TypeError, ValueError):
+            return self
+        if "input_ids" not in signature.parameters or not self.vocab:
+            return self
+        bound = signature.bind_partial(None, *self.args, **self.kwargs)
+        if "input_ids" not in bound.arguments:  # (its block passes none: the forward would fail, refused in _check)
+            return self
+        shape = (1,) * (self.dim - 2) + (tokens,)
+        bound.arguments["input_ids"] = torch.randint(0, self.vocab, shape, generator=g).to(device)
+        return _RouterCall(self.router, self.dim, bound.args[1:], dict(bound.kwargs), self.vocab)
 
     def __call__(self, hidden: torch.Tensor, others: Optional[Tuple[tuple, dict]] = None) -> Any:
         args, kwargs = others if others is not None else (self.args, self.kwargs)
@@ -247,7 +266,9 @@ class _RouterCall:
         return tuple(drawn(a) for a in self.args), {k: drawn(v) for k, v in self.kwargs.items()}
 
 
-def _as_called(where: str, block: nn.Module, router: nn.Module, logits: nn.Module) -> _RouterCall:
+def _as_called(
+    where: str, block: nn.Module, router: nn.Module, logits: nn.Module, vocab: Optional[int] = None
+) -> _RouterCall:
     """The router as its block calls it, read from one call of the block itself on one token (in eval mode),
     stopped at the router; on the tokens alone when the block cannot be called on the hidden states alone.
     The router's rule reads the hidden states only: a tensor the block passes besides them must be the
@@ -270,6 +291,7 @@ def _as_called(where: str, block: nn.Module, router: nn.Module, logits: nn.Modul
     finally:
         handle.remove()
     call = calls[0] if calls else _RouterCall(router)
+    call.vocab = vocab
     owned = {id(t): (n, t.requires_grad) for n, t in [*block.named_parameters(), *block.named_buffers()]}
     for value in [*call.args, *call.kwargs.values()]:
         if not isinstance(value, torch.Tensor):
@@ -356,6 +378,7 @@ def _check(where: str, logits_layer: nn.Module, call: _RouterCall, bank: nn.Modu
         return
     g = torch.Generator(device="cpu").manual_seed(0)
     x = torch.randn(CHECK_TOKENS, weight.shape[1], generator=g, dtype=torch.float64).to(weight.device, weight.dtype)
+    call, again = call.with_token_ids(g, CHECK_TOKENS, x.device), call.with_token_ids(g, CHECK_TOKENS, x.device)
     with torch.no_grad(), modes_kept(router, bank):
         router.eval(), bank.eval()
         try:
@@ -382,7 +405,9 @@ def _check(where: str, logits_layer: nn.Module, call: _RouterCall, bank: nn.Modu
                 f"{where}: its router's first output is not F.linear(hidden, weight, bias), which pipedp's "
                 f"per-sample rule for it assumes: {FREEZE}"
             )
-        if (call.args or call.kwargs) and not torch.allclose(call(x, call.others(g))[0], logits, rtol=1e-6, atol=0):
+        if (call.args or call.kwargs) and not all(
+            torch.allclose(c(x, c.others(g))[0], logits, rtol=1e-6, atol=0) for c in (call, again)
+        ):  # (other floats drawn; for a hash router, other token ids too)
             raise UnsupportedModelError(
                 f"{where}: its router's logits change with what its block passes it besides the hidden states, which "
                 f"pipedp's per-sample rule for the router does not read: {FREEZE}"

@@ -169,7 +169,7 @@ def _layer_fixes(s: Structure, calls: list) -> List[LayerFixes]:
     for i, (layer, kind, (shape, args, kwargs)) in enumerate(zip(s.layers, kinds, calls)):
         if kind not in found:
             where = f"{type(s.model).__name__}: {s.layers_path}.{i}"
-            found[kind] = find_fixes(where, layer, args, kwargs, shape[0], shape[1], shape[-1])
+            found[kind] = find_fixes(where, layer, args, kwargs, shape[0], shape[1], tuple(shape[2:]))
             if found[kind] and getattr(layer, "gradient_checkpointing", False):
                 raise UnsupportedModelError(
                     f"{where}: its calls are made capturable per sample by hooks around each call "

@@ -113,11 +113,11 @@ def test_a_reader_is_made_one_layer_with_the_weight_only_where_its_own_output_ho
     gradient through the mixer's replay, and is refused as a read outside any call."""
     layer = Layer(reads, outside)
     if made_one:
-        assert hf_capturable.find_fixes("probe", layer, (), {}, 2, 3, 4).reads == (("mixer", ("conv",)),)
+        assert hf_capturable.find_fixes("probe", layer, (), {}, 2, 3, (4,)).reads == (("mixer", ("conv",)),)
         assert read_children(layer.mixer) == ("conv",)
         return
     with pytest.raises(UnsupportedModelError, match=r"probe: mixer.conv.weight \(in a Linear\) is read outside"):
-        hf_capturable.find_fixes("probe", layer, (), {}, 2, 3, 4)
+        hf_capturable.find_fixes("probe", layer, (), {}, 2, 3, (4,))
     assert read_children(layer.mixer) == ()
 
 
@@ -152,6 +152,6 @@ def test_planted_tokens_flattened_sequence_major_are_refused_when_the_model_is_s
     """A module called on [batch T, ...] is called on [batch, T, ...], batch-major: checked by autograd on random
     hidden states when the model is split (each sample's rows depend on its own hidden states only), so a layer
     flattening [T, batch] (planted) is refused by name there, not left to the self-check."""
-    assert hf_capturable.find_fixes("probe", Flattening(False), (), {}, 2, 3, 4).flattened == ("ffn",)
+    assert hf_capturable.find_fixes("probe", Flattening(False), (), {}, 2, 3, (4,)).flattened == ("ffn",)
     with pytest.raises(UnsupportedModelError, match=r"probe.ffn \(Linear\) is called on the tokens flattened"):
-        hf_capturable.find_fixes("probe", Flattening(True), (), {}, 2, 3, 4)
+        hf_capturable.find_fixes("probe", Flattening(True), (), {}, 2, 3, (4,))

@@ -407,12 +407,54 @@ def test_planted_what_a_block_passes_its_router_besides_the_hidden_states_is_ref
     assert max_relative_error(got, want) < 1e-12
 
 
-def test_deepseek_v4_s_hash_router_on_the_token_ids_is_refused_by_name():
+def deepseek_v4():
+    """The tiny DeepSeek-V4 (hash-routed layers: tid2eid[input_ids]), each token's experts drawn distinct."""
     torch.manual_seed(0)
     config = tiny_config(Family("deepseek_v4"))
-    model = transformers.AutoModelForCausalLM.from_config(config, experts_implementation="eager")
-    with pytest.raises(UnsupportedModelError, match=r"DeepseekV4HashRouter\) cannot be called on the hidden states"):
-        PipelineDPTrainer(model, token_loss, stages=2, expected_batch_size=4)
+    model = transformers.AutoModelForCausalLM.from_config(config, experts_implementation="eager").double()
+    for name, table in model.named_buffers():
+        if name.endswith("tid2eid"):
+            experts = [torch.randperm(config.num_local_experts)[: table.shape[1]] for _ in range(table.shape[0])]
+            table.copy_(torch.stack(experts))
+    return model
+
+
+FROZEN_V4 = ("DeepseekV4HyperConnection", "DeepseekV4HCACompressor", "DeepseekV4CSACompressor", "DeepseekV4Indexer")
+
+
+def test_deepseek_v4_s_hash_router_trains_and_its_hyper_connections_are_refused_by_name():
+    """DeepSeek-V4's hash router picks the experts from the token ids: its check passes it random ids (and other
+    ids: its logits must not depend on them). Its decoder layers take [batch, T, streams, hidden], which the
+    split's probes build. Its hyper-connections return three outputs that carry gradient, refused by name; with
+    them, the attention's compressors and its indexer frozen, the rest (attention projections, the hash router,
+    the experts, the final hyper-head) matches the loop oracle."""
+    with pytest.raises(UnsupportedModelError, match=r"attn_hc \(DeepseekV4HyperConnection\) returns a tuple whose"):
+        PipelineDPTrainer(deepseek_v4(), token_loss, stages=2, expected_batch_size=4)
+    model = deepseek_v4()
+    for module in model.modules():
+        if type(module).__name__ in FROZEN_V4:
+            module.requires_grad_(False)
+    inputs, labels = padded_batch("right")
+    want = loop_clipped_sum(copy.deepcopy(model), hf_loss, inputs, labels, CLIP)
+    got = pipedp_clipped_sum(model, token_loss, inputs, labels, CLIP, stages=2, microbatches=2)
+    assert max_relative_error(got, want) < 1e-5  # (its hyper-connections and router compute in float32)
+    assert all(float(got[f"model.layers.0.mlp.{k}"].abs().max()) > 0 for k in ("gate.weight", "experts.down_proj"))
+
+
+def test_planted_a_hash_router_whose_logits_read_the_token_ids_is_refused():
+    """The router's rule reads its logits as F.linear of the hidden states alone: a hash router whose logits
+    move with the token ids (planted) is refused by name (its check draws the ids, twice)."""
+    model = deepseek_v4()
+    router_type = type(model.model.layers[0].mlp.gate)
+    real = router_type.forward
+
+    def planted(self, hidden_states, input_ids):
+        logits, weights, experts = real(self, hidden_states, input_ids)
+        return logits + input_ids.reshape(-1, 1).to(logits.dtype) * 1e-3, weights, experts
+
+    with mock.patch.object(router_type, "forward", planted):
+        with pytest.raises(UnsupportedModelError, match="router's first output is not F.linear|logits change with"):
+            PipelineDPTrainer(model, token_loss, stages=2, expected_batch_size=4)
 
 
 def layer_routes(model, inputs, training: bool):
