@@ -36,6 +36,9 @@ class Family:
     sampled: str = ""
     ties: bool = True  # the family's config ties the head to the embedding when asked (DBRX's refuses to, and the
     # tiny Nemotron-H and Kimi-Linear leave it untied)
+    # its hash routers' tables (token id -> experts: zeros until a checkpoint fills them) drawn, each token's experts
+    # distinct
+    hashed: bool = False
 
     @property
     def tolerance(self) -> float:
@@ -287,6 +290,34 @@ FAMILIES = [
         experts=True,
         ties=False,
     ),
+    # hash routing (experts from the token ids) in its first layers, hyper-connections (four residual streams, each
+    # mixing module returning three outputs that carry gradient), compressed and sparse attention (compression every
+    # 2 and 4 tokens, the indexer keeping 2 of 4 compressed entries)
+    Family(
+        "deepseek_v4",
+        "hash routing, hyper-connections, compressed sparse attention",
+        {
+            "layer_types": ["compressed_sparse_attention", "heavily_compressed_attention", "sliding_attention"],
+            "compress_rates": {"compressed_sparse_attention": 2, "heavily_compressed_attention": 4},
+            "index_topk": 2,
+            **SLIDING,
+        },
+        attention=("eager",),
+        classification=False,
+        experts=True,
+        float32_inside=True,
+        slow=True,
+        hashed=True,
+    ),
+    # experts called on the tokens sorted by expert, and an attention that is itself a mixture of experts (its query
+    # and output projections): each block replayed one sample at a time (rules/generic.py LOOPED)
+    Family(
+        "jetmoe",
+        "mixtures of experts with no closed-form rule, replayed per sample",
+        {"kv_channels": 8},
+        experts=True,
+        float32_inside=True,
+    ),
     # sampled routing (sparsemixer): its threshold widened from 0.01 so that a token's draw leaves the top-2 often
     Family(
         "phimoe",
@@ -436,6 +467,10 @@ def build(family: Family, kind: str = "causal", tie: bool = False, attention: Op
     for module in model.modules():
         if family.sampled and type(module).__name__ == family.sampled:
             keyed(module)
+    for name, table in model.named_buffers():
+        if family.hashed and name.endswith("tid2eid"):
+            experts = config.num_local_experts
+            table.copy_(torch.stack([torch.randperm(experts)[: table.shape[1]] for _ in range(table.shape[0])]))
     return model
 
 

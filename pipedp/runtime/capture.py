@@ -10,7 +10,7 @@ hooks fire — which is what breaks Opacus under interleaved micro-batches.
 
 from __future__ import annotations
 
-from contextlib import contextmanager, nullcontext
+from contextlib import ExitStack, contextmanager, nullcontext
 from dataclasses import dataclass
 from typing import Callable, Dict, Iterable, Iterator, List, Optional, Sequence, Tuple
 
@@ -20,7 +20,7 @@ import torch.nn as nn
 from ..errors import UnsupportedModelError
 from ..privacy.rules import holds_below, layer_parameters, rule_for
 from ..privacy.rules.generic import first_output
-from ..privacy.rules.keywords import Keywords, KeywordSorter, guarded
+from ..privacy.rules.keywords import Guard, Keywords, KeywordSorter, guarded, joined
 from ..privacy.rules.registry import fold_tokens, read_children
 from ..split.blocks import Block
 from ..split.hf_runs import modes_kept, rng_kept
@@ -35,16 +35,28 @@ class LayerCall:
     rows: int = 0  # > 0: a layer called on the tokens flattened [rows T, ...]; its inputs are held [rows, T, ...]
     experts: int = 1  # > 1: called on [experts, rows T, ...] flattened expert-first; held [rows, T experts, ...]
     keywords: Optional[Keywords] = None  # a call with keyword arguments: how to replay it from its inputs
-    # a call returning a tuple: its other outputs' tensors as passed on, and where each is (keywords.guarded)
-    guards: Tuple[Tuple[torch.Tensor, str], ...] = ()
+    # a call returning a tuple: its other outputs' tensors as passed on (keywords.guarded); those the model used
+    # (a gradient reached them) are joined to the first output for the replay (keywords.join), at these paths
+    guards: Tuple[Guard, ...] = ()
+    joined: Tuple[Tuple[int, int], ...] = ()
 
-    def backprop(self, grad: torch.Tensor) -> torch.Tensor:
-        """The output-gradient as the layer's rule reads it: batch first, [rows, T, ...] for flattened tokens."""
+    def backprop(self, grad: torch.Tensor, more: Sequence[torch.Tensor] = ()) -> torch.Tensor:
+        """The output-gradient as the layer's rule reads it: batch first, [rows, T, ...] for flattened tokens;
+        with the gradients of its joined outputs (``more``), all flattened per sample side by side."""
+        if more:
+            return torch.cat([g.reshape(g.shape[0], -1) for g in (grad, *more)], 1)
         return fold_tokens(grad, self.rows, self.experts) if self.rows else grad
 
+    @contextmanager
     def replayed(self, layer: nn.Module):
-        """While a rule replays ``layer`` from this call's inputs: a call with keyword arguments gets them back."""
-        return self.keywords.replayed(layer) if self.keywords is not None else nullcontext()
+        """While a rule replays ``layer`` from this call's inputs: a call with keyword arguments gets them back,
+        and one with joined outputs returns them joined."""
+        with ExitStack() as stack:
+            if self.keywords is not None:
+                stack.enter_context(self.keywords.replayed(layer))
+            if self.joined:
+                stack.enter_context(joined(layer, self.joined))
+            yield
 
 
 def find_layers(named_modules: Iterator[Tuple[str, nn.Module]]) -> Dict[str, nn.Module]:
@@ -118,17 +130,18 @@ def _folded_tokens(name: str, module: nn.Module, args, batch: int, experts: int 
 
 
 def check_keyword_rows(
-    name: str, module: nn.Module, inputs: Sequence[torch.Tensor], keywords: Keywords, fresh: Sequence[str]
+    name: str, module: nn.Module, inputs: Sequence[torch.Tensor], keywords: Optional[Keywords], fresh: Sequence[str]
 ) -> None:
-    """The keyword tensors ``fresh`` just taken as per-sample by their first dimension are: the layer replayed on
-    the first and the last sample's rows alone (its positional inputs' rows and those keyword tensors' rows) gives
+    """The tensors ``fresh`` just taken as per-sample by their first dimension (keyword arguments, positional ones
+    after the first) are: the layer replayed on the first and the last sample's rows alone (its inputs' rows) gives
     that sample's rows of its replay on the whole call, in eval mode from one random state. A tensor shared by
     the batch whose first dimension is the micro-batch's by chance fails here, self-check or not (each sample
     would be replayed with one row of it: its gradient wrong, their sum right)."""
     batch = int(inputs[0].shape[0])
     device = inputs[0].device
     inputs = [t.clone() for t in inputs]  # (a layer writing its inputs in place would write the forward's own)
-    with torch.no_grad(), modes_kept(module), keywords.replayed(module):  # (no grad: the capture's hooks stand by)
+    replayed = keywords.replayed(module) if keywords is not None else nullcontext()
+    with torch.no_grad(), modes_kept(module), replayed:  # (no grad: the capture's hooks stand by)
         module.eval()
         with rng_kept(device), self_check.Precisions() as computed:
             whole = first_output(module(*inputs))
@@ -141,7 +154,7 @@ def check_keyword_rows(
             tolerance = self_check.alone_tolerance(alone, computed.dtypes) if alone is not None else 0.0
             if alone is None or not self_check.same_values(whole[i : i + 1], alone, tolerance):
                 raise UnsupportedModelError(
-                    f"layer {name!r} ({type(module).__name__}) was given keyword argument(s) {fresh} with the "
+                    f"layer {name!r} ({type(module).__name__}) was given argument(s) {fresh} with the "
                     f"micro-batch's size ({batch}) first, taken as one row per sample, but sample {i}'s rows replayed "
                     "alone do not give its rows of the whole call: one of them is a tensor shared by the batch whose "
                     "first dimension matched the micro-batch by chance (give it a leading dimension of 1), or the "
@@ -184,7 +197,7 @@ class ActivationCapture:
                     "pass them positionally"
                 )
             passed: Optional[tuple] = None
-            guards: Tuple[Tuple[torch.Tensor, str], ...] = ()
+            guards: Tuple[Guard, ...] = ()
             if rule.keywords and type(output) is tuple and output and isinstance(output[0], torch.Tensor):
                 passed, guards = guarded(output)
                 output = output[0]
@@ -193,6 +206,8 @@ class ActivationCapture:
                     f"layer {name!r} ({type(module).__name__}) returns {type(output).__name__}, not a tensor: "
                     "per-sample gradients need layers with trainable parameters to return one tensor"
                 )
+            if not output.requires_grad and not guards:  # (an indexer's top-k positions: no gradient reaches it)
+                return passed
             self.output_dtypes.setdefault(name, set()).add(output.dtype)
             if rule.flat_tokens:
                 experts = rule.experts_first(module) if rule.experts_first is not None else 1
@@ -203,8 +218,12 @@ class ActivationCapture:
                 calls.append(LayerCall(folded, output, output._version, rows, experts))
                 return
             inputs = []
-            for a in args:
+            tail: tuple = ()  # positional arguments kept with the keyword ones (keywords.py)
+            for k, a in enumerate(args):
                 if not isinstance(a, torch.Tensor) or a.dim() == 0 or a.shape[0] != self._batch_size:
+                    if rule.keywords:  # its rule replays its forward: the rest is passed back as it was
+                        tail = tuple(args[k:])
+                        break
                     shape = tuple(a.shape) if isinstance(a, torch.Tensor) else type(a).__name__
                     raise UnsupportedModelError(
                         f"layer {name!r} ({type(module).__name__}) got an input of shape {shape} without the "
@@ -214,9 +233,14 @@ class ActivationCapture:
                         "[batch, ...])"
                     )
                 inputs.append(a.detach())
-            keywords = self.sorter.keep(name, module, kwargs, self._batch_size, inputs) if kwargs else None
-            if keywords is not None and self.sorter.fresh:
-                check_keyword_rows(name, module, inputs, keywords, self.sorter.fresh)
+            first = 0 if rule.alone else 1  # (a rule replaying samples alone has its first input checked too)
+            fresh = self.sorter.positional(name, len(inputs), self._batch_size, first) if rule.keywords else []
+            keywords = (
+                self.sorter.keep(name, module, kwargs, self._batch_size, inputs, tail) if kwargs or tail else None
+            )
+            fresh += self.sorter.fresh if keywords is not None else []
+            if fresh:
+                check_keyword_rows(name, module, inputs, keywords, fresh)
             calls = self.records[self._active].setdefault(name, [])
             calls.append(LayerCall(tuple(inputs), output, output._version, keywords=keywords, guards=guards))
             return passed

@@ -37,7 +37,6 @@ from ..privacy.per_sample import (
 )
 from ..privacy.rules import layer_parameters
 from ..privacy.rules.expert_lora import folds, parametrized_per_call
-from ..privacy.rules.keywords import guards_error
 from ..privacy.units import Units
 from ..shards import Shard, TensorParallelPart
 from ..split.blocks import Block
@@ -377,26 +376,31 @@ class Stage:
                 )
             targets.append(call.output)
         targets.extend(state.inputs)
-        guards = [(name, view, what) for name, call in pairs for view, what in call.guards]
-        targets.extend(view for _, view, _ in guards)
+        guards = [(name, call, guard) for name, call in pairs for guard in call.guards]
+        targets.extend(guard.view for _, _, guard in guards)
         outputs, output_grads = self._differentiable(state.output, grad_output)
         checking = probe is not None and bool(probe.units)  # every stage of the pass takes part (it relays probes)
         grads: List[Optional[torch.Tensor]] = []
         if targets and outputs:  # a checked micro-batch keeps its graph for each row's own backward after
             grads = list(torch.autograd.grad(outputs, targets, output_grads, retain_graph=checking, allow_unused=True))
         grads = grads + [None] * (len(targets) - len(grads))
-        for (name, _, what), g in zip(guards, grads[len(grads) - len(guards) :]):
-            if g is not None and bool(g.ne(0).any()):  # (a call's other output used by the model: keywords.py)
-                raise guards_error(f"layer {name!r}", what)
+        more: Dict[int, List[torch.Tensor]] = {}  # the gradients of each call's outputs joined to its first
+        for (name, call, guard), g in zip(guards, grads[len(grads) - len(guards) :]):
+            used = g is not None and bool(g.ne(0).any())  # a call's other output the model used: joined (keywords.py)
+            refusal = guard.refusal(f"layer {name!r}", int(call.inputs[0].shape[0]), used)
+            if refusal is not None:
+                raise refusal
+            if g is not None and used:
+                call.joined += (guard.path,)
+                more.setdefault(id(call), []).append(_widened(g.detach()))
         grads = grads[: len(grads) - len(guards)]
         input_grads = grads[len(pairs) :]
         message = None
         if not self.is_first:  # one gradient per floating-point input, zeros for an unused one
             message = self._message(state, input_grads)
         for (name, call), g in zip(pairs, grads[: len(pairs)]):
-            state.backprops.setdefault(name, []).append(
-                call.backprop(_widened(g.detach()) if g is not None else _widened(torch.zeros_like(call.output)))
-            )
+            first = _widened(g.detach()) if g is not None else _widened(torch.zeros_like(call.output))
+            state.backprops.setdefault(name, []).append(call.backprop(first, more.get(id(call), ())))
             call.output, call.guards = None, ()  # frees the graph once state.output goes too
         # which floating tensors sent on carry gradients (a probe message holds one per floating tensor)
         selected = [] if self.is_last else [t.requires_grad for t in tensors_of(state.output) if t.is_floating_point()]

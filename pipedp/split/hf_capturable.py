@@ -33,7 +33,7 @@ import torch.nn as nn
 
 from ..errors import UnsupportedModelError
 from ..privacy.rules import holds_below, layer_parameters, rule_for
-from ..privacy.rules.keywords import guarded, guards_error
+from ..privacy.rules.keywords import Guard, guarded
 from ..privacy.rules.registry import READS, fold_tokens, read_children, typed_rule
 from .hf_runs import modes_kept, outside_calls, reached_from, rng_kept, standing_in, trainable_of
 
@@ -82,14 +82,16 @@ def find_fixes(
         again = _run(layer, args, kwargs, rows, length, width, LayerFixes())
         checked = _run(layer, args, kwargs, rows, length, width, LayerFixes(), cut=True)
         # (not so replayable, read by another module too, or not read by that one: refused as read outside)
-        if again.used or again.outside or checked.unread or checked.elsewhere:
+        unjoinable = any(guard.refusal(who, rows) for who, guard in again.used)
+        if unjoinable or again.outside or checked.unread or checked.elsewhere:
             LayerFixes(reads=reads).adopt(layer, undo=True)
             reads = ()
         else:
             seen = again
-    if seen.used:
-        who, what = seen.used[0]
-        raise guards_error(f"{where}.{who}", what, "the layer's output")
+    for who, guard in seen.used:  # (joined by the capture, as the model uses them)
+        refusal = guard.refusal(f"{where}.{who}", rows)
+        if refusal is not None:
+            raise refusal
     if seen.outside:
         raise UnsupportedModelError(
             f"{where}: {', '.join(seen.outside[:4])} is read outside the call of the module that owns it (e.g. "
@@ -286,10 +288,10 @@ class _Seen:
         self.keywords: Dict[str, List[str]] = {}  # parameter owners called with keyword arguments
         self.outside: List[str] = []  # trainable parameters read outside their module's call
         self.outside_params: List[Tuple[str, str, nn.Module]] = []  # the same as (module path, name, module)
-        # the other outputs of replayed owners (keywords.guarded): (owner, element, view); those the layer's output
-        # depends on: (owner, element)
-        self.guards: List[Tuple[str, str, torch.Tensor]] = []
-        self.used: List[Tuple[str, str]] = []
+        # the other outputs of replayed owners (keywords.guarded): (owner, guard); those the layer's output depends
+        # on (joined to the owner's first output by the capture: refused if they cannot be)
+        self.guards: List[Tuple[str, Guard]] = []
+        self.used: List[Tuple[str, Guard]] = []
         self.unread: List[str] = []  # weights a module is marked to read (READS) that its output does not reach
         self.elsewhere: List[str] = []  # weights so marked that the layer's output reaches besides that module
 
@@ -329,7 +331,7 @@ def _run(layer, args, kwargs, rows, length, width, fixes: LayerFixes, cut: bool 
             seen.outside = [f"{p}.{n} (in a {type(m).__name__})" for p, n, m in seen.outside_params]
             if seen.guards and isinstance(result, torch.Tensor) and result.requires_grad:
                 reaches = reached_from(result)
-                seen.used = [(who, what) for who, what, view in seen.guards if reaches(view)]
+                seen.used = [(who, guard) for who, guard in seen.guards if reaches(guard.view)]
             if cut and isinstance(result, torch.Tensor) and result.requires_grad:
                 reaches = reached_from(result)
                 seen.elsewhere = [name for name, t in _read_weights(layer, trainable) if reaches(t)]
@@ -380,7 +382,7 @@ def _record_owner(seen: _Seen, path: str, replays: bool):
         passed = None
         if type(output) is tuple and output and replays:  # (the capture keeps its first output)
             passed, views = guarded(output)  # (as the capture passes them on)
-            seen.guards += [(f"{path} ({type(module).__name__})", what, v) for v, what in views]
+            seen.guards += [(f"{path} ({type(module).__name__})", guard) for guard in views]
             output = output[0]
         if isinstance(output, torch.Tensor):
             seen.owner_outputs[path], seen.versions[path] = output, output._version

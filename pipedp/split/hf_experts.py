@@ -5,7 +5,8 @@ A block is accepted when it is dropless top-k routing over a fused expert bank (
 ``use_experts_implementation`` layout; or DBRX's, row slices of [E h, d] matrices: rules/sliced_experts.py)
 by a router whose first output is a Linear's logits over the tokens (or the logits alone, which its block
 routes: DBRX), both checked on a few random tokens against the block's own modules; shared experts and
-their gates are ordinary layers. What couples samples is refused: a batch-level load-balancing loss
+their gates are ordinary layers. A block whose experts have no closed-form rule (JetMoE's, called on tokens
+sorted by expert) is one layer replayed one sample at a time (rules/generic.py ``LOOPED``). What couples samples is refused: a batch-level load-balancing loss
 (``output_router_logits``), noise written into the hidden states in place (``*_jitter_noise``), expert
 parallelism, a trainable parameter of the router other than its weight and bias (bias balancing). A router
 that samples its experts in training (Phi-MoE's sparsemixer) draws per token, which couples no samples: the
@@ -29,7 +30,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from ..errors import UnsupportedModelError
-from ..privacy.rules import EXPERTS, ROUTER, register
+from ..privacy.rules import EXPERTS, ROUTER, RULES, register
 from ..privacy.rules.dense_experts import (
     DENSE_EXPERTS,
     SCORING_ROUTER,
@@ -48,6 +49,7 @@ from ..privacy.rules.expert_lora import (
     wrappers,
 )
 from ..privacy.rules.experts import first_weights, recomputed_output, second_weights, weight_names
+from ..privacy.rules.generic import LOOPED
 from ..privacy.rules.sliced_experts import SLICED_EXPERTS, is_sliced_bank, recomputed_sliced_output, sliced_weights
 from ..rounding import agree
 from .hf_runs import Stop, modes_kept, rng_kept
@@ -68,13 +70,20 @@ FREEZE = "freeze the whole block (block.requires_grad_(False): a frozen block ne
 
 
 def moe_parts(module: nn.Module) -> List[Tuple[str, nn.Module]]:
-    """The mixture-of-experts parts below ``module``: modules with an ``experts`` attribute (else, for a
-    family that names none so, the first module whose class name says it routes)."""
+    """The mixture-of-experts parts below ``module``: modules with an ``experts`` attribute, and the outermost
+    modules besides them whose class name says they route (JetMoE's MoE beside its attention's ``experts``)."""
     modules = list(module.named_modules())[1:]  # the module's own class name may say MoE
     found = [(n, m) for n, m in modules if hasattr(m, "experts")]
-    if not found:  # by name, and routing for real: a part that routes, or expert weights [E, ...] (not GLM's MoeMLP)
-        found = [(n, m) for n, m in modules if ROUTING.search(type(m).__name__) and _routes(m)][:1]
+    for n, m in modules:  # by name, and routing for real: a part that routes, or expert weights [E, ...] (not GLM's
+        # MoeMLP); not inside or around a part found before
+        if ROUTING.search(type(m).__name__) and _routes(m) and not any(_nested(n, f) for f, _ in found):
+            found.append((n, m))
     return found
+
+
+def _nested(a: str, b: str) -> bool:
+    """One of the two module paths is the other or below it."""
+    return a == b or a.startswith(b + ".") or b.startswith(a + ".")
 
 
 def _routes(module: nn.Module) -> bool:
@@ -87,6 +96,8 @@ def accept_experts(model: nn.Module, path: str, module: nn.Module) -> None:
     for name, block in moe_parts(module):
         where = f"{type(model).__name__}: {f'{path}.{name}' if path else name} ({type(block).__name__})"
         _refuse_config(where, getattr(model, "config", None), block)
+        if RULES.get(type(block)) is LOOPED:  # (registered for another model of the class: decided again here)
+            del RULES[type(block)]
         if not any(p.requires_grad for p in block.parameters()):
             continue  # frozen whole: no rule reads it, the self-check still sees whether it keeps samples apart
         outer = getattr(block, "experts", None)
@@ -112,12 +123,13 @@ def accept_experts(model: nn.Module, path: str, module: nn.Module) -> None:
             register(type(bank), SLICED_EXPERTS)
             continue
         if not isinstance(bank, nn.Module) or not _is_fused_bank(bank):
+            # no closed-form rule for its layout (JetMoE's experts called on tokens sorted by expert): the block is
+            # one layer, replayed one sample at a time; the capture checks at its first call that a sample alone
+            # gives its rows of the batch (rules.LayerRule.alone), the self-check its gradients. (PEFT's adapters
+            # inside its ``experts`` stay refused: on DBRX's slices they break the block's own forward)
             _refuse_adapters_below(where, outer)
-            raise UnsupportedModelError(
-                f"{where} is a mixture of experts whose experts pipedp has no per-sample rule for (it trains fused "
-                "expert banks: transformers' use_experts_implementation layout, gate_up_proj / down_proj of shape "
-                f"[experts, out, in]): {FREEZE}, or use a dense model"
-            )
+            register(type(block), LOOPED)
+            continue
         router, logits = _router(where, block, bank)
         if outer is not bank:
             _refuse_adapter_states(where, outer, bank)

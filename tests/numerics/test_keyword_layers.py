@@ -87,7 +87,7 @@ def test_planted_a_shared_keyword_tensor_the_size_of_the_micro_batch_is_refused_
     the micro-batch's size (exact)."""
     x, y = data(16)
     with pytest.raises(
-        UnsupportedModelError, match=r"keyword argument\(s\) .*'pair'\]\[1\]\"\] with the micro-batch's size \(8\)"
+        UnsupportedModelError, match=r"was given argument\(s\) .*'pair'\]\[1\]\"\] with the micro-batch's size \(8\)"
     ):
         pipedp_clipped_sum(model(computed=True), class_loss, x, y, 0.3, stages=1, microbatches=2, self_check=self_check)
     for computed, rows in ((False, 16), (True, 12)):  # a buffer; the computed one without the coincidence
@@ -126,7 +126,7 @@ def test_planted_a_shared_keyword_matrix_the_size_of_the_micro_batch_is_refused_
     error becomes the named refusal."""
     torch.manual_seed(0)
     net = nn.Sequential(nn.Linear(8, 8), MixBlock(), nn.Linear(8, 4)).double()
-    with pytest.raises(UnsupportedModelError, match=r"keyword argument\(s\) \[\"\['m'\]\"\] with the micro-batch"):
+    with pytest.raises(UnsupportedModelError, match=r"was given argument\(s\) \[\"\['m'\]\"\] with the micro-batch"):
         pipedp_clipped_sum(net, class_loss, *data(16), 0.3, stages=1, microbatches=2, self_check=False)
 
 
@@ -173,40 +173,92 @@ def test_dropped_rows_keep_their_keyword_masks():
     assert max_relative_error(got, want) < 1e-12
 
 
-def test_a_second_output_reaching_the_loss_is_refused_by_name():
+@pytest.mark.parametrize("mode", ["ghost", "materialize"])
+def test_a_second_output_reaching_the_loss_is_joined_to_the_first_and_matches_the_loop(mode):
+    """The Gate's second output reaches the loss: the capture joins it to the first (both flattened per sample,
+    side by side, their gradients alike), so the replay gives the Gate's parameters the gradient of both."""
     x, y = data(6)
-    with pytest.raises(UnsupportedModelError, match=r"layer '1.gate' returns a tuple whose element 1 reaches"):
-        pipedp_clipped_sum(model(second=True), class_loss, x, y, 0.3, stages=1)
+    net = model(second=True)
+    want = loop_clipped_sum(copy.deepcopy(net), class_loss, x, y, 0.3)
+    got = pipedp_clipped_sum(net, class_loss, x, y, 0.3, stages=2, microbatches=2, grad_mode=mode)
+    assert max_relative_error(got, want) < 1e-12
+    alone = pipedp_clipped_sum(model(), class_loss, x, y, 0.3, stages=2, microbatches=2, grad_mode=mode)
+    assert max_relative_error(alone, got) > 1e-3  # (the second output's share is seen)
+
+
+def test_planted_a_joined_output_s_gradient_misread_is_caught_by_the_self_check(monkeypatch):
+    """The joined outputs' gradient scaled (planted in the capture's join): each sample's gradient wrong, refused by
+    the self-check at the first step."""
+    from pipedp.runtime.capture import LayerCall
+
+    real = LayerCall.backprop
+    monkeypatch.setattr(LayerCall, "backprop", lambda self, g, more=(): real(self, g, tuple(2 * m for m in more)))
+    with pytest.raises(UnsupportedModelError, match=r"the gradient of 1.gate.w is not all seen by per-sample clipping"):
+        pipedp_clipped_sum(model(second=True), class_loss, *data(6), 0.3, stages=1)
 
 
 class Pair(nn.Module):
-    """Returns (out, (aux,)): ``use`` adds aux into the output (refused), ``scale`` halves it in place first."""
+    """Returns (out, (aux,)): ``use`` adds aux into the output, ``scale`` halves it in place first, ``whole`` sums it
+    over the batch (one value for all samples)."""
 
-    def __init__(self, use: bool, scale: bool):
+    def __init__(self, use: bool, scale: bool, whole: bool = False):
         super().__init__()
         self.pair = Gate()
-        self.use, self.scale = use, scale
+        self.use, self.scale, self.whole = use, scale, whole
 
     def forward(self, h):
         out, aux = self.pair(h, mask=torch.ones_like(h[:, 0]), scale=1.0, pair=(h, h))
-        nested = (out, (aux,))
+        nested = (out, (aux.sum(0, keepdim=True) if self.whole else aux,))
         if self.scale:
             nested[1][0].mul_(0.5)
         return nested[0] + nested[1][0][:, None] if self.use else nested[0]
 
 
-@pytest.mark.parametrize("scale", [False, True], ids=["as returned", "changed in place"])
-def test_a_nested_second_output_reaching_the_loss_is_refused_and_one_left_unused_is_exact(scale):
+class Whole(nn.Module):
+    """Returns (out, its rows summed over the batch)."""
+
+    def __init__(self):
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(8, dtype=torch.float64))
+
+    def forward(self, x, *, shift):
+        out = x * self.w + shift
+        return out, out.sum(0)
+
+
+class WholeBlock(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.whole = Whole()
+
+    def forward(self, h):
+        out, total = self.whole(h, shift=torch.zeros_like(h))
+        return out + total
+
+
+@pytest.mark.parametrize("use", [False, True], ids=["unused", "used"])
+def test_a_nested_second_output_is_joined_where_used_and_refused_where_changed_in_place(use):
     x, y = data(6)
     torch.manual_seed(0)
-    net = nn.Sequential(nn.Linear(8, 8), Pair(use=False, scale=scale), nn.Linear(8, 4)).double()
+    net = nn.Sequential(nn.Linear(8, 8), Pair(use=use, scale=False), nn.Linear(8, 4)).double()
     want = loop_clipped_sum(copy.deepcopy(net), class_loss, x, y, 0.3)
     got = pipedp_clipped_sum(net, class_loss, x, y, 0.3, stages=1)
     assert max_relative_error(got, want) < 1e-12
+    torch.manual_seed(0)  # planted: its values before the change may have reached the loss (unseen by its gradient)
+    changed = nn.Sequential(nn.Linear(8, 8), Pair(use=use, scale=True), nn.Linear(8, 4)).double()
+    with pytest.raises(UnsupportedModelError, match=r"layer '1.pair' returns a tuple whose element 1 was changed in"):
+        pipedp_clipped_sum(changed, class_loss, x, y, 0.3, stages=1)
+
+
+@pytest.mark.parametrize("self_check", [True, False])
+def test_planted_a_second_output_summed_over_the_batch_reaching_the_loss_is_refused_by_name(self_check):
+    """A second output that is one value for the whole batch (it mixes the samples) cannot be split per sample:
+    refused by name (the self-check's forward comparison, when on, sees the mixing first)."""
     torch.manual_seed(0)
-    used = nn.Sequential(nn.Linear(8, 8), Pair(use=True, scale=scale), nn.Linear(8, 4)).double()
-    with pytest.raises(UnsupportedModelError, match=r"layer '1.pair' returns a tuple whose element 1 reaches"):
-        pipedp_clipped_sum(used, class_loss, x, y, 0.3, stages=1)
+    net = nn.Sequential(nn.Linear(8, 8), WholeBlock(), nn.Linear(8, 4)).double()
+    named = r"layer '1.whole' returns a tuple whose element 1 reaches the loss and is not batch-first \(\(8,\)"
+    with pytest.raises(UnsupportedModelError, match="its forward mixes samples" if self_check else named):
+        pipedp_clipped_sum(net, class_loss, *data(6), 0.3, stages=1, self_check=self_check)
 
 
 class Late(nn.Module):
@@ -295,3 +347,50 @@ def test_a_keyword_tensor_seen_shared_then_with_the_micro_batch_first_is_refused
     block.per_row = True
     with pytest.raises(UnsupportedModelError, match=r"keyword argument \['scale'\] shared by the batch at an earlier"):
         trainer.step(*data(6))
+
+
+class Window(nn.Module):
+    """Owns a scale; called positionally as a compressor is, ``(x, positions, cache, index, gate)``: positions
+    shared by the batch ([1, 8], or [8] with ``flat``), None, a number, then a per-sample gate."""
+
+    def __init__(self):
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(8, dtype=torch.float64))
+
+    def forward(self, x, positions, cache, index, gate):
+        assert cache is None and index == 3
+        return torch.tanh(x * self.w + positions.cos()) * gate
+
+
+class WindowBlock(nn.Module):
+    def __init__(self, flat: bool = False):
+        super().__init__()
+        self.window = Window()
+        self.flat = flat
+
+    def forward(self, h):
+        positions = torch.arange(8, dtype=torch.float64)
+        return self.window(h, positions if self.flat else positions[None], None, 3, h.sigmoid())
+
+
+def test_a_layer_called_with_shared_and_plain_positional_arguments_matches_the_loop():
+    """Positional arguments after the batch-first inputs (shared positions, None, a number, a per-sample tensor)
+    are kept for the replay as keyword arguments are."""
+    x, y = data(6)
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(8, 8), WindowBlock(), nn.Linear(8, 4)).double()
+    want = loop_clipped_sum(copy.deepcopy(net), class_loss, x, y, 0.3)
+    got = pipedp_clipped_sum(net, class_loss, x, y, 0.3, stages=2, microbatches=2)
+    assert max_relative_error(got, want) < 1e-12
+    assert float(got["1.window.w"].abs().max()) > 0
+
+
+def test_planted_a_shared_positional_tensor_the_size_of_the_micro_batch_is_refused_by_name():
+    """Positions [8] with micro-batches of 8 rows look per-sample: refused where first taken so, as for keywords."""
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(8, 8), WindowBlock(flat=True), nn.Linear(8, 4)).double()
+    with pytest.raises(
+        UnsupportedModelError,
+        match=r"was given argument\(s\) \['positional argument 1', 'positional argument 4'\] with the",
+    ):
+        pipedp_clipped_sum(net, class_loss, *data(16), 0.3, stages=1, microbatches=2, self_check=False)

@@ -101,6 +101,8 @@ def lora_on_the_experts(model, weights=("gate_up_proj", "down_proj"), attention=
     )
     inner = re.split(r"\.layers\.\d+\.", path, maxsplit=1)[-1]  # (the first MoE layer may not be layer 0)
     names = [w if hasattr(bank, w) else "up_proj" for w in weights]
+    present = {n.rsplit(".", 1)[-1] for n, _ in model.named_modules()}  # (low-rank q and o: DeepSeek-V4's q_b, o_b)
+    attention = tuple(a if a in present else a.replace("_proj", "_b_proj") for a in attention)
     settings = dict(r=2, target_modules=list(attention), target_parameters=[f"{inner}.{w}" for w in names])
     config = peft.LoraConfig(**{**settings, "init_lora_weights": False, **options})
     return peft.get_peft_model(model, config).base_model.model
@@ -129,8 +131,9 @@ def test_lora_on_one_expert_weight_with_the_bank_trained_too_matches_the_loop():
     assert float(got["model.layers.0.mlp.experts.base_layer.gate_up_proj"].abs().max()) > 0
 
 
-# (Llama-4's too: every token through every expert; not DBRX's row slices, whose LoRA is refused by name)
-MOE_FAMILIES = [f for f in FAMILIES if f.experts and f.exact and f.model_type != "dbrx"]
+# (Llama-4's too: every token through every expert; not DBRX's row slices, whose LoRA is refused by name, nor
+# JetMoE's blocks replayed per sample, whose LoRA has its own test)
+MOE_FAMILIES = [f for f in FAMILIES if f.experts and f.exact and f.model_type not in ("dbrx", "jetmoe")]
 
 
 @pytest.mark.parametrize(
@@ -143,6 +146,8 @@ def test_lora_on_the_experts_and_the_attention_of_every_moe_family_matches_the_l
     got = pipedp_clipped_sum(model, token_loss, inputs, labels, CLIP, stages=2, microbatches=2)
     assert max_relative_error(got, want) < family.tolerance
     assert any(".lora_B." in k and "experts" in k and float(v.abs().max()) > 0 for k, v in got.items())
+    attention = [float(v.abs().max()) for k, v in got.items() if ".lora_B." in k and "attn" in k]
+    assert not attention or max(attention) > 0  # (the tiny Jamba has no attention layer)
 
 
 @pytest.mark.parametrize("lora", [False, True], ids=["sinks trained", "LoRA on the experts and the attention"])
@@ -407,44 +412,25 @@ def test_planted_what_a_block_passes_its_router_besides_the_hidden_states_is_ref
     assert max_relative_error(got, want) < 1e-12
 
 
-def deepseek_v4():
-    """The tiny DeepSeek-V4 (hash-routed layers: tid2eid[input_ids]), each token's experts drawn distinct."""
-    torch.manual_seed(0)
-    config = tiny_config(Family("deepseek_v4"))
-    model = transformers.AutoModelForCausalLM.from_config(config, experts_implementation="eager").double()
-    for name, table in model.named_buffers():
-        if name.endswith("tid2eid"):
-            experts = [torch.randperm(config.num_local_experts)[: table.shape[1]] for _ in range(table.shape[0])]
-            table.copy_(torch.stack(experts))
-    return model
-
-
-FROZEN_V4 = ("DeepseekV4HyperConnection", "DeepseekV4HCACompressor", "DeepseekV4CSACompressor", "DeepseekV4Indexer")
-
-
-def test_deepseek_v4_s_hash_router_trains_and_its_hyper_connections_are_refused_by_name():
-    """DeepSeek-V4's hash router picks the experts from the token ids: its check passes it random ids (and other
-    ids: its logits must not depend on them). Its decoder layers take [batch, T, streams, hidden], which the
-    split's probes build. Its hyper-connections return three outputs that carry gradient, refused by name; with
-    them, the attention's compressors and its indexer frozen, the rest (attention projections, the hash router,
-    the experts, the final hyper-head) matches the loop oracle."""
-    with pytest.raises(UnsupportedModelError, match=r"attn_hc \(DeepseekV4HyperConnection\) returns a tuple whose"):
-        PipelineDPTrainer(deepseek_v4(), token_loss, stages=2, expected_batch_size=4)
-    model = deepseek_v4()
-    for module in model.modules():
-        if type(module).__name__ in FROZEN_V4:
-            module.requires_grad_(False)
-    inputs, labels = padded_batch("right")
+def test_deepseek_v4_trains_every_part_a_gradient_reaches_and_its_indexer_gets_none():
+    """DeepSeek-V4 (its matrix row's config): the hash router, the hyper-connections (three outputs carrying
+    gradient, joined by the capture) and the attention's compressors all train, and match the loop oracle; its
+    indexer picks compressed entries by top-k, so no gradient reaches it, in the oracle as in pipedp."""
+    model = build(family("deepseek_v4"))
+    inputs, labels = padded_batch("left")
     want = loop_clipped_sum(copy.deepcopy(model), hf_loss, inputs, labels, CLIP)
     got = pipedp_clipped_sum(model, token_loss, inputs, labels, CLIP, stages=2, microbatches=2)
-    assert max_relative_error(got, want) < 1e-5  # (its hyper-connections and router compute in float32)
-    assert all(float(got[f"model.layers.0.mlp.{k}"].abs().max()) > 0 for k in ("gate.weight", "experts.down_proj"))
+    assert max_relative_error(got, want) < 1e-5  # (its hyper-connections, router and compressors compute in float32)
+    trained = ("mlp.gate.weight", "attn_hc.fn", "ffn_hc.scale", "self_attn.compressor.position_bias", "self_attn.sinks")
+    assert all(float(got[f"model.layers.0.{k}"].abs().max()) > 0 for k in trained)
+    indexer = [k for k in got if ".indexer." in k]
+    assert indexer and all(float(got[k].abs().max()) == 0 == float(want[k].abs().max()) for k in indexer)
 
 
 def test_planted_a_hash_router_whose_logits_read_the_token_ids_is_refused():
     """The router's rule reads its logits as F.linear of the hidden states alone: a hash router whose logits
     move with the token ids (planted) is refused by name (its check draws the ids, twice)."""
-    model = deepseek_v4()
+    model = build(family("deepseek_v4"))
     router_type = type(model.model.layers[0].mlp.gate)
     real = router_type.forward
 
@@ -918,3 +904,67 @@ def test_planted_adapter_terms_of_the_recomputed_pairs_are_refused_at_constructi
     model = lora_on_the_experts(mixtral() if bank == "mixtral" else llama4())
     with pytest.raises(UnsupportedModelError, match=r"PEFT's LoRA on its experts .*does not compute"):
         PipelineDPTrainer(model, token_loss, stages=2, expected_batch_size=4)
+
+
+def jetmoe_with_lora():
+    """The tiny JetMoE with PEFT's LoRA on its experts' weights ([E, out, in], target_parameters) and its attention's
+    key-value projection (inside its mixture-of-attention-experts block), both factors random."""
+    peft = pytest.importorskip("peft")
+    targets = ["mlp.input_linear.weight", "mlp.output_linear.weight"]
+    config = peft.LoraConfig(r=2, target_modules=["kv_proj"], target_parameters=targets, init_lora_weights=False)
+    return peft.get_peft_model(build(family("jetmoe")), config).base_model.model
+
+
+@pytest.mark.parametrize("mode", ["ghost", "materialize"])
+def test_jetmoe_s_blocks_replayed_per_sample_match_the_loop_with_lora_on_their_experts(mode):
+    """JetMoE's experts are called on the tokens sorted by expert, and its attention is itself a mixture of experts:
+    no closed-form rule reads them, so each block is one layer replayed one sample at a time (rules/generic.py
+    LOOPED). With LoRA on the experts and the attention, 3 stages, left padding: the loop oracle's update, every
+    adapter trained."""
+    model = jetmoe_with_lora()
+    inputs, labels = padded_batch("left")
+    want = loop_clipped_sum(copy.deepcopy(model), hf_loss, inputs, labels, CLIP)
+    got = pipedp_clipped_sum(model, token_loss, inputs, labels, CLIP, stages=3, microbatches=2, grad_mode=mode)
+    assert max_relative_error(got, want) < 1e-12
+    adapters = [k for k in got if ".lora_" in k]
+    assert len(adapters) == 18 and all(float(got[k].abs().max()) > 0 for k in adapters)
+
+
+def capped(real):
+    """JetMoE's router with an expert capacity (planted): each expert keeps its first tokens of the micro-batch up to
+    half a fair share, the others' gates zeroed, so a sample's output depends on the others'."""
+
+    def forward(self, hidden_states):
+        index_sorted_experts, batch_index, batch_gates, expert_size, logits = real(self, hidden_states)
+        capacity = max(1, hidden_states.shape[0] * self.top_k // self.num_experts // 2)
+        kept = torch.cat([torch.arange(n) < capacity for n in expert_size]).to(batch_gates.dtype)
+        return index_sorted_experts, batch_index, batch_gates * kept, expert_size, logits
+
+    return forward
+
+
+@pytest.mark.parametrize("self_check", [True, False])
+def test_planted_an_expert_capacity_in_a_block_replayed_per_sample_is_refused_at_its_first_call(self_check):
+    """A block replayed one sample at a time is exact only if a sample alone gives its rows of the batch: at the
+    block's first call the first and the last sample are replayed alone and compared, self-check or not; a router
+    dropping tokens beyond an expert capacity (planted) is refused there, naming the block."""
+    model = build(family("jetmoe"))
+    router_type = type(model.model.layers[0].mlp.router)
+    inputs, labels = padded_batch("right")
+    with mock.patch.object(router_type, "forward", capped(router_type.forward)):
+        with pytest.raises(
+            UnsupportedModelError, match=r"layer 'model.layers.0.(mlp|self_attention)' \(JetMoe.*alone do"
+        ):
+            pipedp_clipped_sum(model, token_loss, inputs, labels, CLIP, stages=2, microbatches=2, self_check=self_check)
+
+
+def test_planted_a_per_sample_replay_giving_each_gradient_to_another_sample_is_caught_by_the_self_check(monkeypatch):
+    from pipedp.privacy.rules import generic
+
+    def rolled(layer, inputs, backprops):
+        return {p: g.roll(1, 0) for p, g in generic.looped_grads(layer, inputs, backprops).items()}
+
+    monkeypatch.setattr(hf_experts, "LOOPED", dataclasses.replace(generic.LOOPED, grads=rolled))
+    inputs, labels = padded_batch("right")
+    with pytest.raises(UnsupportedModelError, match=r"disagree with their per-sample gradients.*\(JetMoe"):
+        pipedp_clipped_sum(build(family("jetmoe")), token_loss, inputs, labels, CLIP, stages=2, microbatches=2)

@@ -3,13 +3,15 @@ RNNLinear, ...), and torch.func for any other layer (vmap of the gradient of the
 one sample, like Opacus's functorch fallback but keeping no state on the module). Both get W by
 replaying the layer once on its captured inputs with the scaled output-gradients.
 
+A mixture-of-experts block with no closed-form rule is replayed whole, one sample at a time (``LOOPED``).
+
 A layer torch.func cannot differentiate per sample (e.g. one running a custom autograd.Function
 without vmap support) is refused by name: see ``per_sample.unit_error``.
 """
 
 from __future__ import annotations
 
-from typing import Sequence, Tuple
+from typing import Dict, List, Sequence, Tuple
 
 import torch
 import torch.nn as nn
@@ -49,6 +51,22 @@ def functorch_grads(layer: nn.Module, inputs: Sequence[torch.Tensor], backprops:
     return {p: g.to(wide) for (_, p), g in zip(named, grads)}
 
 
+def looped_grads(layer: nn.Module, inputs: Sequence[torch.Tensor], backprops: torch.Tensor) -> Grads:
+    """Each sample's gradient from the layer replayed on that sample's rows alone, one backward per sample (the
+    loop oracle's own method): for a layer vmap cannot run, such as a mixture of experts splitting its tokens by
+    ``expert_size.tolist()`` (JetMoE's)."""
+    inputs, backprops, wide = in_unit_dtype(layer, inputs, backprops)
+    params = [p for _, p in layer_parameters(layer)]
+    rows: Dict[nn.Parameter, List[torch.Tensor]] = {p: [] for p in params}
+    for i in range(backprops.shape[0]):
+        with torch.enable_grad():
+            output = first_output(layer(*(a[i : i + 1] for a in inputs)))
+            grads = torch.autograd.grad(output, params, backprops[i : i + 1].to(output.dtype), allow_unused=True)
+        for p, g in zip(params, grads):
+            rows[p].append(g if g is not None else torch.zeros_like(p))
+    return {p: torch.stack(gs).to(wide) for p, gs in rows.items()}
+
+
 def replayed_weight(layer: nn.Module, inputs: Sequence[torch.Tensor], scaled: torch.Tensor) -> Grads:
     """sum_i c_i grad_i as the layer's ordinary weight gradient for the scaled output-gradients."""
     params = [p for _, p in layer_parameters(layer)]
@@ -66,3 +84,6 @@ def opacus_grads(layer: nn.Module, inputs: Sequence[torch.Tensor], backprops: to
 
 OPACUS = LayerRule("opacus", opacus_grads, replayed_weight)
 FUNCTORCH = LayerRule("torch.func", functorch_grads, replayed_weight, keywords=True)
+# a mixture-of-experts block pipedp has no closed-form rule for (split/hf_experts.py registers it per class): the
+# block with everything below it, replayed one sample at a time
+LOOPED = LayerRule("replayed per sample", looped_grads, replayed_weight, keywords=True, holds_below=True, alone=True)

@@ -13,8 +13,13 @@ arguments or returning tuples, for the capture (runtime/capture.py): an attentio
   tensor the micro-batch's size at every call (a sample's gradient computed from one row of it is wrong, their
   sum right) is caught where it is first taken as per-sample, by replaying the layer on samples' rows alone
   (runtime/capture.py ``check_keyword_rows``), and by the self-check.
-- ``guarded``: a call's other outputs, passed on as views the I pass differentiates too: a gradient reaching one
-  is an error, since the rule gives the layer's parameters the first output's gradient only.
+  The same for positional arguments after the call's batch-first tensors (a compressor called as
+  ``compressor(hidden_states, q_residual, position_ids, cache, layer_idx)`` with position ids ``[1, T]``): the
+  first that is not a batch-first tensor and those after it are kept with the keyword arguments.
+- ``guarded``: a call's other outputs, passed on as views the I pass differentiates too (``Guard``). One whose
+  gradient is not zero is *joined* to the first output for the replay (``join``: every output flattened per
+  sample, side by side), so the rule gives the layer's parameters the gradient of all its outputs that the model
+  uses; one that is not batch-first, or that was changed in place after the call, is refused by name.
 """
 
 from __future__ import annotations
@@ -36,8 +41,8 @@ PLAIN = (type(None), bool, int, float, str, torch.dtype, torch.device)
 @dataclass
 class Keywords:
     layer: str  # the layer's name, for the errors
-    positional: int  # the call's first inputs are its positional arguments
-    spec: TreeSpec  # the keyword arguments' tree
+    positional: int  # the call's first inputs are its first positional arguments
+    spec: TreeSpec  # the tree of (its positional arguments after those, its keyword arguments)
     leaves: List[Any]  # its leaves, None where a per-sample tensor goes
     per_sample: Tuple[int, ...]  # the leaves that are per-sample tensors, in the order they follow the inputs
     versions: Tuple[Tuple[str, torch.Tensor, int], ...]  # (argument, tensor, its version at the call)
@@ -52,7 +57,8 @@ class Keywords:
                 leaves[k] = leaf.to(dtype)
         for k, t in zip(self.per_sample, inputs[self.positional :]):
             leaves[k] = t
-        return tuple(inputs[: self.positional]), tree_unflatten(leaves, self.spec)
+        tail, kwargs = tree_unflatten(leaves, self.spec)
+        return (*inputs[: self.positional], *tail), kwargs
 
     @contextmanager
     def replayed(self, layer: nn.Module) -> Iterator[None]:
@@ -88,16 +94,17 @@ class KeywordSorter:
         self.per_sample: Set[Tuple[str, str]] = set()
         self.fresh: List[str] = []  # the arguments the last call's keep first took as per-sample (to be checked)
 
-    def keep(self, name: str, module: nn.Module, kwargs: dict, batch: int, inputs: list) -> Keywords:
-        """The call's keyword arguments kept for its replay; their per-sample tensors appended to ``inputs``."""
-        found, spec = tree_flatten_with_path(kwargs)
+    def keep(self, name: str, module: nn.Module, kwargs: dict, batch: int, inputs: list, tail: tuple = ()) -> Keywords:
+        """The call's keyword arguments, and its positional ``tail`` after the tensors in ``inputs``, kept for its
+        replay; their per-sample tensors appended to ``inputs``."""
+        found, spec = tree_flatten_with_path((tuple(tail), kwargs))
         self.fresh = []
         positional = len(inputs)
         kept: List[Any] = []
         per_sample, versions = [], []
         where = f"layer {name!r} ({type(module).__name__})"
         for k, (path, leaf) in enumerate(found):
-            argument = keystr(path)
+            argument = _argument(path, positional)
             if not isinstance(leaf, torch.Tensor):
                 if not isinstance(leaf, PLAIN):
                     raise UnsupportedModelError(
@@ -126,6 +133,18 @@ class KeywordSorter:
                 "the samples' inputs batch-first"
             )
         return Keywords(name, positional, spec, kept, tuple(per_sample), tuple(versions))
+
+    def positional(self, name: str, inputs: int, batch: int, first: int = 1) -> List[str]:
+        """The positional inputs from ``first`` on of a call (``inputs`` of them, each batch-first) not seen before
+        at a call of several samples: taken as per-sample by their first dimension, they are checked as the
+        keyword tensors are (runtime/capture.py ``check_keyword_rows``)."""
+        fresh = []
+        for k in range(first, inputs if batch > 1 else 0):
+            key = (name, f"positional argument {k}")
+            if key not in self.per_sample:
+                self.per_sample.add(key)
+                fresh.append(key[1])
+        return fresh
 
     def _is_per_sample(self, name: str, argument: str, t: torch.Tensor, batch: int, where: str) -> bool:
         key = (name, argument)
@@ -160,27 +179,71 @@ class KeywordSorter:
         return False
 
 
-def guarded(output: tuple) -> Tuple[tuple, Tuple[Tuple[torch.Tensor, str], ...]]:
-    """``output`` with the tensors of its elements after the first that carry a gradient replaced by views (the
-    same values: a gradient reaching a view is what the model's use of it contributes, not the layer's own), and
-    those views with the element each is in, for the I pass to differentiate (guards_error)."""
-    views: List[Tuple[torch.Tensor, str]] = []
+def _argument(path, positional: int) -> str:
+    """A kept argument's name for the errors: ``['mask']`` (keyword), ``positional argument 2``, ``... [1]``."""
+    rest = keystr(path[2:])
+    if path[0].idx == 0:
+        return f"positional argument {positional + path[1].idx}" + (f" {rest}" if rest else "")
+    return keystr(path[1:])
+
+
+@dataclass
+class Guard:
+    """A tensor of a call's output after its first element, passed on in its place as a view (the same values: a
+    gradient reaching the view is what the model's use of it contributes)."""
+
+    view: torch.Tensor
+    what: str  # "element k", for the errors
+    path: Tuple[int, int]  # (element, leaf of its tree)
+    version: int  # the view's version at the call: a change in place after it hides what the model used
+
+    def refusal(self, who: str, batch: int, used: bool = True) -> Optional[UnsupportedModelError]:
+        """None if the output can be left out (not ``used``: no gradient reached it) or joined to the first one
+        for a call on ``batch`` samples, else the refusal naming ``who`` (the layer). Changed in place, it is
+        refused either way: its values before the change may have reached the loss where its gradient cannot
+        tell."""
+        if self.view._version != self.version:
+            return UnsupportedModelError(
+                f"{who} returns a tuple whose {self.what} was changed in place after the call: its gradient would be "
+                "taken at the changed values; change a copy"
+            )
+        if used and (self.view.dim() == 0 or self.view.shape[0] != batch):
+            return UnsupportedModelError(
+                f"{who} returns a tuple whose {self.what} reaches the loss and is not batch-first ({tuple(self.view.shape)}"
+                f" for {batch} samples): per-sample gradients split a layer's outputs by their first dimension; "
+                "return it with the batch first, or freeze the layer"
+            )
+        return None
+
+
+def guarded(output: tuple) -> Tuple[tuple, Tuple[Guard, ...]]:
+    """``output`` with the tensors of its elements after the first that carry a gradient replaced by views, and
+    those views as Guards, for the I pass to differentiate (a gradient reaching one joins it: ``join``)."""
+    guards: List[Guard] = []
     rest = []
     for k, element in enumerate(output[1:], start=1):
         leaves, spec = tree_flatten(element)
         for j, leaf in enumerate(leaves):
             if isinstance(leaf, torch.Tensor) and leaf.requires_grad:
                 leaves[j] = leaf.view_as(leaf)
-                views.append((leaves[j], f"element {k}"))
+                guards.append(Guard(leaves[j], f"element {k}", (k, j), leaves[j]._version))
         rest.append(tree_unflatten(leaves, spec))
-    return (output[0], *rest), tuple(views)
+    return (output[0], *rest), tuple(guards)
 
 
-def guards_error(who: str, what: str, reaches: str = "the loss") -> UnsupportedModelError:
-    """``who`` (a layer) returns a tuple whose ``what`` (element k) ``reaches`` the loss (at a step; the layer's
-    output, when a Hugging Face model is split)."""
-    return UnsupportedModelError(
-        f"{who} returns a tuple whose {what} reaches {reaches}: per-sample gradients replay a layer's first output "
-        "only (an attention's weights, returned second, used by the model: do not train on them, e.g. "
-        "output_attentions=False, or freeze the layer)"
-    )
+def join(output, paths: Tuple[Tuple[int, int], ...]) -> torch.Tensor:
+    """A call's first output and its other outputs at ``paths`` (Guard.path), each flattened per sample, side by
+    side: [n, features] (their gradients joined the same way are the call's output-gradient)."""
+    parts = [output[0]] + [tree_flatten(output[k])[0][j] for k, j in paths]
+    n = parts[0].shape[0]
+    return torch.cat([p.reshape(n, -1) for p in parts], 1)
+
+
+@contextmanager
+def joined(layer: nn.Module, paths: Tuple[Tuple[int, int], ...]) -> Iterator[None]:
+    """While a rule replays ``layer``: its output is the call's joined outputs (``join``)."""
+    handle = layer.register_forward_hook(lambda module, args, output: join(output, paths))
+    try:
+        yield
+    finally:
+        handle.remove()

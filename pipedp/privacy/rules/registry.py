@@ -56,6 +56,10 @@ class LayerRule:
     # keeps them for the replay, rules/keywords.py) and return a tuple whose first element is its output (the
     # others must carry no gradient: the capture guards them)
     keywords: bool = False
+    # the rule replays each sample alone (LOOPED): the capture checks at the layer's first call of several samples
+    # that the first and the last sample alone give their rows of the whole call (a block dropping tokens by
+    # capacity would not), self-check or not
+    alone: bool = False
 
 
 def fold_tokens(t: torch.Tensor, rows: int, experts: int = 1) -> torch.Tensor:
