@@ -23,7 +23,7 @@ from ..privacy.rules.generic import first_output
 from ..privacy.rules.keywords import Guard, Keywords, KeywordSorter, guarded, joined
 from ..privacy.rules.registry import fold_tokens, read_children
 from ..split.blocks import Block
-from ..split.hf_runs import modes_kept, rng_kept
+from ..split.hf_runs import modes_kept, reseeded, rng_kept
 from . import self_check
 
 
@@ -44,6 +44,7 @@ class LayerCall:
         """The output-gradient as the layer's rule reads it: batch first, [rows, T, ...] for flattened tokens;
         with the gradients of its joined outputs (``more``), all flattened per sample side by side."""
         if more:
+            assert not self.rows  # (flattened-token layers are never replayed whole: they carry no guards)
             return torch.cat([g.reshape(g.shape[0], -1) for g in (grad, *more)], 1)
         return fold_tokens(grad, self.rows, self.experts) if self.rows else grad
 
@@ -129,7 +130,7 @@ def _folded_tokens(name: str, module: nn.Module, args, batch: int, experts: int 
     return tuple(f.detach() for f in folded)
 
 
-def check_keyword_rows(
+def check_sample_rows(
     name: str, module: nn.Module, inputs: Sequence[torch.Tensor], keywords: Optional[Keywords], fresh: Sequence[str]
 ) -> None:
     """The tensors ``fresh`` just taken as per-sample by their first dimension (keyword arguments, positional ones
@@ -160,6 +161,27 @@ def check_keyword_rows(
                     "first dimension matched the micro-batch by chance (give it a leading dimension of 1), or the "
                     "layer mixes samples"
                 )
+
+
+def check_draws(name: str, module: nn.Module, inputs: Sequence[torch.Tensor], keywords: Optional[Keywords]) -> None:
+    """A layer replayed one sample at a time (rules.LayerRule.alone) draws no random numbers in its forward's mode:
+    its replays would draw others than the forward did (a dropout inside a mixture-of-experts block). Its forward,
+    run twice from two random states, must agree."""
+    device = inputs[0].device
+    inputs = [t.clone() for t in inputs]
+    replayed = keywords.replayed(module) if keywords is not None else nullcontext()
+    with torch.no_grad(), replayed:
+        with rng_kept(device), self_check.Precisions() as computed:
+            first = first_output(module(*inputs))
+        with rng_kept(device):
+            reseeded(device)
+            second = first_output(module(*inputs))
+    if not self_check.same_values(first, second, self_check.alone_tolerance(second, computed.dtypes)):
+        raise UnsupportedModelError(
+            f"layer {name!r} ({type(module).__name__}) draws random numbers in its forward (a dropout inside it): "
+            "pipedp replays it one sample at a time, which would draw others than the forward did; set its dropout "
+            "to 0, or freeze it"
+        )
 
 
 class ActivationCapture:
@@ -200,7 +222,13 @@ class ActivationCapture:
             guards: Tuple[Guard, ...] = ()
             if rule.keywords and type(output) is tuple and output and isinstance(output[0], torch.Tensor):
                 passed, guards = guarded(output)
-                output = output[0]
+                output = passed[0]
+                if guards and not output.requires_grad:
+                    raise UnsupportedModelError(
+                        f"layer {name!r} ({type(module).__name__}) returns a tuple whose first element carries no "
+                        f"gradient while its {guards[0].what} does: its per-sample replay differentiates the first "
+                        "output (the others joined to it); return the differentiable output first, or freeze the layer"
+                    )
             if not isinstance(output, torch.Tensor):
                 raise UnsupportedModelError(
                     f"layer {name!r} ({type(module).__name__}) returns {type(output).__name__}, not a tensor: "
@@ -240,7 +268,9 @@ class ActivationCapture:
             )
             fresh += self.sorter.fresh if keywords is not None else []
             if fresh:
-                check_keyword_rows(name, module, inputs, keywords, fresh)
+                check_sample_rows(name, module, inputs, keywords, fresh)
+                if rule.alone:
+                    check_draws(name, module, inputs, keywords)
             calls = self.records[self._active].setdefault(name, [])
             calls.append(LayerCall(tuple(inputs), output, output._version, keywords=keywords, guards=guards))
             return passed

@@ -13,7 +13,7 @@ import torch.nn as nn
 
 from ..privacy.per_sample import clipped_grad_sum, full_precision
 from ..rounding import ELEMENT_WISE
-from ..split.hf_runs import modes_kept, rng_kept
+from ..split.hf_runs import modes_kept, reseeded, rng_kept
 from . import self_check
 from .layer_errors import named_layer_errors
 from .microbatch import Activation, gradient_message, tensors_of
@@ -67,7 +67,7 @@ class StageCheck:
             with rng_kept(device), self_check.Precisions() as computed:
                 whole = self.stage.evaluate(x, targets, side_inputs, size, loss=False)
             with rng_kept(device):
-                _reseeded(device)
+                reseeded(device)
                 again = self.stage.evaluate(x, targets, side_inputs, size, loss=False)
             if not self_check.same_values(whole, again, ELEMENT_WISE[torch.float64][0]):
                 warnings.warn(
@@ -201,11 +201,3 @@ class StageCheck:
             outputs, list(self.stage.trainable), output_grads, retain_graph=True, allow_unused=True
         )
         return total, {p: g for p, g in zip(self.stage.trainable, summed) if g is not None}
-
-
-def _reseeded(device: torch.device) -> None:
-    """Another state for the random generators a forward on ``device`` draws from (restored by rng_kept)."""
-    torch.default_generator.manual_seed(torch.default_generator.initial_seed() + 1)
-    if device.type == "cuda":
-        generator = torch.cuda.default_generators[device.index if device.index is not None else 0]
-        generator.manual_seed(generator.initial_seed() + 1)

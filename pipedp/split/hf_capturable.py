@@ -82,7 +82,7 @@ def find_fixes(
         again = _run(layer, args, kwargs, rows, length, width, LayerFixes())
         checked = _run(layer, args, kwargs, rows, length, width, LayerFixes(), cut=True)
         # (not so replayable, read by another module too, or not read by that one: refused as read outside)
-        unjoinable = any(guard.refusal(who, rows) for who, guard in again.used)
+        unjoinable = any(guard.refusal(who, rows) is not None for who, guard in again.used)
         if unjoinable or again.outside or checked.unread or checked.elsewhere:
             LayerFixes(reads=reads).adopt(layer, undo=True)
             reads = ()

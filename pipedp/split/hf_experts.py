@@ -21,6 +21,7 @@ from __future__ import annotations
 import importlib.metadata
 import inspect
 import re
+import warnings
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
@@ -30,7 +31,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from ..errors import UnsupportedModelError
-from ..privacy.rules import EXPERTS, ROUTER, RULES, register
+from ..privacy.rules import EXPERTS, ROUTER, register
 from ..privacy.rules.dense_experts import (
     DENSE_EXPERTS,
     SCORING_ROUTER,
@@ -50,6 +51,7 @@ from ..privacy.rules.expert_lora import (
 )
 from ..privacy.rules.experts import first_weights, recomputed_output, second_weights, weight_names
 from ..privacy.rules.generic import LOOPED
+from ..privacy.rules.registry import typed_rule, unregister
 from ..privacy.rules.sliced_experts import SLICED_EXPERTS, is_sliced_bank, recomputed_sliced_output, sliced_weights
 from ..rounding import agree
 from .hf_runs import Stop, modes_kept, rng_kept
@@ -96,8 +98,6 @@ def accept_experts(model: nn.Module, path: str, module: nn.Module) -> None:
     for name, block in moe_parts(module):
         where = f"{type(model).__name__}: {f'{path}.{name}' if path else name} ({type(block).__name__})"
         _refuse_config(where, getattr(model, "config", None), block)
-        if RULES.get(type(block)) is LOOPED:  # (registered for another model of the class: decided again here)
-            del RULES[type(block)]
         if not any(p.requires_grad for p in block.parameters()):
             continue  # frozen whole: no rule reads it, the self-check still sees whether it keeps samples apart
         outer = getattr(block, "experts", None)
@@ -128,6 +128,12 @@ def accept_experts(model: nn.Module, path: str, module: nn.Module) -> None:
             # gives its rows of the batch (rules.LayerRule.alone), the self-check its gradients. (PEFT's adapters
             # inside its ``experts`` stay refused: on DBRX's slices they break the block's own forward)
             _refuse_adapters_below(where, outer)
+            if typed_rule(block) is not LOOPED:
+                warnings.warn(
+                    f"{where} has experts pipedp has no closed-form rule for: it is replayed one sample at a time "
+                    "(exact, slower than a fused expert bank)",
+                    stacklevel=2,
+                )
             register(type(block), LOOPED)
             continue
         router, logits = _router(where, block, bank)
@@ -138,6 +144,14 @@ def accept_experts(model: nn.Module, path: str, module: nn.Module) -> None:
         if logits is router:  # (a Linear child computing the logits is a Linear on flattened tokens: hf_capturable)
             register(type(router), ROUTER)
         register(type(bank), EXPERTS)
+
+
+def forget_replayed(layers: nn.Module) -> None:
+    """The mixture-of-experts classes below ``layers`` no longer replayed per sample (LOOPED) for an earlier model:
+    accept_experts decides again (registrations are per class)."""
+    for layer in layers.children():
+        for _, block in moe_parts(layer):
+            unregister(type(block), LOOPED)
 
 
 def _refuse_adapters_below(where: str, outer: Any) -> None:

@@ -308,3 +308,11 @@ def rng_kept(device: torch.device):
     started from but finds the record: had the probe moved the state, the layer would draw other masks."""
     accelerator = device.type not in ("cpu", "meta")
     return torch.random.fork_rng(devices=[device] if accelerator else [], device_type=device.type)
+
+
+def reseeded(device: torch.device) -> None:
+    """Another state for the random generators a forward on ``device`` draws from (restored by rng_kept)."""
+    torch.default_generator.manual_seed(torch.default_generator.initial_seed() + 1)
+    if device.type == "cuda":
+        generator = torch.cuda.default_generators[device.index if device.index is not None else 0]
+        generator.manual_seed(generator.initial_seed() + 1)

@@ -18,7 +18,7 @@ import torch.nn as nn
 from ..errors import UnsupportedModelError
 from .hf_capturable import LayerFixes, find_fixes
 from .hf_dry_run import WAY_OUT, dry_run, reads_token_ids
-from .hf_experts import accept_experts, refuse_experts
+from .hf_experts import accept_experts, forget_replayed, refuse_experts
 
 SUPPORTED_ATTENTION = ("eager", "sdpa")
 KINDS = {"ForCausalLM": "causal", "LMHeadModel": "causal", "ForSequenceClassification": "classification"}
@@ -148,6 +148,7 @@ def _base_model(model: nn.Module) -> nn.Module:
 
 
 def _accept_routing(s: Structure) -> None:
+    forget_replayed(s.layers)  # (a class replayed per sample for another model is decided again for this one)
     for i, layer in enumerate(s.layers):
         accept_experts(s.model, f"{s.layers_path}.{i}", layer)
 

@@ -968,3 +968,26 @@ def test_planted_a_per_sample_replay_giving_each_gradient_to_another_sample_is_c
     inputs, labels = padded_batch("right")
     with pytest.raises(UnsupportedModelError, match=r"disagree with their per-sample gradients.*\(JetMoe"):
         pipedp_clipped_sum(build(family("jetmoe")), token_loss, inputs, labels, CLIP, stages=2, microbatches=2)
+
+
+def test_a_dropout_inside_a_block_replayed_per_sample_is_refused_at_its_first_call():
+    """A block replayed one sample at a time must draw no random numbers (its replays would draw other masks than
+    its forward): its forward run twice from two random states is compared at its first call, self-check or not;
+    a dropout in JetMoE's attention (planted) is refused naming it."""
+    model = build(family("jetmoe"))
+    for layer in model.model.layers:
+        layer.self_attention.attention_dropout = 0.5
+    inputs, labels = padded_batch("right")
+    with pytest.raises(UnsupportedModelError, match=r"layer 'model.layers.0.self_attention' .*draws random numbers"):
+        pipedp_clipped_sum(model, token_loss, inputs, labels, CLIP, stages=2, microbatches=2, self_check=False)
+
+
+def test_a_frozen_block_does_not_undo_the_per_sample_replay_of_a_trained_one_of_its_class():
+    """The rules are registered per class: JetMoE's layer 1 frozen whole beside a trained layer 0 and 2 (the
+    common "freeze some layers") keeps their blocks replayed per sample; exact."""
+    model = build(family("jetmoe"))
+    model.model.layers[1].requires_grad_(False)
+    inputs, labels = padded_batch("left")
+    want = loop_clipped_sum(copy.deepcopy(model), hf_loss, inputs, labels, CLIP)
+    got = pipedp_clipped_sum(model, token_loss, inputs, labels, CLIP, stages=2, microbatches=2)
+    assert max_relative_error(got, want) < 1e-9

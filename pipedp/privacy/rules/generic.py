@@ -51,20 +51,42 @@ def functorch_grads(layer: nn.Module, inputs: Sequence[torch.Tensor], backprops:
     return {p: g.to(wide) for (_, p), g in zip(named, grads)}
 
 
-def looped_grads(layer: nn.Module, inputs: Sequence[torch.Tensor], backprops: torch.Tensor) -> Grads:
-    """Each sample's gradient from the layer replayed on that sample's rows alone, one backward per sample (the
-    loop oracle's own method): for a layer vmap cannot run, such as a mixture of experts splitting its tokens by
-    ``expert_size.tolist()`` (JetMoE's)."""
+def _alone(layer: nn.Module, inputs: Sequence[torch.Tensor], backprops: torch.Tensor):
+    """(the dtype gradients are returned in, and for each sample its gradients {param: tensor}) from the layer
+    replayed on that sample's rows alone, one backward each (the loop oracle's own method)."""
     inputs, backprops, wide = in_unit_dtype(layer, inputs, backprops)
     params = [p for _, p in layer_parameters(layer)]
-    rows: Dict[nn.Parameter, List[torch.Tensor]] = {p: [] for p in params}
-    for i in range(backprops.shape[0]):
-        with torch.enable_grad():
-            output = first_output(layer(*(a[i : i + 1] for a in inputs)))
-            grads = torch.autograd.grad(output, params, backprops[i : i + 1].to(output.dtype), allow_unused=True)
-        for p, g in zip(params, grads):
-            rows[p].append(g if g is not None else torch.zeros_like(p))
+
+    def each():
+        for i in range(backprops.shape[0]):
+            with torch.enable_grad():
+                output = first_output(layer(*(a[i : i + 1] for a in inputs)))
+                grads = torch.autograd.grad(output, params, backprops[i : i + 1].to(output.dtype), allow_unused=True)
+            yield {p: g if g is not None else torch.zeros_like(p) for p, g in zip(params, grads)}
+
+    return wide, each()
+
+
+def looped_grads(layer: nn.Module, inputs: Sequence[torch.Tensor], backprops: torch.Tensor) -> Grads:
+    """Each sample's gradient from the layer replayed on that sample's rows alone: for a layer vmap cannot run,
+    such as a mixture of experts splitting its tokens by ``expert_size.tolist()`` (JetMoE's)."""
+    wide, samples = _alone(layer, inputs, backprops)
+    rows: Dict[nn.Parameter, List[torch.Tensor]] = {}
+    for grads in samples:
+        for p, g in grads.items():
+            rows.setdefault(p, []).append(g)
     return {p: torch.stack(gs).to(wide) for p, gs in rows.items()}
+
+
+def looped_weight(layer: nn.Module, inputs: Sequence[torch.Tensor], scaled: torch.Tensor) -> Grads:
+    """sum_i c_i grad_i with each sample's share from its rows alone, as looped_grads took its norm: within the
+    clip bound by construction, whatever the layer does across samples."""
+    wide, samples = _alone(layer, inputs, scaled)
+    total: Grads = {}
+    for grads in samples:
+        for p, g in grads.items():
+            total[p] = total[p] + g if p in total else g
+    return {p: g.to(wide) for p, g in total.items()}
 
 
 def replayed_weight(layer: nn.Module, inputs: Sequence[torch.Tensor], scaled: torch.Tensor) -> Grads:
@@ -86,4 +108,4 @@ OPACUS = LayerRule("opacus", opacus_grads, replayed_weight)
 FUNCTORCH = LayerRule("torch.func", functorch_grads, replayed_weight, keywords=True)
 # a mixture-of-experts block pipedp has no closed-form rule for (split/hf_experts.py registers it per class): the
 # block with everything below it, replayed one sample at a time
-LOOPED = LayerRule("replayed per sample", looped_grads, replayed_weight, keywords=True, holds_below=True, alone=True)
+LOOPED = LayerRule("replayed per sample", looped_grads, looped_weight, keywords=True, holds_below=True, alone=True)

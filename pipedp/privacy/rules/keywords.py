@@ -12,7 +12,7 @@ arguments or returning tuples, for the capture (runtime/capture.py): an attentio
   seen shared and later with the micro-batch's size first in another layout, is refused by name; a shared
   tensor the micro-batch's size at every call (a sample's gradient computed from one row of it is wrong, their
   sum right) is caught where it is first taken as per-sample, by replaying the layer on samples' rows alone
-  (runtime/capture.py ``check_keyword_rows``), and by the self-check.
+  (runtime/capture.py ``check_sample_rows``), and by the self-check.
   The same for positional arguments after the call's batch-first tensors (a compressor called as
   ``compressor(hidden_states, q_residual, position_ids, cache, layer_idx)`` with position ids ``[1, T]``): the
   first that is not a batch-first tensor and those after it are kept with the keyword arguments.
@@ -67,7 +67,7 @@ class Keywords:
         for argument, tensor, version in self.versions:
             if tensor._version != version:
                 raise UnsupportedModelError(
-                    f"layer {self.layer!r} was given keyword argument {argument} and it was changed in place after "
+                    f"layer {self.layer!r} was given argument {argument} and it was changed in place after "
                     "the call: replaying the layer per sample would read the changed values; change a copy"
                 )
 
@@ -108,9 +108,9 @@ class KeywordSorter:
             if not isinstance(leaf, torch.Tensor):
                 if not isinstance(leaf, PLAIN):
                     raise UnsupportedModelError(
-                        f"{where} was given a keyword argument holding a {type(leaf).__name__} ({argument}): "
-                        "replaying a layer per sample passes on tensors, numbers, strings and None only; pass the "
-                        "tensors it holds instead"
+                        f"{where} was given an argument holding a {type(leaf).__name__} ({argument}): replaying "
+                        "a layer per sample passes on tensors, numbers, strings and None only; pass the tensors it "
+                        "holds instead"
                     )
                 kept.append(leaf)
                 continue
@@ -122,9 +122,9 @@ class KeywordSorter:
                 continue
             if leaf.requires_grad:
                 raise UnsupportedModelError(
-                    f"{where} was given a tensor shared by the batch that carries a gradient by keyword ({argument}): "
-                    "replaying the layer per sample would miss the gradient through it; pass it positionally "
-                    "with the batch first, or compute it inside the layer"
+                    f"{where} was given a tensor shared by the batch that carries a gradient ({argument}): replaying "
+                    "the layer per sample would miss the gradient through it; pass it positionally with the batch "
+                    "first (before any argument that is not), or compute it inside the layer"
                 )
             kept.append(leaf.detach())
         if not positional and not per_sample:
@@ -137,7 +137,7 @@ class KeywordSorter:
     def positional(self, name: str, inputs: int, batch: int, first: int = 1) -> List[str]:
         """The positional inputs from ``first`` on of a call (``inputs`` of them, each batch-first) not seen before
         at a call of several samples: taken as per-sample by their first dimension, they are checked as the
-        keyword tensors are (runtime/capture.py ``check_keyword_rows``)."""
+        keyword tensors are (runtime/capture.py ``check_sample_rows``)."""
         fresh = []
         for k in range(first, inputs if batch > 1 else 0):
             key = (name, f"positional argument {k}")
@@ -209,16 +209,22 @@ class Guard:
             )
         if used and (self.view.dim() == 0 or self.view.shape[0] != batch):
             return UnsupportedModelError(
-                f"{who} returns a tuple whose {self.what} reaches the loss and is not batch-first ({tuple(self.view.shape)}"
-                f" for {batch} samples): per-sample gradients split a layer's outputs by their first dimension; "
-                "return it with the batch first, or freeze the layer"
+                f"{who} returns a tuple whose {self.what} reaches the loss and is not batch-first "
+                f"({tuple(self.view.shape)} for {batch} samples): per-sample gradients split a layer's outputs by "
+                "their first dimension; return it with the batch first, or freeze the layer"
             )
         return None
 
 
 def guarded(output: tuple) -> Tuple[tuple, Tuple[Guard, ...]]:
     """``output`` with the tensors of its elements after the first that carry a gradient replaced by views, and
-    those views as Guards, for the I pass to differentiate (a gradient reaching one joins it: ``join``)."""
+    those views as Guards, for the I pass to differentiate (a gradient reaching one joins it: ``join``). The first
+    element is passed on as a view too: the gradient taken at it is then the model's use of it alone, not also
+    what reaches it through another output the layer computed from it (``return out, 2 * out``), which the join
+    replays."""
+    first = output[0]
+    if isinstance(first, torch.Tensor) and first.requires_grad:
+        first = first.view_as(first)
     guards: List[Guard] = []
     rest = []
     for k, element in enumerate(output[1:], start=1):
@@ -228,7 +234,7 @@ def guarded(output: tuple) -> Tuple[tuple, Tuple[Guard, ...]]:
                 leaves[j] = leaf.view_as(leaf)
                 guards.append(Guard(leaves[j], f"element {k}", (k, j), leaves[j]._version))
         rest.append(tree_unflatten(leaves, spec))
-    return (output[0], *rest), tuple(guards)
+    return (first, *rest), tuple(guards)
 
 
 def join(output, paths: Tuple[Tuple[int, int], ...]) -> torch.Tensor:

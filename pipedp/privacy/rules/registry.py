@@ -52,9 +52,9 @@ class LayerRule:
     # never called on their own (PEFT's LoRA on an expert bank's parameters folds its factors into the bank's
     # weights): capture hooks the module, not its children
     holds_below: bool = False
-    # the rule replays the layer's own forward (torch.func): its calls may take keyword arguments (the capture
-    # keeps them for the replay, rules/keywords.py) and return a tuple whose first element is its output (the
-    # others must carry no gradient: the capture guards them)
+    # the rule replays the layer's own forward (torch.func): its calls may take keyword arguments and positional
+    # ones that are not batch-first (the capture keeps them for the replay, rules/keywords.py) and return a tuple
+    # whose first element is its output (the others that the model uses are joined to it: keywords.join)
     keywords: bool = False
     # the rule replays each sample alone (LOOPED): the capture checks at the layer's first call of several samples
     # that the first and the last sample alone give their rows of the whole call (a block dropping tokens by
@@ -85,6 +85,12 @@ def register(layer: "type | Callable[[nn.Module], bool]", rule: LayerRule) -> No
         RULES[layer] = rule
     else:
         PREDICATES.append((layer, rule))
+
+
+def unregister(layer: type, rule: LayerRule) -> None:
+    """Forget ``rule`` for the layer type if it is the one registered (a model's adapter decides again)."""
+    if RULES.get(layer) is rule:
+        del RULES[layer]
 
 
 def typed_rule(module: nn.Module) -> Optional[LayerRule]:
