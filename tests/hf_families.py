@@ -39,6 +39,9 @@ class Family:
     # its hash routers' tables (token id -> experts: zeros until a checkpoint fills them) drawn, each token's experts
     # distinct
     hashed: bool = False
+    # parameters frozen at build (refused while trainable: ZAYA's base model reads its own embedding scales outside
+    # any module, where no stage holds them)
+    frozen: Tuple[str, ...] = ()
 
     @property
     def tolerance(self) -> float:
@@ -318,6 +321,16 @@ FAMILIES = [
         experts=True,
         float32_inside=True,
     ),
+    # a second stream between layers (the router states the next layer's router reads; crossing stages with the
+    # hidden state) and a router that is an MLP: its blocks replayed per sample; one expert per token (its config's)
+    Family(
+        "zaya",
+        "router states passed from layer to layer; an MLP router",
+        {"num_experts_per_tok": 1, "router_hidden_size": 8},
+        classification=False,
+        experts=True,
+        frozen=("model.input_hidden_states_scale", "model.input_hidden_states_bias"),
+    ),
     # sampled routing (sparsemixer): its threshold widened from 0.01 so that a token's draw leaves the top-2 often
     Family(
         "phimoe",
@@ -467,6 +480,8 @@ def build(family: Family, kind: str = "causal", tie: bool = False, attention: Op
     for module in model.modules():
         if family.sampled and type(module).__name__ == family.sampled:
             keyed(module)
+    for name in family.frozen:
+        model.get_parameter(name).requires_grad_(False)
     for name, table in model.named_buffers():
         if family.hashed and name.endswith("tid2eid"):
             experts = config.num_local_experts

@@ -2,8 +2,9 @@
 
 Each block holds the model's own parts under their paths in the model (so its state-dict keys,
 prefixed with the block's name, are the model's own) and computes through the model's own forward
-(hf_drive.py). Only the hidden state crosses stages; every stage recomputes what its layers need
-from its micro-batch's input dict.
+(hf_drive.py). Only the hidden state crosses stages (with the layers' own streams after it, where the
+forward passes them from layer to layer: ZAYA's router states); every stage recomputes what its layers
+need from its micro-batch's input dict.
 """
 
 from __future__ import annotations
@@ -55,11 +56,16 @@ class HFLayer(_Part):
         super().__init__(driver, {str(index): driver.s.layers[index]})
         self.index = index
 
-    def forward(self, hidden, side_inputs=None):
+    def forward(self, hidden, *streams, side_inputs=None):
+        """``streams``: the previous layer's streams after the hidden state (Structure.streams), in place of the
+        values the forward gives the first layer (the record's)."""
         args, kwargs = self.driver.layer_call(self.index, hidden, side_inputs)
+        args = (*streams, *args[len(streams) :])
         layer = self._modules[str(self.index)]
         with capturable(layer, self.driver.s.fixes[self.index], *hidden.shape[:2]):
             out = layer(hidden, *args, **kwargs)
+        if self.driver.s.streams > 1:
+            return tuple(out[: self.driver.s.streams])
         return out[0] if isinstance(out, (tuple, list)) else out
 
 
@@ -67,8 +73,8 @@ class HFHead(_Part):
     def __init__(self, driver: Driver):
         super().__init__(driver, driver.s.post)
 
-    def forward(self, hidden, side_inputs=None):
-        return self.driver.head(hidden, side_inputs)
+    def forward(self, hidden, *streams, side_inputs=None):
+        return self.driver.head(hidden, side_inputs)  # (the last layer's streams end there, as in the forward)
 
 
 def structure_blocks(structure: Structure) -> List[Block]:

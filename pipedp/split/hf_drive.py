@@ -62,9 +62,9 @@ class Driver:
 
         def on_call(i, args, kwargs):
             if i < last:
-                return self._as_output(args[0])
+                return self.s.stand_in(args)
             torch.set_grad_enabled(outer)  # from here on (final norm, head) the forward is the stage's
-            return self._as_output(hidden)
+            return self.s.stand_in(args, hidden)
 
         inputs = self._inputs(hidden, side)
         self._check_context()
@@ -89,7 +89,7 @@ class Driver:
             calls.append((args[1:], kwargs))
             if i == last:
                 raise Stop()
-            return self._as_output(args[0])
+            return self.s.stand_in(args)
 
         inputs = self._inputs(hidden, side)
         self._check_context()
@@ -100,9 +100,6 @@ class Driver:
                 except Stop:
                     pass
         return calls
-
-    def _as_output(self, hidden):
-        return (hidden,) if self.s.tuple_output else hidden
 
     def _inputs(self, hidden: torch.Tensor, side) -> Dict[str, torch.Tensor]:
         if side is not None:

@@ -38,19 +38,29 @@ WAY_OUT = (
 ROWS, LENGTH = 2, 3
 
 
-def dry_run(s, parts: Dict[str, nn.Module]) -> Tuple[Dict[str, Set[str]], bool, list]:
-    """Run ``s.model``'s forward (``s``: hf_structure.Structure) once with stubs returning tensors and
-    once 1-tuples: the one under which each layer's output reaches the next layer unchanged is the
-    forward's. Returns where each part ran ("pre" / "post"), that choice, and what each layer was given
-    (its hidden state's shape, its other arguments)."""
-    errors = []
-    for tuple_output in (False, True):
-        run = _DryRun(s, parts, tuple_output)
+# how a layer's output reaches the next: (a tuple, how many of its first elements the next layer takes as its
+# first positional arguments): a tensor; a 1-tuple; a 2-tuple whose second element is a stream of its own (ZAYA's
+# router states, which the next layer's router reads)
+OUTPUTS = ((False, 1), (True, 1), (True, 2))
+
+
+def dry_run(s, parts: Dict[str, nn.Module]) -> Tuple[Dict[str, Set[str]], Tuple[bool, int], list]:
+    """Run ``s.model``'s forward (``s``: hf_structure.Structure) with stubs returning each of OUTPUTS in turn: the
+    first under which each layer's output reaches the next layer unchanged is the forward's. Returns where each
+    part ran ("pre" / "post"), that choice, and what each layer was given (its hidden state's shape, its other
+    arguments, a stream's as the forward gives it to the first layer)."""
+    errors: List[Exception] = []
+    for output in OUTPUTS:
+        run = _DryRun(s, parts, *output)
         try:
             run.run()
-            return run.sides, tuple_output, [c[:3] for c in run.calls]
-        except _Mismatch as exc:
-            errors.append(str(exc))
+            return run.sides, output, [c[:3] for c in run.calls]
+        except (_Mismatch, _Failed) as exc:  # (a forward unpacking two outputs fails on one)
+            errors.append(exc)
+    # (the plain outputs' errors say what is wrong; a stream was only a guess)
+    failed = next((e for e in errors[:2] if isinstance(e, _Failed)), None)
+    if failed is not None:
+        raise failed
     raise UnsupportedModelError(
         f"{type(s.model).__name__}: its forward does not pass each decoder layer's output on to the next layer "
         f"unchanged ({errors[0]}); pipedp runs the layers on their own, so it would miss what happens between "
@@ -62,9 +72,13 @@ class _Mismatch(Exception):
     pass
 
 
+class _Failed(UnsupportedModelError):
+    """The model's own forward failed with the layers stubbed."""
+
+
 class _DryRun:
-    def __init__(self, s, parts: Dict[str, nn.Module], tuple_output: bool):
-        self.s, self.parts, self.tuple_output = s, parts, tuple_output
+    def __init__(self, s, parts: Dict[str, nn.Module], tuple_output: bool, streams: int):
+        self.s, self.parts, self.tuple_output, self.streams = s, parts, tuple_output, streams
         self.name, self.count = type(s.model).__name__, len(s.layers)
         self.device = next((t.device for t in s.model.parameters() if not t.is_meta), torch.device("cpu"))
         self.owns = {p: next(part.parameters(), None) is not None for p, part in parts.items()}
@@ -102,7 +116,7 @@ class _DryRun:
         except (UnsupportedModelError, _Mismatch):
             raise
         except Exception as exc:  # the model's own forward failed on a plain batch with the layers stubbed
-            raise UnsupportedModelError(
+            raise _Failed(
                 f"{self.name}: pipedp could not run the model's own forward with its decoder layers stood in for "
                 f"({type(exc).__name__}: {exc}): {WAY_OUT}"
             ) from exc
@@ -135,16 +149,23 @@ class _DryRun:
                 f"{self.name}: decoder layer {i} gets {shape} as its first argument, not the hidden state "
                 f"[batch, seq, hidden]: {WAY_OUT}"
             )
-        for key, value in _tensors(args[1:], kwargs):
+        given = self.handed[-1] if i and isinstance(self.handed[-1], tuple) else ()
+        for k in range(1, self.streams):  # a stream of the layers' own: the previous layer's output k, unchanged
+            if given and (len(args) <= k or args[k] is not given[k]):
+                raise _Mismatch(f"layer {i} did not get layer {i - 1}'s output {k} as its argument {k}")
+        for key, value in _tensors(args[1:] if not i else args[self.streams :], kwargs):
             if value.requires_grad:
                 raise UnsupportedModelError(
                     f"{self.name}: its forward gives decoder layer {i} the argument {key!r} computed from trainable "
                     "parameters or from an earlier layer; pipedp recomputes a layer's arguments on its stage from "
                     f"the micro-batch's inputs, so it cannot pass this one: {WAY_OUT}"
                 )
-        self.calls.append((tuple(hidden.shape), args[1:], kwargs, hidden))
+        # (a stream as the forward gives it to the first layer: what the probes of every layer are given)
+        streams = self.calls[0][1][: self.streams - 1] if i else args[1 : self.streams]
+        self.calls.append((tuple(hidden.shape), (*streams, *args[self.streams :]), kwargs, hidden))
         out = torch.zeros_like(hidden).requires_grad_(True)
-        self.handed.append((out,) if self.tuple_output else out)
+        markers = tuple(torch.zeros(ROWS, LENGTH, 1, requires_grad=True) for _ in range(self.streams - 1))
+        self.handed.append((out, *markers) if self.tuple_output else out)
         return self.handed[-1]
 
     def part_hook(self, path: str):
@@ -197,7 +218,7 @@ def _layer_arguments(s, inputs: Dict[str, torch.Tensor]) -> list:
         calls.append((args[1:], kwargs))
         if i == len(s.layers) - 1:
             raise Stop()
-        return (args[0],) if s.tuple_output else args[0]
+        return s.stand_in(args)
 
     with layers_replaced(s.body, s.layers_name, on_call):
         try:

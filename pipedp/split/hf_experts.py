@@ -122,19 +122,8 @@ def accept_experts(model: nn.Module, path: str, module: nn.Module) -> None:
             _check(where, logits, _as_called(where, block, router, logits), bank, outer)
             register(type(bank), SLICED_EXPERTS)
             continue
-        if not isinstance(bank, nn.Module) or not _is_fused_bank(bank):
-            # no closed-form rule for its layout (JetMoE's experts called on tokens sorted by expert): the block is
-            # one layer, replayed one sample at a time; the capture checks at its first call that a sample alone
-            # gives its rows of the batch (rules.LayerRule.alone), the self-check its gradients. (PEFT's adapters
-            # inside its ``experts`` stay refused: on DBRX's slices they break the block's own forward)
-            _refuse_adapters_below(where, outer)
-            if typed_rule(block) is not LOOPED:
-                warnings.warn(
-                    f"{where} has experts pipedp has no closed-form rule for: it is replayed one sample at a time "
-                    "(exact, slower than a fused expert bank)",
-                    stacklevel=2,
-                )
-            register(type(block), LOOPED)
+        if not isinstance(bank, nn.Module) or not _is_fused_bank(bank) or _linear_router(block, bank) is None:
+            _replay_whole(where, block, outer)
             continue
         router, logits = _router(where, block, bank)
         if outer is not bank:
@@ -144,6 +133,23 @@ def accept_experts(model: nn.Module, path: str, module: nn.Module) -> None:
         if logits is router:  # (a Linear child computing the logits is a Linear on flattened tokens: hf_capturable)
             register(type(router), ROUTER)
         register(type(bank), EXPERTS)
+
+
+def _replay_whole(where: str, block: nn.Module, outer: Any) -> None:
+    """A block pipedp has no closed-form rule for (JetMoE's experts called on tokens sorted by expert; ZAYA's
+    router, an MLP) is one layer, replayed one sample at a time; the capture checks at its first call that a sample
+    alone gives its rows of the batch and that it draws no random numbers (rules.LayerRule.alone), the self-check
+    its gradients. PEFT's adapters inside are replayed with it, but for its wrapper in place of the ``mlp`` of
+    DBRX's sliced experts, which breaks the block's own forward (it reads ``mlp.v1``): refused by name."""
+    if type(getattr(outer, "mlp", None)).__module__.startswith("peft."):
+        _refuse_adapters_below(where, outer)
+    if typed_rule(block) is not LOOPED:
+        warnings.warn(
+            f"{where} has experts or a router pipedp has no closed-form rule for: it is replayed one sample at a "
+            "time (exact, slower than a fused expert bank)",
+            stacklevel=3,
+        )
+    register(type(block), LOOPED)
 
 
 def forget_replayed(layers: nn.Module) -> None:
@@ -223,18 +229,29 @@ def _logits_layer(router: nn.Module) -> nn.Module:
     return linears[0] if len(linears) == 1 and not any(p.requires_grad for p in router.parameters(False)) else router
 
 
+def _linear_router(block: nn.Module, bank: nn.Module) -> Optional[Tuple[nn.Module, nn.Module]]:
+    """The block's router and what computes its logits (_logits_layer), if they are a Linear's over the experts."""
+    found = [m for n, m in block.named_children() if n in ROUTER_NAMES and m is not bank]
+    if not found:
+        return None
+    logits = _logits_layer(found[0])
+    weight = getattr(logits, "weight", None)
+    if not isinstance(weight, nn.Parameter) or weight.dim() != 2 or weight.shape[0] != _experts(bank):
+        return None
+    return found[0], logits
+
+
 def _router(where: str, block: nn.Module, bank: nn.Module) -> Tuple[nn.Module, nn.Module]:
     """The block's router, and what computes its logits (_logits_layer)."""
     experts = _experts(bank)
-    found = [m for n, m in block.named_children() if n in ROUTER_NAMES and m is not bank]
-    router: Optional[nn.Module] = found[0] if found else None
-    logits = _logits_layer(router) if router is not None else None
-    weight = getattr(logits, "weight", None)
-    if router is None or not isinstance(weight, nn.Parameter) or weight.dim() != 2 or weight.shape[0] != experts:
+    pair = _linear_router(block, bank)
+    if pair is None:
         raise UnsupportedModelError(
             f"{where}: no router (a child named {' or '.join(ROUTER_NAMES)} with a weight [{experts}, hidden], or one "
             f"Linear child with it) was found beside its experts: {FREEZE}, or use a dense model"
         )
+    router, logits = pair
+    weight = logits.weight
     if getattr(bank, "has_post_expert_norm", False) or getattr(bank, "_is_expert_parallel", False):
         raise UnsupportedModelError(
             f"{where}: expert parallelism and a norm after each expert are not supported: use a plain expert bank"

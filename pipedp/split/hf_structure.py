@@ -36,12 +36,23 @@ class Structure:
     post: Dict[str, nn.Module] = field(default_factory=dict)  # ... and after them (final norm, head)
     context: Dict[str, nn.Module] = field(default_factory=dict)  # parts with buffers only (rotary embeddings)
     tuple_output: bool = False  # the forward takes a layer's output as the first element of a tuple
+    # the first positional arguments a layer takes from the previous one's output: the hidden state, and streams of
+    # the layers' own after it (ZAYA's router states: 2), which cross stages with it
+    streams: int = 1
     fixes: List[LayerFixes] = field(default_factory=list)  # per layer: what makes its calls capturable
     reads_ids: bool = False  # the layers' arguments depend on the token ids, not only on their shape
 
     @property
     def layers(self) -> nn.ModuleList:
         return getattr(self.body, self.layers_name)
+
+    def stand_in(self, args: tuple, hidden=None):
+        """What a stood-in layer returns, called with ``args``: ``hidden`` (else its own hidden state) as the forward
+        takes a layer's output, its streams passed on as it was given them."""
+        hidden = args[0] if hidden is None else hidden
+        if self.streams > 1:
+            return (hidden, *args[1 : self.streams])
+        return (hidden,) if self.tuple_output else hidden
 
 
 def model_kind(model: nn.Module) -> Optional[str]:
@@ -71,7 +82,8 @@ def find_structure(model: nn.Module, kind: str) -> Structure:
     structure = Structure(model, kind, base, body, layers_name, layers_path)
     _accept_routing(structure)
     parts = _parts(model, base, body, layers_name)
-    sides, structure.tuple_output, calls = dry_run(structure, parts)
+    _refuse_loose_parameters(structure, parts)
+    sides, (structure.tuple_output, structure.streams), calls = dry_run(structure, parts)
     structure.fixes = _layer_fixes(structure, calls)
     owning = {p: m for p, m in parts.items() if next(m.parameters(), None) is not None}
     structure.pre = {p: m for p, m in owning.items() if "pre" in sides.get(p, ())}
@@ -180,6 +192,20 @@ def _layer_fixes(s: Structure, calls: list) -> List[LayerFixes]:
     for layer, kind in zip(s.layers, kinds):
         found[kind].adopt(layer)  # (the first of its kind has them already)
     return [found[kind] for kind in kinds]
+
+
+def _refuse_loose_parameters(s: Structure, parts: Dict[str, nn.Module]) -> None:
+    """Every trainable parameter is in a part or a layer: one held by a module on the path to the layers itself
+    (ZAYA's base model scales the embeddings with its own ``input_hidden_states_scale``), read by its forward outside
+    any part, would be in no block, left untrained while the others train."""
+    held = {id(p) for m in (*parts.values(), s.layers) for p in m.parameters()}
+    loose = [n for n, p in s.model.named_parameters() if p.requires_grad and id(p) not in held]
+    if loose:
+        raise UnsupportedModelError(
+            f"{type(s.model).__name__}: {', '.join(loose[:4])} is a parameter of a module on the way to its decoder "
+            "layers, read by that module's own forward outside the parts pipedp puts on stages (embeddings, layers, "
+            f"norm, head): it would not train; freeze it (requires_grad_(False)), or {WAY_OUT}"
+        )
 
 
 def _require_parts(s: Structure, sides: Dict[str, Set[str]]) -> None:

@@ -81,7 +81,7 @@ def pipelined(model, inputs, stages):
     out = inputs
     for stage in partition(model_blocks(model), stages, "params"):
         for block in stage:
-            out = block.module(out, side_inputs=inputs)
+            out = block.module(*(out if isinstance(out, tuple) else (out,)), side_inputs=inputs)  # (as a stage spreads)
     return out
 
 

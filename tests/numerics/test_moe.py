@@ -991,3 +991,21 @@ def test_a_frozen_block_does_not_undo_the_per_sample_replay_of_a_trained_one_of_
     want = loop_clipped_sum(copy.deepcopy(model), hf_loss, inputs, labels, CLIP)
     got = pipedp_clipped_sum(model, token_loss, inputs, labels, CLIP, stages=2, microbatches=2)
     assert max_relative_error(got, want) < 1e-9
+
+
+def test_zaya_s_embedding_scales_on_its_base_model_are_refused_by_name_and_frozen_the_rest_matches_the_loop():
+    """ZAYA's base model scales the embeddings with parameters of its own, read by its forward outside any module:
+    no stage would hold them (they would not train), so they are refused by name while trainable. Frozen, the rest
+    matches the loop oracle: its decoder layers pass the router states on to the next layer's router beside the
+    hidden state (a stream that crosses stages: 3 stages here), and its router is an MLP, so each mixture-of-experts
+    block is replayed per sample, its router states joined to its output."""
+    model = build(dataclasses.replace(family("zaya"), frozen=()))
+    with pytest.raises(UnsupportedModelError, match=r"model.input_hidden_states_scale, .* would not train; freeze it"):
+        PipelineDPTrainer(model, token_loss, stages=2, expected_batch_size=4)
+    model = build(family("zaya"))
+    inputs, labels = padded_batch("left")
+    want = loop_clipped_sum(copy.deepcopy(model), hf_loss, inputs, labels, CLIP)
+    got = pipedp_clipped_sum(model, token_loss, inputs, labels, CLIP, stages=3, microbatches=2)
+    assert max_relative_error(got, want) < 1e-12
+    # (the stream carries gradient: layer 1's router reads layer 0's router states through its own scale)
+    assert float(got["model.layers.1.mlp.gate.router_states_scale"].abs().max()) > 0
