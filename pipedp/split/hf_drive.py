@@ -72,7 +72,7 @@ class Driver:
         try:
             with (
                 layers_replaced(self.s.body, self.s.layers_name, on_call),
-                standing_in(list(self.s.pre.values()), hidden.device),
+                standing_in(list(self.s.pre.values()), hidden.device, own=self.s.holders),
                 positional_calls(self.s.post, int(hidden.shape[0])),
             ):
                 out = call_forward(self.s.model, inputs)
@@ -94,7 +94,7 @@ class Driver:
         inputs = self._inputs(hidden, side)
         self._check_context()
         with torch.no_grad(), rng_kept(hidden.device), layers_replaced(self.s.body, self.s.layers_name, on_call):
-            with standing_in(list(self.s.pre.values()), hidden.device):
+            with standing_in(list(self.s.pre.values()), hidden.device, own=self.s.holders):
                 try:
                     call_forward(self.s.base, inputs)
                 except Stop:

@@ -106,13 +106,14 @@ class _DryRun:
         everything = list(self.parts.values())
         try:
             with layers_replaced(self.s.body, self.s.layers_name, self.layer), torch.enable_grad():
-                with standing_in(everything, self.device, real_too=True):
+                with standing_in(everything, self.device, real_too=True, own=self.s.holders):
                     out = call_forward(self.s.model, self.inputs())
                     logits = out.logits if hasattr(out, "logits") else out[0]
                     # the hidden state given to layer 0, and the logits, may depend only on parameters their module read
                     first = self.calls[0][3] if self.calls else None
                     outside = read_outside_calls(first, self.modules, self.called, trainable)
                     outside += read_outside_calls(logits, self.modules, self.called, trainable)
+                    self.check_last_streams(logits)
         except (UnsupportedModelError, _Mismatch):
             raise
         except Exception as exc:  # the model's own forward failed on a plain batch with the layers stubbed
@@ -149,6 +150,8 @@ class _DryRun:
                 f"{self.name}: decoder layer {i} gets {shape} as its first argument, not the hidden state "
                 f"[batch, seq, hidden]: {WAY_OUT}"
             )
+        if not i and len(args) < self.streams:  # (the first layer is given its streams positionally too)
+            raise _Mismatch(f"layer 0 got {len(args)} positional arguments, not the hidden state and its streams")
         given = self.handed[-1] if i and isinstance(self.handed[-1], tuple) else ()
         for k in range(1, self.streams):  # a stream of the layers' own: the previous layer's output k, unchanged
             if given and (len(args) <= k or args[k] is not given[k]):
@@ -164,9 +167,23 @@ class _DryRun:
         streams = self.calls[0][1][: self.streams - 1] if i else args[1 : self.streams]
         self.calls.append((tuple(hidden.shape), (*streams, *args[self.streams :]), kwargs, hidden))
         out = torch.zeros_like(hidden).requires_grad_(True)
-        markers = tuple(torch.zeros(ROWS, LENGTH, 1, requires_grad=True) for _ in range(self.streams - 1))
+        markers = tuple(
+            torch.zeros(ROWS, LENGTH, 1, device=self.device, requires_grad=True) for _ in range(self.streams - 1)
+        )
         self.handed.append((out, *markers) if self.tuple_output else out)
         return self.handed[-1]
+
+    def check_last_streams(self, logits: torch.Tensor) -> None:
+        """The forward drops the last layer's streams (its head reads the hidden state only, as the blocks do)."""
+        last = self.handed[-1] if self.streams > 1 and self.handed else ()
+        markers = [t for t in last[1:] if isinstance(t, torch.Tensor)] if isinstance(last, tuple) else []
+        if markers and logits.requires_grad:
+            reached = torch.autograd.grad(logits.sum(), markers, allow_unused=True)
+            if any(g is not None for g in reached):
+                raise UnsupportedModelError(
+                    f"{self.name}: its forward reads the last decoder layer's output beyond the hidden state (a "
+                    f"stream the layers pass on) after the layers; pipedp's head reads the hidden state only: {WAY_OUT}"
+                )
 
     def part_hook(self, path: str):
         def hook(module, args, kwargs):
@@ -204,7 +221,7 @@ def reads_token_ids(s, parts: Dict[str, nn.Module]) -> bool:
     level = quiet.level
     quiet.setLevel(logging.ERROR)
     try:
-        with torch.no_grad(), standing_in(list(parts.values()), device, real_too=True):
+        with torch.no_grad(), standing_in(list(parts.values()), device, real_too=True, own=s.holders):
             given = [_layer_arguments(s, {"input_ids": ids}), _layer_arguments(s, {"inputs_embeds": embeds})]
     finally:
         quiet.setLevel(level)

@@ -147,7 +147,7 @@ def _replay_whole(where: str, block: nn.Module, outer: Any) -> None:
         warnings.warn(
             f"{where} has experts or a router pipedp has no closed-form rule for: it is replayed one sample at a "
             "time (exact, slower than a fused expert bank)",
-            stacklevel=3,
+            stacklevel=2,
         )
     register(type(block), LOOPED)
 

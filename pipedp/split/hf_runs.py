@@ -83,25 +83,28 @@ def layers_replaced(body: nn.Module, name: str, on_call: Callable) -> Iterator[N
 
 
 @contextmanager
-def standing_in(parts: Sequence[nn.Module], device, real_too: bool = False) -> Iterator[None]:
-    """Every meta tensor of ``parts`` (``real_too``: every tensor) replaced by zeros of its shape and
-    dtype on ``device`` that take no memory, for a run that discards what these parts compute. With
+def standing_in(
+    parts: Sequence[nn.Module], device, real_too: bool = False, own: Sequence[nn.Module] = ()
+) -> Iterator[None]:
+    """Every meta tensor (``real_too``: every tensor) of ``parts``, and those the modules ``own`` hold themselves
+    (not their children's: the modules on the way to the layers, ZAYA's base model with its embedding scales),
+    replaced by zeros of its shape and dtype on ``device`` that take no memory, for a run that discards what these
+    parts compute. With
     ``real_too`` (the dry run) the parameters' zeros require gradients, so that what is computed from
     a parameter can be told apart whether the model is real or on meta."""
     swapped: List[Tuple[nn.Module, dict, str, torch.Tensor]] = []
     stand_ins: set = set()
     try:
-        for part in parts:
-            for module in part.modules():
-                for table in (module._parameters, module._buffers):
-                    for key, tensor in table.items():
-                        if tensor is None or not (real_too or tensor.is_meta):
-                            continue
-                        grad = real_too and table is module._parameters and tensor.is_floating_point()
-                        zero = torch.zeros((), dtype=tensor.dtype, device=device, requires_grad=grad)
-                        swapped.append((module, table, key, tensor))
-                        table[key] = zero.expand(tensor.shape)
-                        stand_ins.add(id(table[key]))
+        for module in [m for part in parts for m in part.modules()] + list(own):
+            for table in (module._parameters, module._buffers):
+                for key, tensor in table.items():
+                    if tensor is None or not (real_too or tensor.is_meta):
+                        continue
+                    grad = real_too and table is module._parameters and tensor.is_floating_point()
+                    zero = torch.zeros((), dtype=tensor.dtype, device=device, requires_grad=grad)
+                    swapped.append((module, table, key, tensor))
+                    table[key] = zero.expand(tensor.shape)
+                    stand_ins.add(id(table[key]))
         with _ZeroProducts(stand_ins) if stand_ins else contextlib.nullcontext(), _eager_experts(parts):
             yield
     finally:

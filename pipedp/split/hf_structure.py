@@ -39,6 +39,9 @@ class Structure:
     # the first positional arguments a layer takes from the previous one's output: the hidden state, and streams of
     # the layers' own after it (ZAYA's router states: 2), which cross stages with it
     streams: int = 1
+    # the modules from the model down to the body: tensors they hold themselves (ZAYA's base model's embedding
+    # scales, frozen) are stood in beside the parts' on meta
+    holders: List[nn.Module] = field(default_factory=list)
     fixes: List[LayerFixes] = field(default_factory=list)  # per layer: what makes its calls capturable
     reads_ids: bool = False  # the layers' arguments depend on the token ids, not only on their shape
 
@@ -79,7 +82,7 @@ def find_structure(model: nn.Module, kind: str) -> Structure:
         refuse_experts(model, "this one has no base model under its head")
         raise UnsupportedModelError(f"{name} has no base model under its head: {WAY_OUT}")
     layers_path, body, layers_name = _layer_list(model, base)
-    structure = Structure(model, kind, base, body, layers_name, layers_path)
+    structure = Structure(model, kind, base, body, layers_name, layers_path, holders=_chain(model, body))
     _accept_routing(structure)
     parts = _parts(model, base, body, layers_name)
     _refuse_loose_parameters(structure, parts)
@@ -202,9 +205,9 @@ def _refuse_loose_parameters(s: Structure, parts: Dict[str, nn.Module]) -> None:
     loose = [n for n, p in s.model.named_parameters() if p.requires_grad and id(p) not in held]
     if loose:
         raise UnsupportedModelError(
-            f"{type(s.model).__name__}: {', '.join(loose[:4])} is a parameter of a module on the way to its decoder "
-            "layers, read by that module's own forward outside the parts pipedp puts on stages (embeddings, layers, "
-            f"norm, head): it would not train; freeze it (requires_grad_(False)), or {WAY_OUT}"
+            f"{type(s.model).__name__}: {', '.join(loose[:4])} (held by a module on the way to its decoder layers "
+            "itself, read by that module's own forward outside the parts pipedp puts on stages: embeddings, layers, "
+            f"norm, head) would not train; freeze it (requires_grad_(False)), or {WAY_OUT}"
         )
 
 

@@ -1009,3 +1009,34 @@ def test_zaya_s_embedding_scales_on_its_base_model_are_refused_by_name_and_froze
     assert max_relative_error(got, want) < 1e-12
     # (the stream carries gradient: layer 1's router reads layer 0's router states through its own scale)
     assert float(got["model.layers.1.mlp.gate.router_states_scale"].abs().max()) > 0
+
+
+def test_zaya_splits_on_meta_its_base_model_s_own_scales_stood_in():
+    """Built on meta (as a stage is loaded from a folder), ZAYA's dry run stands in the scales its base model holds
+    itself, beside its parts' tensors."""
+    from pipedp.split.adapters import model_blocks
+    from pipedp.split.hf_loading import build_on_meta
+
+    model = build_on_meta(tiny_config(family("zaya")))
+    for name in family("zaya").frozen:
+        model.get_parameter(name).requires_grad_(False)
+    assert len(model_blocks(model)) == 5  # embeddings, 3 layers, head
+
+
+def test_planted_a_forward_reading_the_last_layer_s_stream_after_the_layers_is_refused():
+    """pipedp's head block reads the hidden state only: a ZAYA forward adding the last layer's router states into the
+    final norm's input (planted, its source rewritten) is refused by the dry run, naming why."""
+    import inspect
+    import textwrap
+
+    module = importlib.import_module("transformers.models.zaya.modeling_zaya")
+    source = textwrap.dedent(inspect.getsource(module.ZayaModel.forward))
+    source = source[source.index("def forward") :]
+    final = "hidden_states = self.norm(hidden_states.to(dtype=self.norm.weight.dtype))"
+    assert final in source
+    planted = "hidden_states = self.norm((hidden_states + prev_router_hidden_states.sum(-1, keepdim=True)).float())"
+    namespace: dict = {}
+    exec(source.replace(final, planted), vars(module), namespace)
+    with mock.patch.object(module.ZayaModel, "forward", namespace["forward"]):
+        with pytest.raises(UnsupportedModelError, match=r"reads the last decoder layer's output beyond the hidden"):
+            PipelineDPTrainer(build(family("zaya")), token_loss, stages=2, expected_batch_size=4)
