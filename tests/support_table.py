@@ -146,6 +146,7 @@ def rule_rows() -> List[List[str]]:
         (SCORING_ROUTER, "a router scoring every expert (Llama-4's)"),
         (DENSE_EXPERTS, "an expert bank every token passes through (Llama-4's)"),
         (SLICED_EXPERTS, "an expert bank stored as row slices of [E h, d] matrices (DBRX's)"),
+        (generic.LOOPED, "a mixture-of-experts block with no closed-form rule (JetMoE's, ZAYA's), replayed per sample"),
     )
     layers: Dict[str, List[str]] = {}  # rule name -> the layer types and predicates it is registered for
     for layer, rule in RULES.items():
