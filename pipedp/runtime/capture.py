@@ -131,18 +131,38 @@ def _folded_tokens(name: str, module: nn.Module, args, batch: int, experts: int 
 
 
 def check_sample_rows(
-    name: str, module: nn.Module, inputs: Sequence[torch.Tensor], keywords: Optional[Keywords], fresh: Sequence[str]
+    name: str,
+    module: nn.Module,
+    inputs: Sequence[torch.Tensor],
+    keywords: Optional[Keywords],
+    fresh: Sequence[str],
+    draws: bool = False,
 ) -> None:
     """The tensors ``fresh`` just taken as per-sample by their first dimension (keyword arguments, positional ones
     after the first) are: the layer replayed on the first and the last sample's rows alone (its inputs' rows) gives
     that sample's rows of its replay on the whole call, in eval mode from one random state. A tensor shared by
     the batch whose first dimension is the micro-batch's by chance fails here, self-check or not (each sample
-    would be replayed with one row of it: its gradient wrong, their sum right)."""
+    would be replayed with one row of it: its gradient wrong, their sum right).
+    With ``draws`` (a layer replayed one sample at a time: rules.LayerRule.alone), first its forward in its own mode,
+    run twice from two random states, must agree: one drawing random numbers (a dropout inside a mixture-of-experts
+    block) would draw others in its replays than the forward did."""
     batch = int(inputs[0].shape[0])
     device = inputs[0].device
     inputs = [t.clone() for t in inputs]  # (a layer writing its inputs in place would write the forward's own)
     replayed = keywords.replayed(module) if keywords is not None else nullcontext()
     with torch.no_grad(), modes_kept(module), replayed:  # (no grad: the capture's hooks stand by)
+        if draws:
+            with rng_kept(device), self_check.Precisions() as computed:
+                first = first_output(module(*inputs))
+            with rng_kept(device):
+                reseeded(device)
+                second = first_output(module(*inputs))
+            if not self_check.same_values(first, second, self_check.alone_tolerance(second, computed.dtypes)):
+                raise UnsupportedModelError(
+                    f"layer {name!r} ({type(module).__name__}) draws random numbers in its forward (a dropout inside "
+                    "it): pipedp replays it one sample at a time, which would draw others than the forward did; set "
+                    "its dropout to 0, or freeze it"
+                )
         module.eval()
         with rng_kept(device), self_check.Precisions() as computed:
             whole = first_output(module(*inputs))
@@ -161,27 +181,6 @@ def check_sample_rows(
                     "first dimension matched the micro-batch by chance (give it a leading dimension of 1), or the "
                     "layer mixes samples"
                 )
-
-
-def check_draws(name: str, module: nn.Module, inputs: Sequence[torch.Tensor], keywords: Optional[Keywords]) -> None:
-    """A layer replayed one sample at a time (rules.LayerRule.alone) draws no random numbers in its forward's mode:
-    its replays would draw others than the forward did (a dropout inside a mixture-of-experts block). Its forward,
-    run twice from two random states, must agree."""
-    device = inputs[0].device
-    inputs = [t.clone() for t in inputs]
-    replayed = keywords.replayed(module) if keywords is not None else nullcontext()
-    with torch.no_grad(), replayed:
-        with rng_kept(device), self_check.Precisions() as computed:
-            first = first_output(module(*inputs))
-        with rng_kept(device):
-            reseeded(device)
-            second = first_output(module(*inputs))
-    if not self_check.same_values(first, second, self_check.alone_tolerance(second, computed.dtypes)):
-        raise UnsupportedModelError(
-            f"layer {name!r} ({type(module).__name__}) draws random numbers in its forward (a dropout inside it): "
-            "pipedp replays it one sample at a time, which would draw others than the forward did; set its dropout "
-            "to 0, or freeze it"
-        )
 
 
 class ActivationCapture:
@@ -268,9 +267,7 @@ class ActivationCapture:
             )
             fresh += self.sorter.fresh if keywords is not None else []
             if fresh:
-                check_sample_rows(name, module, inputs, keywords, fresh)
-                if rule.alone:
-                    check_draws(name, module, inputs, keywords)
+                check_sample_rows(name, module, inputs, keywords, fresh, draws=rule.alone)
             calls = self.records[self._active].setdefault(name, [])
             calls.append(LayerCall(tuple(inputs), output, output._version, keywords=keywords, guards=guards))
             return passed

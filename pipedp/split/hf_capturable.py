@@ -309,10 +309,9 @@ def _run(layer, args, kwargs, rows, length, width, fixes: LayerFixes, cut: bool 
     handles = []
     for path, module in modules.items():
         inner = any(path.startswith(h) for h in holders)
-        if not inner and _reads_trainable(
-            module, trainable
-        ):  # what per-sample capture records (its rule read before the
-            # stand-ins, which may set requires_grad on frozen tensors)
+        # what per-sample capture records (its rule read before the stand-ins, which may set requires_grad on
+        # frozen tensors)
+        if not inner and _reads_trainable(module, trainable):
             replays = rule_for(module).keywords
             handles.append(module.register_forward_hook(_record_owner(seen, path, replays), with_kwargs=True))
         handles.append(module.register_forward_hook(_record_output(seen, path)))

@@ -5,8 +5,9 @@ A block is accepted when it is dropless top-k routing over a fused expert bank (
 ``use_experts_implementation`` layout; or DBRX's, row slices of [E h, d] matrices: rules/sliced_experts.py)
 by a router whose first output is a Linear's logits over the tokens (or the logits alone, which its block
 routes: DBRX), both checked on a few random tokens against the block's own modules; shared experts and
-their gates are ordinary layers. A block whose experts have no closed-form rule (JetMoE's, called on tokens
-sorted by expert) is one layer replayed one sample at a time (rules/generic.py ``LOOPED``). What couples samples is refused: a batch-level load-balancing loss
+their gates are ordinary layers. A block whose experts or router have no closed-form rule (JetMoE's experts,
+called on tokens sorted by expert; ZAYA's MLP router) is one layer replayed one sample at a time
+(rules/generic.py ``LOOPED``). What couples samples is refused: a batch-level load-balancing loss
 (``output_router_logits``), noise written into the hidden states in place (``*_jitter_noise``), expert
 parallelism, a trainable parameter of the router other than its weight and bias (bias balancing). A router
 that samples its experts in training (Phi-MoE's sparsemixer) draws per token, which couples no samples: the
