@@ -19,6 +19,7 @@ import schedules
 from schedules import Action, Kind
 
 from ..errors import PipeDPError
+from ..privacy.noise import SumNoise
 from ..runtime.executor import Executor, run_in_process
 from ..runtime.inprocess_transport import InProcessHub
 from ..runtime.microbatch import PassBatch, tensors_of
@@ -71,8 +72,13 @@ class ActionBytes:
         tracker.stage, tracker.phase = s, action.kind.value
         before = tracker.current[s]
         tracker.peak[s] = before
-        yield  # (an action that would block raises here: nothing ran, nothing is recorded)
-        self.found[s][mb]["actions"][action.kind.value] = (tracker.current[s] - before, tracker.peak[s] - before)
+        try:
+            yield
+        finally:  # an action that would block raised at yield, having drawn the step's noise at most (Executor._act)
+            actions = self.found[s][mb]["actions"]
+            delta, rise = tracker.current[s] - before, tracker.peak[s] - before
+            earlier, earlier_rise = actions.get(action.kind.value, (0, 0))
+            actions[action.kind.value] = (earlier + delta, max(earlier_rise, earlier + rise))
         if action.kind is Kind.I:
             state = executor.stage.pending.get(mb)
             if state is not None and state.kept:
@@ -156,6 +162,10 @@ def simulate(
                 executor = Executor(stage, HeldTransport(hub.transport(s)), schedule.for_stage(s))
                 executor.observe(counted)
                 executors.append(executor)
+            for stage in built:  # the sums exist from where the trainer's noise makes them (its draws cost no bytes)
+                if stage.noises_sums_first:
+                    kept = [stage.parameters[k] for k in stage.noised_here()]
+                    stage.noise = SumNoise(kept, [""] * len(kept), 0.0, 0, 0)
             for e in executors:
                 e.start_pass(batch)
                 if probe:

@@ -10,6 +10,7 @@ from typing import Dict, List, Sequence, Tuple
 import torch
 import torch.nn as nn
 
+from ..privacy.clipping import sum_dtype
 from ..shards import owners
 from ..split.blocks import Block
 from ..train.narrowing import steps_without_temporaries
@@ -67,9 +68,6 @@ def static_bytes(
 
     def size(t: torch.Tensor) -> int:
         return t.numel() * t.element_size()
-
-    def sum_dtype(p: torch.Tensor) -> torch.dtype:  # per-sample arithmetic is float32 at least
-        return torch.float64 if p.dtype == torch.float64 else torch.float32
 
     grads = sum(p.numel() * sum_dtype(p).itemsize for p in every)  # every replica makes every clipped sum
     stepped = sum(p.numel() * sum_dtype(p).itemsize for p in trainable)  # the sums that become gradients here

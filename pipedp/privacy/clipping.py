@@ -27,6 +27,11 @@ from ..config import CLIPPING_MODES
 MaxGradNorm = Union[float, Sequence[float], Mapping[str, float]]
 
 
+def sum_dtype(p: torch.Tensor) -> torch.dtype:
+    """The dtype a parameter's clipped sum accumulates in: per-sample arithmetic is float32 at least."""
+    return torch.float64 if p.dtype == torch.float64 else torch.float32
+
+
 @dataclass(frozen=True)
 class ClipRule:
     mode: str

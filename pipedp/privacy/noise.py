@@ -26,6 +26,7 @@ one rank, whatever the number of ranks (draws cost T times one rank's share; mem
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Iterator, List, Optional, Sequence, Tuple
 
 import torch
@@ -63,6 +64,25 @@ def add_noise(
             continue
         for piece in _pieces(g):
             piece.add_(torch.normal(0.0, std, piece.shape, generator=generator, dtype=g.dtype, device=g.device))
+
+
+@dataclass
+class SumNoise:
+    """One step's noise for the clipped sums of some of a stage's parameters (``names``), to be drawn once into
+    sums that start as it: the executor draws it before the stage's first receive, where a pipeline stage waits
+    for its neighbour anyway (runtime/executor.py), so the draw costs the step nothing there. The values are
+    ``add_noise``'s; only the order of the additions changes (noise first, then each micro-batch's clipped part),
+    the same order on every stage, split and transport."""
+
+    parameters: List[torch.nn.Parameter]
+    names: List[str]  # theirs: each one's noise stream
+    std: float
+    seed: int
+    step: int
+    secure_mode: bool = False
+
+    def add_to(self, sums: List[torch.Tensor]) -> None:
+        add_noise(sums, self.names, self.std, self.seed, self.step, self.secure_mode)
 
 
 def _bounds(total: int) -> Iterator[Tuple[int, int]]:

@@ -24,6 +24,12 @@ from .protocols import PeerAborted, PendingReduction, Transport, WouldBlock
 from .self_check import Probe
 from .stage import Stage
 
+# where a stage draws the step's noise into its clipped sums (noise.SumNoise), once: before its first receive, where a
+# pipeline stage waits while its neighbour computes, or its first W if that comes first (a stage that receives
+# nothing; a self-checked pass, slow anyway, whose reference gradients are freed by then): before every W, so every
+# clipped sum starts as the noise
+RECEIVES = frozenset({Kind.RECV_F, Kind.RECV_B})
+
 
 @dataclass
 class BackMessage:
@@ -155,15 +161,20 @@ class Executor:
                     with contextlib.ExitStack() as around:
                         for observer in self.observers:
                             around.enter_context(observer(self, action))
-                        self.handlers[action.kind](action.microbatch)
+                        self._act(action)
                 else:
-                    self.handlers[action.kind](action.microbatch)
+                    self._act(action)
             except WouldBlock:
                 return False
             self.position += 1
             if self.done:
                 self.transport.finish_pass()
         return True
+
+    def _act(self, action: Action) -> None:
+        if action.kind is Kind.W or (action.kind in RECEIVES and self._pass.probe is None):  # (RECEIVES: why)
+            self.stage.draw_noise()
+        self.handlers[action.kind](action.microbatch)
 
     @property
     def failed_communicating(self) -> bool:

@@ -25,7 +25,8 @@ import torch.nn as nn
 
 from ..config import GRAD_MODES
 from ..errors import BatchError, ConfigMismatchError, TransportError, UnsupportedModelError
-from ..privacy.clipping import ClipRule, StageClip
+from ..privacy.clipping import ClipRule, StageClip, sum_dtype
+from ..privacy.noise import SumNoise
 from ..privacy.per_sample import (
     KEEP_MEMORY_RATIO,
     GramCache,
@@ -177,12 +178,15 @@ class Stage:
         self.capture = ActivationCapture(self.layers, lambda: (t for b in self.blocks for t in _tensors(b.module)))
         self.pending: Dict[int, MicroBatchState] = {}
         self.clipped_sum: Dict[nn.Parameter, torch.Tensor] = {}
+        # this step's noise for the sums of these parameters, not drawn yet (the trainer sets it: draw_noise)
+        self.noise: Optional[SumNoise] = None
 
     def reset(self) -> None:
         """Forget every micro-batch in flight and the partial clipped sum (a failed step)."""
         self.pending.clear()
         self.capture.reset()
         self.clipped_sum = {}
+        self.noise = None
         self.check.reset()
 
     def close(self) -> None:
@@ -540,13 +544,41 @@ class Stage:
                     total = self.clipped_sum[p] = torch.zeros(p.shape, dtype=g.dtype, device=g.device)
                 # one in-place matrix-vector product: [P, n] @ [n] added to the running sum (a tensordot
                 # and an add cost three times as much at these sizes)
-                total.view(-1).addmv_(g.reshape(g.shape[0], -1).t(), clip.of(name, g.dtype, rows=False))
+                flat = g.reshape(g.shape[0], -1).t().to(total.dtype)  # (a sum started as the noise: sum_dtype)
+                total.view(-1).addmv_(flat, clip.of(name, total.dtype, rows=False))
 
     def take_tied_part(self) -> torch.Tensor:
         """Partner in one process: its clipped part of the tied weight, for the owner to add."""
         assert self.tie is not None and self.tie.weight is not None
         part = self.clipped_sum.pop(self.tie.weight, None)
         return part if part is not None else torch.zeros_like(self.tie.weight)
+
+    @property
+    def noises_sums_first(self) -> bool:
+        """Whether the sums start as the step's noise (draw_noise). Not under tensor parallelism: its ranks compare
+        their sums of whole tensors before the noise (secure mode draws each rank's own), and noise slices."""
+        return self.tensor_parallel.size == 1
+
+    def noised_here(self, replica: int = 0, owner: Optional[List[int]] = None) -> List[int]:
+        """The indices of the parameters whose noise this rank adds: once, before the sum over replicas (replica 0
+        adds it, or each parameter's owner when the optimizer is sharded), except where another stage adds it (a
+        tied head's copy)."""
+        return [
+            k
+            for k in range(len(self.parameters))
+            if replica == (0 if owner is None else owner[k]) and k not in self.noised_elsewhere
+        ]
+
+    def draw_noise(self) -> None:
+        """Start the clipped sums of this step's noised parameters as their noise (once; nothing when none is set),
+        in the dtype W accumulates them in (float32 for bf16 / fp16 parameters)."""
+        if self.noise is None:
+            return
+        noise, self.noise = self.noise, None
+        for p in noise.parameters:
+            if p not in self.clipped_sum:
+                self.clipped_sum[p] = torch.zeros(p.shape, dtype=sum_dtype(p), device=p.device)
+        noise.add_to([self.clipped_sum[p] for p in noise.parameters])
 
     def take_clipped_sum(self) -> List[torch.Tensor]:
         """The clipped sums of this stage's parameters (zeros where no sample touched them)."""

@@ -28,7 +28,7 @@ from .. import shards
 from ..config import SAMPLINGS, FitConfig, PipelineConfig, PrivacyConfig, describe, split_options
 from ..errors import ConfigError, NonFiniteError, PrivacyBudgetExceeded
 from ..privacy.accounting import BudgetGuard, calibrated, planned_charges, spent_epsilon
-from ..privacy.noise import add_noise
+from ..privacy.noise import SumNoise, add_noise
 from ..privacy.streams import run_seed
 from ..runtime.create import create_runtime
 from ..runtime.microbatch import (
@@ -322,6 +322,7 @@ class PipelineDPTrainer:
         # loss sum, units left out (non-finite norm), clipped, stages whose self-check was inconclusive
         totals = torch.zeros(4, dtype=torch.float64)
         try:
+            self._set_noise()
             for batch in self._passes(inputs, targets):
                 totals = totals + self.runtime.run_pass(batch)
             self._apply_update()
@@ -385,16 +386,36 @@ class PipelineDPTrainer:
             return None
         return None if rate is None else (self.privacy.noise_multiplier, rate)
 
+    @property
+    def _std(self) -> float:
+        return self.privacy.noise_multiplier * self.clip.sensitivity if self.privacy.enabled else 0.0
+
+    def _set_noise(self) -> None:
+        """Each stage draws this step's noise into its clipped sums before they get their first micro-batch
+        (noise.SumNoise: where a pipeline stage waits anyway), where it can (Stage.noises_sums_first)."""
+        owners = self.state.owners or [None] * len(self.runtime.local_stages)
+        for stage, owner in zip(self.runtime.local_stages, owners):
+            if not stage.noises_sums_first:
+                continue
+            keep, names = stage.noised_here(self.runtime.replica, owner), stage.parameter_names()
+            stage.noise = SumNoise(
+                [stage.parameters[k] for k in keep],
+                [names[k] for k in keep],
+                self._std,
+                self.state.seed,
+                self.state.step,
+                self.privacy.secure_mode,
+            )
+
     def _apply_update(self) -> None:
-        std = self.privacy.noise_multiplier * self.clip.sensitivity if self.privacy.enabled else 0.0
-        stages, replica = self.runtime.local_stages, self.runtime.replica
+        stages, replica, std = self.runtime.local_stages, self.runtime.replica, self._std
         owners = self.state.owners or [None] * len(stages)
         for stage, opt, owner in zip(stages, self.state.optimizers, owners):  # every update set and checked first
+            stage.draw_noise()  # (where no pass did: a stage with no action that draws it)
             grads = stage.take_clipped_sum()
             self.runtime.refuse_unequal_whole(stage, grads)  # tensor parallel: a whole tensor is every rank's alike
-            # noise once, before the sum over replicas: on replica 0, or on each parameter's owner (sharded)
-            mine = [replica == (0 if owner is None else owner[k]) for k in range(len(grads))]
-            self._noised(stage, grads, std, mine)
+            if not stage.noises_sums_first:
+                self._noised(stage, grads, std, stage.noised_here(replica, owner))
             grads = self.runtime.combine_tied(stage, grads)  # a tied embedding / head: both parts, noised once
             grads = self.runtime.sum_over_replicas(grads, owner)
             grads = self.runtime.broadcast_whole(stage, grads)  # tensor parallel: every rank steps rank 0's
@@ -420,12 +441,10 @@ class PipelineDPTrainer:
                 self.runtime.share_owned(stage.parameters, owner)
             _check_finite(stage, list(stage.parameters), self.state.step + 1, "value after the optimizer step")
 
-    def _noised(self, stage: Any, grads: List[torch.Tensor], std: float, mine: List[bool]) -> None:
-        """Add the stage's noise to the clipped sums this rank noises (``mine``) in place, except where another
-        stage adds it (a tied head's copy); each parameter's noise is drawn from its own (step, name) stream, so
-        who draws it does not change it."""
+    def _noised(self, stage: Any, grads: List[torch.Tensor], std: float, keep: List[int]) -> None:
+        """Add the stage's noise to the clipped sums this rank noises (``keep``: _noised_here) in place; each
+        parameter's noise is drawn from its own (step, name) stream, so who draws it does not change it."""
         names = stage.parameter_names()
-        keep = [k for k in range(len(grads)) if mine[k] and k not in stage.noised_elsewhere]
         slices = stage.tensor_parallel.shards  # a split parameter: its slice of the whole one's noise
         add_noise(
             [grads[k] for k in keep],
@@ -500,6 +519,7 @@ class PipelineDPTrainer:
         self.runtime.check_same_batch(inputs, targets)
         total = torch.zeros(4, dtype=torch.float64)
         try:
+            self._set_noise()
             for batch in self._passes(inputs, targets):
                 total = total + self.runtime.run_eval(batch)
         except BaseException as exc:

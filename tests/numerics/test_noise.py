@@ -9,6 +9,7 @@ import torch.nn as nn
 from steps import class_loss
 
 from pipedp import PipelineDPTrainer
+from schedules import Kind
 
 SIGMA, CLIP, EBS = 1.3, 0.7, 8
 
@@ -88,3 +89,66 @@ def test_per_layer_clipping_noise_std_is_sigma_times_total_sensitivity():
     noise = [c - n for c, n in zip(params_after(0.0, **kw), params_after(SIGMA, **kw))]
     flat = torch.cat([z.flatten() for z in noise])
     assert flat.std().item() == pytest.approx(SIGMA * 1.3 / EBS, rel=0.05)
+
+
+def test_each_stage_starts_its_sums_as_the_noise_before_it_first_waits():
+    """The noise is drawn into each stage's sums before the stage's first receive (where a pipeline stage waits for
+    its neighbour) or, receiving nothing or self-checking the pass, its first W: at that W every sum is exactly
+    Opacus's draw from the parameter's stream, and the update is the noiseless one plus that noise once (float64: up
+    to rounding)."""
+    from opacus.optimizers.optimizer import _generate_noise
+
+    from pipedp.privacy.streams import Stream, name_key, stream_seed
+
+    def drawn(name, like, step):  # the oracle: Opacus's draw from the parameter's own stream (seed 9)
+        generator = torch.Generator().manual_seed(stream_seed(Stream.NOISE, 9, step, name_key(name)))
+        return _generate_noise(std=SIGMA * CLIP, reference=torch.zeros_like(like), generator=generator)
+
+    clean = params_after(0.0, seed=9)
+    m = model()
+    t = PipelineDPTrainer(
+        m,
+        class_loss,
+        lambda p: torch.optim.SGD(p, lr=1.0),
+        stages=3,
+        microbatches=2,
+        noise_multiplier=SIGMA,
+        max_grad_norm=CLIP,
+        expected_batch_size=EBS,
+        seed=9,
+    )
+    events, checked = [], []
+    for e in t.runtime.executors:
+        stage = e.stage
+        for kind, handler in list(e.handlers.items()):
+            e.handlers[kind] = lambda mb, s=stage.index, k=kind, h=handler: (events.append((s, k)), h(mb))[1]
+
+        def weight(mb, factors, stage=stage, inner=stage.weight):
+            if (stage.index, t.steps_taken) not in checked:  # its first W: the sums are the noise alone
+                for p, name in zip(stage.parameters, stage.parameter_names()):
+                    assert torch.equal(stage.clipped_sum[p], drawn(name, p, t.steps_taken)), name
+                checked.append((stage.index, t.steps_taken))
+            inner(mb, factors)
+
+        def draw(stage=stage, inner=stage.draw_noise):
+            if stage.noise is not None:
+                events.append((stage.index, "noise"))
+            inner()
+
+        stage.weight, stage.draw_noise = weight, draw
+    g = torch.Generator().manual_seed(5)
+    x, y = torch.randn(6, 40, generator=g, dtype=torch.float64), torch.randint(0, 40, (6,), generator=g)
+    for step in range(2):  # the first step self-checks its pass: its stages draw before their first W
+        events.clear()
+        t.step(x, y)
+        for s in range(3):  # right before the stage's first receive or W (or first W), once
+            mine = [k for i, k in events if i == s]
+            waits = (Kind.W,) if step == 0 else (Kind.RECV_F, Kind.RECV_B, Kind.W)
+            first = next(i for i, k in enumerate(mine) if k in waits)
+            assert mine.index("noise") == first - 1 and mine.count("noise") == 1, (step, mine)
+        if step == 0:
+            names = [n for e in t.runtime.executors for n in e.stage.parameter_names()]
+            for name, c, p in zip(names, clean, m.parameters()):  # lr 1: moved by the noise / EBS once more
+                assert torch.allclose((c - p.detach()) * EBS, drawn(name, p, 0), rtol=0, atol=1e-12), name
+    assert sorted(checked) == [(s, step) for s in range(3) for step in range(2)]
+    assert [k for i, k in events if i == 0][:5] == [Kind.F, Kind.SEND_F, Kind.F, Kind.SEND_F, "noise"]  # waits later

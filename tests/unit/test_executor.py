@@ -58,6 +58,9 @@ class FakeStage:
     def weight(self, mb, factors):
         self.calls.append(("W", mb, factors.tolist()))
 
+    def draw_noise(self):  # (when the real stage draws, once: tests/numerics/test_noise.py)
+        pass
+
 
 class FakeTransport:
     def __init__(self, inbox):

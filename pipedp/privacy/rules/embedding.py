@@ -60,7 +60,7 @@ def _scatter(layer: nn.Module, inputs: Sequence[torch.Tensor], scaled: torch.Ten
     total = sums.get(layer.weight)
     if total is None:
         total = sums[layer.weight] = torch.zeros_like(layer.weight, dtype=g.dtype)
-    total.index_add_(0, inputs[0].reshape(-1), g)
+    total.index_add_(0, inputs[0].reshape(-1), g.to(total.dtype))  # (a sum started as the noise: sum_dtype)
 
 
 def norms(layer: nn.Module, inputs: Sequence[torch.Tensor], backprops: torch.Tensor, grams=None) -> Optional[Grads]:

@@ -73,8 +73,9 @@ def _accumulate(
     if layer.weight.requires_grad:
         a, g = a3.reshape(-1, a3.shape[-1]), g3.reshape(-1, g3.shape[-1])
         left, right = (a.t(), g) if _is_conv1d(layer) else (g.t(), a)
-        if layer.weight in sums:
-            sums[layer.weight].addmm_(left, right)
+        if layer.weight in sums:  # (a sum started as the noise has the parameter's sum_dtype: float32 products
+            total = sums[layer.weight]  # of a float64 layer then accumulate in float64)
+            total.addmm_(left.to(total.dtype), right.to(total.dtype))
         else:
             sums[layer.weight] = left @ right
     if layer.bias is not None and layer.bias.requires_grad:
