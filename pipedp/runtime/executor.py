@@ -102,6 +102,7 @@ class Executor:
         self.state: Optional[PassState] = None  # None between passes
         self._values: Optional[Dict[str, tuple]] = None  # the state's digests at the start of a watched pass
         self._watched = False  # a pass's parameters were watched (the run's first are)
+        self.unstarted = False  # the current action has not started (its noise draw came first and may have raised)
         self._with_parameters = False  # this pass's parameters are
 
     def start_pass(self, batch: PassBatch, actions: Optional[List[Action]] = None) -> None:
@@ -109,7 +110,7 @@ class Executor:
         zero = torch.zeros((), dtype=torch.float64, device=self.stage.device)
         evaluating = actions is not None
         self.pass_actions = actions if actions is not None else self.actions  # first: drain() runs them
-        self.position = 0
+        self.position, self.unstarted = 0, False
         self.state = PassState(batch, zero, zero.clone(), zero.clone(), evaluating=evaluating)
         batch = batch.to(self.stage.device)  # in one process, stages may sit on several devices
         probe = None if evaluating else self.stage.check.probe_for(batch.inputs[0], batch.masks[0])
@@ -172,14 +173,17 @@ class Executor:
         return True
 
     def _act(self, action: Action) -> None:
-        if action.kind is Kind.W or (action.kind in RECEIVES and self._pass.probe is None):  # (RECEIVES: why)
+        state = self._pass
+        if action.kind is Kind.W or (action.kind in RECEIVES and state.probe is None and not state.evaluating):
+            self.unstarted = True  # (RECEIVES: why) a draw that fails (out of memory) fails before the action
             self.stage.draw_noise()
+        self.unstarted = False
         self.handlers[action.kind](action.microbatch)
 
     @property
     def failed_communicating(self) -> bool:
         """Whether the action that raised sends or receives (part of its message may be out: not drainable)."""
-        return not self.done and self.pass_actions[self.position].kind in COMMUNICATION_KINDS
+        return not self.done and not self.unstarted and self.pass_actions[self.position].kind in COMMUNICATION_KINDS
 
     def drain(self, received_abort: bool = False) -> None:
         """This pass failed (here, or on a peer: ``received_abort``, the current receive got its abort
@@ -193,8 +197,10 @@ class Executor:
         if received_abort:
             action = self.pass_actions[position]
             self._drain_action(action.kind, action.microbatch, received_abort=True)
-        for action in self.pass_actions[position + 1 :]:
+        # the failed action itself is skipped, unless it failed before it started (the noise's draw: Executor._act)
+        for action in self.pass_actions[position if self.unstarted else position + 1 :]:
             self._drain_action(action.kind, action.microbatch)
+        self.unstarted = False
         self.position = len(self.pass_actions)
         self.transport.finish_pass()
         state.reductions.clear()

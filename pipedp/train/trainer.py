@@ -519,7 +519,6 @@ class PipelineDPTrainer:
         self.runtime.check_same_batch(inputs, targets)
         total = torch.zeros(4, dtype=torch.float64)
         try:
-            self._set_noise()
             for batch in self._passes(inputs, targets):
                 total = total + self.runtime.run_eval(batch)
         except BaseException as exc:

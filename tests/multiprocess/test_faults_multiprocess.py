@@ -167,18 +167,39 @@ def test_a_failed_step_ends_with_one_named_error_on_every_rank_fast_and_the_run_
     """The failing stage drains the pass (abort headers in place of its messages), so its peer stops waiting
     at once; every rank raises the same StepFailedError naming the rank and its error, and the next step
     equals a run that never failed. Planted: a token id (stage 0) or a label (stage 1) past the vocabulary."""
-    import torch
     from workers import failed_step
 
     results = launch(failed_step, 2, (schedule, bad_stage), timeout_s=300)
     errors = [r[0] for r in results]
     assert errors[0] is not None and errors == [errors[0]] * 2, errors  # one error, the same on every rank
     assert errors[0].startswith(f"StepFailedError: rank {bad_stage} (stage {bad_stage}) failed in a step: Index")
+    _dropped_and_recovered(results)
+
+
+def _dropped_and_recovered(results):
+    import torch
+
+    errors = [r[0] for r in results]
     assert "every rank dropped the step" in errors[0]
     assert all(r[1] < 15 for r in results), [r[1] for r in results]  # the timeout is 30 s
     recovered, straight = results[0][2], results[0][3]
     assert recovered.keys() == straight.keys()
     assert all(torch.equal(recovered[k], straight[k]) for k in straight)
+
+
+@pytest.mark.parametrize("bad_stage", [0, 1])
+def test_a_noise_draw_that_fails_before_a_receive_drops_the_step_not_the_run(bad_stage):
+    """A stage draws the step's noise just before its first receive (stage 1: the first activation; stage 0:
+    the first gradient); a draw that runs out of memory has not started the receive, so the stage drains the
+    pass from that receive on and the run recovers, as for a failed computation. Planted: the draw raises once."""
+    from workers import failed_step
+
+    results = launch(failed_step, 2, ("1f1b", bad_stage, "noise"), timeout_s=300)
+    errors = [r[0] for r in results]
+    assert errors[0] is not None and errors == [errors[0]] * 2, errors
+    assert errors[0].startswith(f"StepFailedError: rank {bad_stage} (stage {bad_stage}) failed in a step: Runtime")
+    assert "planted: out of memory while drawing the noise" in errors[0]
+    _dropped_and_recovered(results)
 
 
 def test_a_rank_whose_update_fails_tells_the_others_and_every_later_call_is_refused(tmp_path, monkeypatch):

@@ -67,16 +67,28 @@ def failing(rank, fail_rank, at_call):
     return "finished"
 
 
-def failed_step(rank, schedule, bad_stage):
-    """A bad batch at the second step (stage 0: a token id past the vocabulary; stage 1: a label past it),
-    then a good one; and the same good steps never failed. Returns (each call's error or None, seconds the
-    failed step took, the failed run's and the straight run's state on rank 0)."""
+def failed_step(rank, schedule, bad_stage, how="batch"):
+    """A bad batch at the second step (stage 0: a token id past the vocabulary; stage 1: a label past it), or
+    (``how="noise"``) the bad stage's noise draw raising as out of memory, before its first receive; then a good
+    step; and the same good steps never failed. Returns (each call's error or None, seconds the failed step
+    took, the failed run's and the straight run's state on rank 0)."""
     good = [make_batch(8, seed=1), make_batch(8, seed=2)]
     x, y = make_batch(8, seed=3)
-    (x if bad_stage == 0 else y)[2, 3] = CFG.vocab_size + 7
+    if how == "batch":
+        (x if bad_stage == 0 else y)[2, 3] = CFG.vocab_size + 7
     kw = dict(stages=2, microbatches=2, schedule=schedule, noise_multiplier=1.0, timeout=30)
     trainer = make_trainer(make_model(), **kw)
     trainer.step(*good[0])
+    stage = trainer.runtime.local_stages[0]
+    if how == "noise" and rank == bad_stage:  # once: the next step's draw is the real one
+        draw = stage.draw_noise
+
+        def out_of_memory():
+            if stage.noise is not None:
+                stage.draw_noise = draw
+                raise RuntimeError("planted: out of memory while drawing the noise")
+
+        stage.draw_noise = out_of_memory
     start = time.monotonic()
     try:
         trainer.step(x, y)

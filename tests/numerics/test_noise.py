@@ -139,6 +139,7 @@ def test_each_stage_starts_its_sums_as_the_noise_before_it_first_waits():
     g = torch.Generator().manual_seed(5)
     x, y = torch.randn(6, 40, generator=g, dtype=torch.float64), torch.randint(0, 40, (6,), generator=g)
     for step in range(2):  # the first step self-checks its pass: its stages draw before their first W
+        t.evaluate(x, y)  # (draws nothing: the next step's sums start as its noise alone)
         events.clear()
         t.step(x, y)
         for s in range(3):  # right before the stage's first receive or W (or first W), once
