@@ -190,8 +190,9 @@ class Executor:
         header): run the rest of the pass's communication, with no computation, so every stage ends the
         pass in step and no message is left in flight. Each send is an abort header (PeerAborted at the
         receiver), each receive takes what the peer sends (a message, or its abort header), and each norm
-        reduction is joined (NaN where this stage has no norms). The failed action itself is skipped; after
-        ``received_abort`` only the rest of its receive's action is."""
+        reduction is joined (NaN where this stage has no norms). The failed action itself is skipped, unless it had
+        not started (``unstarted``: the noise drawn before it raised); after ``received_abort`` only the rest of its
+        receive's action is run."""
         state = self._pass
         position = self.position
         if received_abort:
