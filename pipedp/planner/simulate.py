@@ -19,7 +19,6 @@ import schedules
 from schedules import Action, Kind
 
 from ..errors import PipeDPError
-from ..privacy.noise import SumNoise
 from ..runtime.executor import Executor, run_in_process
 from ..runtime.inprocess_transport import InProcessHub
 from ..runtime.microbatch import PassBatch, tensors_of
@@ -163,9 +162,7 @@ def simulate(
                 executor.observe(counted)
                 executors.append(executor)
             for stage in built:  # the sums exist from where the trainer's noise makes them (its draws cost no bytes)
-                if stage.noises_sums_first:
-                    kept = [stage.parameters[k] for k in stage.noised_here()]
-                    stage.noise = SumNoise(kept, [""] * len(kept), 0.0, 0, 0)
+                stage.set_noise(0.0, 0, 0)
             for e in executors:
                 e.start_pass(batch)
                 if probe:

@@ -569,6 +569,23 @@ class Stage:
             if replica == (0 if owner is None else owner[k]) and k not in self.noised_elsewhere
         ]
 
+    def set_noise(
+        self,
+        std: float,
+        seed: int,
+        step: int,
+        secure_mode: bool = False,
+        replica: int = 0,
+        owner: Optional[List[int]] = None,
+    ) -> None:
+        """This step's noise for the sums this rank noises (noised_here), drawn by draw_noise; nothing where the sums
+        get it after the pass (noises_sums_first)."""
+        if not self.noises_sums_first:
+            return
+        keep, names = self.noised_here(replica, owner), self.parameter_names()
+        parameters = [self.parameters[k] for k in keep]
+        self.noise = SumNoise(parameters, [names[k] for k in keep], std, seed, step, secure_mode)
+
     def draw_noise(self) -> None:
         """Start the clipped sums of this step's noised parameters as their noise (once; nothing when none is set),
         in the dtype W accumulates them in (float32 for bf16 / fp16 parameters)."""

@@ -28,7 +28,7 @@ from .. import shards
 from ..config import SAMPLINGS, FitConfig, PipelineConfig, PrivacyConfig, describe, split_options
 from ..errors import ConfigError, NonFiniteError, PrivacyBudgetExceeded
 from ..privacy.accounting import BudgetGuard, calibrated, planned_charges, spent_epsilon
-from ..privacy.noise import SumNoise, add_noise
+from ..privacy.noise import add_noise
 from ..privacy.streams import run_seed
 from ..runtime.create import create_runtime
 from ..runtime.microbatch import (
@@ -395,16 +395,8 @@ class PipelineDPTrainer:
         (noise.SumNoise: where a pipeline stage waits anyway), where it can (Stage.noises_sums_first)."""
         owners = self.state.owners or [None] * len(self.runtime.local_stages)
         for stage, owner in zip(self.runtime.local_stages, owners):
-            if not stage.noises_sums_first:
-                continue
-            keep, names = stage.noised_here(self.runtime.replica, owner), stage.parameter_names()
-            stage.noise = SumNoise(
-                [stage.parameters[k] for k in keep],
-                [names[k] for k in keep],
-                self._std,
-                self.state.seed,
-                self.state.step,
-                self.privacy.secure_mode,
+            stage.set_noise(
+                self._std, self.state.seed, self.state.step, self.privacy.secure_mode, self.runtime.replica, owner
             )
 
     def _apply_update(self) -> None:
