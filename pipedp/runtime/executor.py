@@ -102,15 +102,17 @@ class Executor:
         self.state: Optional[PassState] = None  # None between passes
         self._values: Optional[Dict[str, tuple]] = None  # the state's digests at the start of a watched pass
         self._watched = False  # a pass's parameters were watched (the run's first are)
-        self.unstarted = False  # the current action has not started (its noise draw came first and may have raised)
+        self.unstarted = False  # the current action has not started (the pass's start or the noise's draw raised)
         self._with_parameters = False  # this pass's parameters are
 
     def start_pass(self, batch: PassBatch, actions: Optional[List[Action]] = None) -> None:
         """``actions``: another action list for this pass only (evaluation's forward-only one)."""
-        zero = torch.zeros((), dtype=torch.float64, device=self.stage.device)
         evaluating = actions is not None
         self.pass_actions = actions if actions is not None else self.actions  # first: drain() runs them
-        self.position, self.unstarted = 0, False
+        # the first action has not started until the pass has: a failure before it (out of memory moving the batch,
+        # probing, watching) drains the pass from action 0, whose receive still takes the peer's message
+        self.position, self.unstarted = 0, True
+        zero = torch.zeros((), dtype=torch.float64, device=self.stage.device)
         self.state = PassState(batch, zero, zero.clone(), zero.clone(), evaluating=evaluating)
         batch = batch.to(self.stage.device)  # in one process, stages may sit on several devices
         probe = None if evaluating else self.stage.check.probe_for(batch.inputs[0], batch.masks[0])
@@ -120,6 +122,7 @@ class Executor:
         self._with_parameters = not evaluating and (probe is not None or not self._watched)
         self._values = None if evaluating else self.stage.watch_values(self._with_parameters)
         self._watched = self._watched or self._with_parameters
+        self.unstarted = False
 
     def end_pass(self) -> None:
         """Every stage finished the pass: refuse it if it changed the model's state (a watched pass)."""
@@ -191,14 +194,14 @@ class Executor:
         pass in step and no message is left in flight. Each send is an abort header (PeerAborted at the
         receiver), each receive takes what the peer sends (a message, or its abort header), and each norm
         reduction is joined (NaN where this stage has no norms). The failed action itself is skipped, unless it had
-        not started (``unstarted``: the noise drawn before it raised); after ``received_abort`` only the rest of its
+        not started (``unstarted``: the pass's start or the noise's draw raised before it); after ``received_abort`` only the rest of its
         receive's action is run."""
         state = self._pass
         position = self.position
         if received_abort:
             action = self.pass_actions[position]
             self._drain_action(action.kind, action.microbatch, received_abort=True)
-        # the failed action itself is skipped, unless it failed before it started (the noise's draw: Executor._act)
+        # the failed action itself is skipped, unless it failed before it started (start_pass, Executor._act)
         for action in self.pass_actions[position if self.unstarted else position + 1 :]:
             self._drain_action(action.kind, action.microbatch)
         self.unstarted = False

@@ -187,18 +187,22 @@ def _dropped_and_recovered(results):
     assert all(torch.equal(recovered[k], straight[k]) for k in straight)
 
 
-@pytest.mark.parametrize("bad_stage", [0, 1])
-def test_a_noise_draw_that_fails_before_a_receive_drops_the_step_not_the_run(bad_stage):
+@pytest.mark.parametrize(
+    "bad_stage,how,what",
+    [(0, "noise", "drawing the noise"), (1, "noise", "drawing the noise"), (1, "start", "starting the pass")],
+)
+def test_a_failure_before_a_receive_starts_drops_the_step_not_the_run(bad_stage, how, what):
     """A stage draws the step's noise just before its first receive (stage 1: the first activation; stage 0:
-    the first gradient); a draw that runs out of memory has not started the receive, so the stage drains the
-    pass from that receive on and the run recovers, as for a failed computation. Planted: the draw raises once."""
+    the first gradient), and stage 1's pass starts (the batch moved, probed, the state watched) before its first
+    action, a receive. A draw or a start that runs out of memory has not started the receive, so the stage drains
+    the pass from that receive on and the run recovers, as for a failed computation. Planted: it raises once."""
     from workers import failed_step
 
-    results = launch(failed_step, 2, ("1f1b", bad_stage, "noise"), timeout_s=300)
+    results = launch(failed_step, 2, ("1f1b", bad_stage, how), timeout_s=300)
     errors = [r[0] for r in results]
     assert errors[0] is not None and errors == [errors[0]] * 2, errors
     assert errors[0].startswith(f"StepFailedError: rank {bad_stage} (stage {bad_stage}) failed in a step: Runtime")
-    assert "planted: out of memory while drawing the noise" in errors[0]
+    assert f"planted: out of memory while {what}" in errors[0]
     _dropped_and_recovered(results)
 
 

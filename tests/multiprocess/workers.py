@@ -69,8 +69,9 @@ def failing(rank, fail_rank, at_call):
 
 def failed_step(rank, schedule, bad_stage, how="batch"):
     """A bad batch at the second step (stage 0: a token id past the vocabulary; stage 1: a label past it), or
-    (``how="noise"``) the bad stage's noise draw raising as out of memory, before its first receive; then a good
-    step; and the same good steps never failed. Returns (each call's error or None, seconds the failed step
+    (``how="noise"``) the bad stage's noise draw raising as out of memory, before its first receive, or
+    (``how="start"``) its pass's start raising so, before its first action; then a good step; and the same good
+    steps never failed. Returns (each call's error or None, seconds the failed step
     took, the failed run's and the straight run's state on rank 0)."""
     good = [make_batch(8, seed=1), make_batch(8, seed=2)]
     x, y = make_batch(8, seed=3)
@@ -89,6 +90,14 @@ def failed_step(rank, schedule, bad_stage, how="batch"):
                 raise RuntimeError("planted: out of memory while drawing the noise")
 
         stage.draw_noise = out_of_memory
+    if how == "start" and rank == bad_stage:  # the last thing Executor.start_pass does, once
+        watch = stage.watch_values
+
+        def out_of_memory_starting(with_parameters):
+            stage.watch_values = watch
+            raise RuntimeError("planted: out of memory while starting the pass")
+
+        stage.watch_values = out_of_memory_starting
     start = time.monotonic()
     try:
         trainer.step(x, y)
