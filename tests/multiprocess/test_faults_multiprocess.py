@@ -188,17 +188,19 @@ def _dropped_and_recovered(results):
 
 
 @pytest.mark.parametrize(
-    "bad_stage,how,what",
-    [(0, "noise", "drawing the noise"), (1, "noise", "drawing the noise"), (1, "start", "starting the pass")],
+    "bad_stage,how,first",
+    [(0, "noise", False), (1, "noise", False), (1, "start", False), (1, "noise", True)],
 )
-def test_a_failure_before_a_receive_starts_drops_the_step_not_the_run(bad_stage, how, what):
+def test_a_failure_before_an_action_starts_drops_the_step_not_the_run(bad_stage, how, first):
     """A stage draws the step's noise just before its first receive (stage 1: the first activation; stage 0:
-    the first gradient), and stage 1's pass starts (the batch moved, probed, the state watched) before its first
-    action, a receive. A draw or a start that runs out of memory has not started the receive, so the stage drains
-    the pass from that receive on and the run recovers, as for a failed computation. Planted: it raises once."""
+    the first gradient; in the run's first, self-checked, step: before its first W), and stage 1's pass starts
+    (the batch moved, probed, the state watched) before its first action, a receive. A draw or a start that runs
+    out of memory has not started that action, so the stage drains the pass from it on and the run recovers, as
+    for a failed computation. Planted: it raises once."""
     from workers import failed_step
 
-    results = launch(failed_step, 2, ("1f1b", bad_stage, how), timeout_s=300)
+    what = {"noise": "drawing the noise", "start": "starting the pass"}[how]
+    results = launch(failed_step, 2, ("1f1b", bad_stage, how, first), timeout_s=300)
     errors = [r[0] for r in results]
     assert errors[0] is not None and errors == [errors[0]] * 2, errors
     assert errors[0].startswith(f"StepFailedError: rank {bad_stage} (stage {bad_stage}) failed in a step: Runtime")

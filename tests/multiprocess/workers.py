@@ -67,19 +67,20 @@ def failing(rank, fail_rank, at_call):
     return "finished"
 
 
-def failed_step(rank, schedule, bad_stage, how="batch"):
+def failed_step(rank, schedule, bad_stage, how="batch", first=False):
     """A bad batch at the second step (stage 0: a token id past the vocabulary; stage 1: a label past it), or
-    (``how="noise"``) the bad stage's noise draw raising as out of memory, before its first receive, or
-    (``how="start"``) its pass's start raising so, before its first action; then a good step; and the same good
-    steps never failed. Returns (each call's error or None, seconds the failed step
-    took, the failed run's and the straight run's state on rank 0)."""
+    (``how="noise"``) the bad stage's noise draw raising as out of memory, before its first receive (before its
+    first W in the run's first, self-checked, step: ``first``), or (``how="start"``) its pass's start raising so,
+    before its first action; then the good steps; and the same good steps never failed. Returns (each call's
+    error or None, seconds the failed step took, the failed run's and the straight run's state on rank 0)."""
     good = [make_batch(8, seed=1), make_batch(8, seed=2)]
     x, y = make_batch(8, seed=3)
     if how == "batch":
         (x if bad_stage == 0 else y)[2, 3] = CFG.vocab_size + 7
     kw = dict(stages=2, microbatches=2, schedule=schedule, noise_multiplier=1.0, timeout=30)
     trainer = make_trainer(make_model(), **kw)
-    trainer.step(*good[0])
+    if not first:
+        trainer.step(*good[0])
     stage = trainer.runtime.local_stages[0]
     if how == "noise" and rank == bad_stage:  # once: the next step's draw is the real one
         draw = stage.draw_noise
@@ -105,7 +106,8 @@ def failed_step(rank, schedule, bad_stage, how="batch"):
     except Exception as exc:
         error = f"{type(exc).__name__}: {exc}"
     took = time.monotonic() - start
-    trainer.step(*good[1])
+    for batch in good if first else good[1:]:
+        trainer.step(*batch)
     straight = make_trainer(make_model(), **kw)
     for batch in good:
         straight.step(*batch)
