@@ -32,6 +32,9 @@ Without CUDA (and without --device) it prints that it skipped and exits 0. With 
    interleaved in rounds as in bench.questions): non-private training of the whole model (on one GPU
    torch's 1F1B of one stage is that), Opacus ghost clipping, pipedp on one stage (ghost, keep), and the
    self-check's first-step cost.
+8. What torch.compile gives non-private training of the realistic preset on the GPU (bench.compile_ceiling:
+   eager / compiled step time, and the first compile's seconds): the most a compile option in pipedp could win
+   there (on the CPU it is ~1.0x: docs/schedules.md). Not with --quick or on the CPU.
 
 Prints one table (check | device | dtype | result | measured | bound | seconds); exits 1 if any row fails.
 With --device cpu the process sections run over gloo (their code path) and the memory row is for
@@ -662,6 +665,27 @@ def _self_check_cost(preset, device, sync, rounds: int) -> None:
     )
 
 
+def compile_ceiling(device: str, quick: bool, deadline: float) -> None:
+    label = "torch.compile: plain realistic, eager / compiled (time)"
+    if quick or not device.startswith("cuda"):
+        row(label, device, "float32", "skip", "on a GPU only, not with --quick (the CPU's: bench/RESULTS.md)")
+        return
+    if time.monotonic() > deadline:
+        row(label, device, "float32", "skip", "time budget spent")
+        return
+    from . import compile_ceiling as ceiling
+
+    start = time.monotonic()
+    try:
+        got = ceiling.measure("realistic", rounds=5, device=device)
+        r = got["ratios"]
+        measured = f"{statistics.median(r):.2f}x ({min(r):.2f}-{max(r):.2f}); compiling {got['compile_s']:.0f} s"
+        row(label, device, "float32", "info", measured, "", time.monotonic() - start)
+    except Exception as exc:  # noqa: BLE001
+        row(label, device, "float32", "FAIL", f"{type(exc).__name__}: {str(exc)[:120]}", "", time.monotonic() - start)
+        traceback.print_exc()
+
+
 def table() -> str:
     lines = ["| check | device | dtype | result | measured | bound | s |", "|---|---|---|---|---|---|---|"]
     for r in ROWS:
@@ -714,6 +738,8 @@ def main(argv=None) -> int:
     memory_vs_planner(device, args.quick, deadline)
     print("7. harness", flush=True)
     harness(device, args.quick, deadline)
+    print("8. torch.compile's ceiling", flush=True)
+    compile_ceiling(device, args.quick, deadline)
     print(f"\n{table()}\n\n({time.monotonic() - start:.0f} s)")
     failed = [r for r in ROWS if r["result"] == "FAIL"]
     return 1 if failed else 0

@@ -1,0 +1,83 @@
+"""What ``torch.compile`` gives non-private micro-batched training of a preset on this machine: the most a compile
+opt-in in pipedp could gain here, since pipedp's own additions (the per-sample norms' Gram products, the clipped
+sums' matrix products) are already single aten products that compiling cannot speed up.
+
+    python -m bench.compile_ceiling small 7          # preset, rounds (about 1 minute on 2 cores)
+    python -m bench.compile_ceiling realistic 7      # about 3 minutes
+
+One process, one thread (on the CPU; ``bench.gpu_check`` runs it on a GPU); the same model, batch and SGD step eager and under ``torch.compile(model)`` (inductor's
+defaults), alternating, after the compiled side's first step (printed: the compile time) and one warm-up each.
+Prints the median step times and the eager / compiled ratio of each round (above 1: compiling is faster).
+"""
+
+from __future__ import annotations
+
+import statistics
+import sys
+import time
+from typing import Callable, Dict, List, Union
+
+import torch
+
+from .presets import PRESETS, Preset
+
+
+def _step(preset: Preset, compiled: bool, device: str) -> Callable[[], None]:
+    x, y = (t.to(device) for t in preset.make_batch(preset.batch, 0))
+    m = preset.microbatches
+    torch.manual_seed(0)
+    model = preset.build().to(device)
+    forward = torch.compile(model) if compiled else model
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+
+    def step() -> None:
+        opt.zero_grad(set_to_none=True)
+        for xs, ys in zip(x.chunk(m), y.chunk(m)):
+            (preset.mean_loss(forward(xs), ys) / m).backward()
+        opt.step()
+
+    return step
+
+
+def measure(preset: Union[str, Preset] = "small", rounds: int = 7, device: str = "cpu") -> Dict:
+    """{preset, compile_s, times: {eager, compiled: [s]}, ratios: [eager / compiled]} (on a GPU, timed between
+    synchronisations: bench.gpu_check's compile row)."""
+    preset = PRESETS[preset] if isinstance(preset, str) else preset
+    if device == "cpu":
+        torch.set_num_threads(1)
+
+    def timed(step: Callable[[], None]) -> float:
+        if device.startswith("cuda"):
+            torch.cuda.synchronize(device)
+        start = time.perf_counter()
+        step()
+        if device.startswith("cuda"):
+            torch.cuda.synchronize(device)
+        return time.perf_counter() - start
+
+    steps = {"eager": _step(preset, False, device), "compiled": _step(preset, True, device)}
+    compile_s = timed(steps["compiled"])
+    timed(steps["eager"])
+    timed(steps["compiled"])
+    times: Dict[str, List[float]] = {name: [] for name in steps}
+    for _ in range(rounds):
+        for name, step in steps.items():
+            times[name].append(timed(step))
+    ratios = [e / c for e, c in zip(times["eager"], times["compiled"])]
+    return {"preset": preset.name, "compile_s": compile_s, "times": times, "ratios": ratios}
+
+
+def main(argv=None) -> Dict:
+    args = argv if argv is not None else sys.argv[1:]
+    result = measure(args[0] if args else "small", int(args[1]) if len(args) > 1 else 7)
+    median = {name: statistics.median(v) for name, v in result["times"].items()}
+    print(
+        f"{result['preset']}: first compiled step {result['compile_s']:.1f} s; eager {1000 * median['eager']:.0f} ms, "
+        f"compiled {1000 * median['compiled']:.0f} ms a step (median); eager / compiled "
+        f"{median['eager'] / median['compiled']:.2f}x, rounds " + " ".join(f"{r:.2f}" for r in result["ratios"])
+    )
+    return result
+
+
+if __name__ == "__main__":
+    main()
