@@ -108,12 +108,14 @@ class Executor:
     def start_pass(self, batch: PassBatch, actions: Optional[List[Action]] = None) -> None:
         """``actions``: another action list for this pass only (evaluation's forward-only one)."""
         evaluating = actions is not None
+        self.state = None  # until this pass's is made, a failure cannot be drained (failed_communicating)
         self.pass_actions = actions if actions is not None else self.actions  # first: drain() runs them
-        # the first action has not started until the pass has: a failure before it (out of memory moving the batch,
-        # probing, watching) drains the pass from action 0, whose receive still takes the peer's message
-        self.position, self.unstarted = 0, True
+        self.position, self.unstarted = 0, False
         zero = torch.zeros((), dtype=torch.float64, device=self.stage.device)
         self.state = PassState(batch, zero, zero.clone(), zero.clone(), evaluating=evaluating)
+        # the first action has not started until the pass has: a failure before it (out of memory moving the batch,
+        # probing, watching) drains the pass from action 0, whose receive still takes the peer's message
+        self.unstarted = True
         batch = batch.to(self.stage.device)  # in one process, stages may sit on several devices
         probe = None if evaluating else self.stage.check.probe_for(batch.inputs[0], batch.masks[0])
         self.state = PassState(batch, zero, zero.clone(), zero.clone(), evaluating=evaluating, probe=probe)
@@ -185,7 +187,10 @@ class Executor:
 
     @property
     def failed_communicating(self) -> bool:
-        """Whether the action that raised sends or receives (part of its message may be out: not drainable)."""
+        """Whether the action that raised sends or receives (part of its message may be out), or the pass failed
+        before its state was made: not drainable."""
+        if self.state is None:
+            return True
         return not self.done and not self.unstarted and self.pass_actions[self.position].kind in COMMUNICATION_KINDS
 
     def drain(self, received_abort: bool = False) -> None:

@@ -550,8 +550,7 @@ class Stage:
     def take_tied_part(self) -> torch.Tensor:
         """Partner in one process: its clipped part of the tied weight, for the owner to add."""
         assert self.tie is not None and self.tie.weight is not None
-        part = self.clipped_sum.pop(self.tie.weight, None)
-        return part if part is not None else torch.zeros_like(self.tie.weight)
+        return self._sum_of(self.tie.weight, self.clipped_sum.pop(self.tie.weight, None))
 
     @property
     def noises_sums_first(self) -> bool:
@@ -598,11 +597,18 @@ class Stage:
         noise.add_to([self.clipped_sum[p] for p in noise.parameters])
 
     def take_clipped_sum(self) -> List[torch.Tensor]:
-        """The clipped sums of this stage's parameters (zeros where no sample touched them)."""
-        out = [self.clipped_sum.get(p, None) for p in self.parameters]
-        out = [g if g is not None else torch.zeros_like(p) for g, p in zip(out, self.parameters)]
+        """The clipped sums of this stage's parameters (zeros where no sample touched them), each in sum_dtype."""
+        out = [self._sum_of(p, self.clipped_sum.get(p, None)) for p in self.parameters]
         self.clipped_sum = {}
         return out
+
+    @staticmethod
+    def _sum_of(p: nn.Parameter, total: Optional[torch.Tensor]) -> torch.Tensor:
+        """``total`` (None: no sample touched ``p``: zeros) in sum_dtype(p), whoever drew its noise: every rank then
+        hands the sum over replicas or a tie the same dtype for it (gloo aborts on float32 against bf16)."""
+        if total is None:
+            return torch.zeros(p.shape, dtype=sum_dtype(p), device=p.device)
+        return total.to(sum_dtype(p))
 
 
 def _tensors(module: nn.Module):

@@ -839,6 +839,15 @@ def uneven_replicas(rank, options, sizes):
     return trainer.state_dict()
 
 
+def bf16_replicas(rank, options, sizes):
+    """Noisy bf16-true steps on logical batches of ``sizes`` rows (0: a noise-only update, where no sample touches
+    any sum); the final state dict (rank 0)."""
+    trainer = make_trainer(make_model(), precision="bf16-true", noise_multiplier=1.0, **options)
+    for step, n in enumerate(sizes):
+        trainer.step(*make_batch(n, seed=step))
+    return trainer.state_dict()
+
+
 def host_staged(rank, worker, *args):
     """``worker(rank, *args)`` with this rank's wire staged through host memory as it is where a stage sits on a GPU
     under gloo (here the stage is on the CPU, so the copies are CPU to CPU), and every tensor pipedp hands
