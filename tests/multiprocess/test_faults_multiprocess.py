@@ -208,6 +208,24 @@ def test_a_failure_before_an_action_starts_drops_the_step_not_the_run(bad_stage,
     _dropped_and_recovered(results)
 
 
+@pytest.mark.parametrize("bad_rank", [0, 1])
+def test_a_pass_that_fails_before_its_state_exists_is_refused_by_name_not_drained(bad_rank):
+    """Nothing of such a pass can be drained (Executor.failed_communicating, whatever its first action): the failing
+    rank raises its own error, its peer a named one by the 10 s timeout, and both refuse every later step. Planted:
+    PassState raises once."""
+    from workers import failed_pass_state
+
+    results = launch(failed_pass_state, 2, (bad_rank,), timeout_s=300)
+    bad, peer = results[bad_rank], results[1 - bad_rank]
+    assert bad["step"] == "RuntimeError: planted: the pass's state could not be made", bad["step"]
+    report = f"rank {bad_rank} (stage {bad_rank}) failed in a step: RuntimeError: planted: the pass's state could not"
+    assert peer["step"].startswith(f"StepFailedError: {report}"), peer["step"]
+    for out in results:
+        assert out["next step"].startswith(f"StepFailedError: {report}"), out["next step"]
+        assert "refuses every later step" in out["next step"]
+    assert peer["seconds"] < 30, peer["seconds"]
+
+
 def test_a_rank_whose_update_fails_tells_the_others_and_every_later_call_is_refused(tmp_path, monkeypatch):
     from workers import failed_update
 

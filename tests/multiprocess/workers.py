@@ -143,6 +143,33 @@ def failed_update(rank):
     return out
 
 
+def failed_pass_state(rank, bad_rank):
+    """``bad_rank``'s pass fails before its state exists (planted: PassState raises once, at the second step): that pass
+    cannot be drained, so the run is refused on every rank, at once. Returns each call's error and the seconds."""
+    from pipedp.runtime import executor
+
+    trainer = make_trainer(make_model(), stages=2, microbatches=2, timeout=10)
+    trainer.step(*make_batch(8, seed=1))
+    if rank == bad_rank:
+        made = executor.PassState
+
+        def planted(*args, **kwargs):
+            executor.PassState = made
+            raise RuntimeError("planted: the pass's state could not be made")
+
+        executor.PassState = planted
+    out = {}
+    start = time.monotonic()
+    for what, batch in [("step", make_batch(8, seed=2)), ("next step", make_batch(8, seed=3))]:
+        try:
+            trainer.step(*batch)
+            out[what] = None
+        except Exception as exc:
+            out[what] = f"{type(exc).__name__}: {exc}"
+    out["seconds"] = time.monotonic() - start
+    return out
+
+
 def mismatched(rank):
     make_trainer(make_model(), stages=2, microbatches=4 if rank == 0 else 8)
     return "constructed"
