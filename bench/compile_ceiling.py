@@ -1,6 +1,6 @@
-"""What ``torch.compile`` gives non-private micro-batched training of a preset on this machine: the most a compile
-opt-in in pipedp could gain here, since pipedp's own additions (the per-sample norms' Gram products, the clipped
-sums' matrix products) are already single aten products that compiling cannot speed up.
+"""What ``torch.compile`` gives non-private micro-batched training of a preset on this machine: the model's part of
+a DP step, which pipedp runs as eager PyTorch. (pipedp's own part, the Gram and clipped-sum products and the
+element-wise work around them, is not measured here.)
 
     python -m bench.compile_ceiling small 7          # preset, rounds (about 1 minute on 2 cores)
     python -m bench.compile_ceiling realistic 7      # about 3 minutes

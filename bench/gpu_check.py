@@ -33,8 +33,8 @@ Without CUDA (and without --device) it prints that it skipped and exits 0. With 
    torch's 1F1B of one stage is that), Opacus ghost clipping, pipedp on one stage (ghost, keep), and the
    self-check's first-step cost.
 8. What torch.compile gives non-private training of the realistic preset on the GPU (bench.compile_ceiling:
-   eager / compiled step time, and the first compile's seconds): the most a compile option in pipedp could win
-   there (on the CPU it is ~1.0x: docs/schedules.md). Not with --quick or on the CPU.
+   eager / compiled step time, and the first compile's seconds): what compiling the model's part of a DP step
+   could win there (on the CPU, ~1.0x: docs/schedules.md). Not with --quick or on the CPU.
 
 Prints one table (check | device | dtype | result | measured | bound | seconds); exits 1 if any row fails.
 With --device cpu the process sections run over gloo (their code path) and the memory row is for

@@ -189,17 +189,19 @@ def _dropped_and_recovered(results):
 
 @pytest.mark.parametrize(
     "bad_stage,how,first",
-    [(0, "noise", False), (1, "noise", False), (1, "start", False), (1, "noise", True)],
+    [(0, "noise", False), (1, "noise", False), (1, "start", False), (1, "probe", True), (1, "noise", True)],
 )
 def test_a_failure_before_an_action_starts_drops_the_step_not_the_run(bad_stage, how, first):
     """A stage draws the step's noise just before its first receive (stage 1: the first activation; stage 0:
-    the first gradient; in the run's first, self-checked, step: before its first W), and stage 1's pass starts
-    (the batch moved, probed, the state watched) before its first action, a receive. A draw or a start that runs
-    out of memory has not started that action, so the stage drains the pass from it on and the run recovers, as
-    for a failed computation. Planted: it raises once."""
+    the first gradient), and stage 1's pass starts (the batch moved, probed, the state watched) before its first
+    action, a receive (in the run's first step a self-checked one: its probe made then, on this stage alone
+    failing). A draw or a start that runs out of memory has not started that action, so the stage drains
+    the pass from it on and the run recovers, as for a failed computation (planted, the flag off: the run is
+    refused). In the run's first, self-checked, step the draw comes before the first W, a computation drained
+    either way: that case checks the recovery of a failed checked step, not the flag. Planted: it raises once."""
     from workers import failed_step
 
-    what = {"noise": "drawing the noise", "start": "starting the pass"}[how]
+    what = {"noise": "drawing the noise", "start": "starting the pass", "probe": "probing"}[how]
     results = launch(failed_step, 2, ("1f1b", bad_stage, how, first), timeout_s=300)
     errors = [r[0] for r in results]
     assert errors[0] is not None and errors == [errors[0]] * 2, errors

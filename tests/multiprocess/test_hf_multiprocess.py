@@ -125,6 +125,17 @@ def test_tied_embedding_across_two_processes_is_exact_and_stays_tied():
     assert max_relative_error(noisy, tied_llama_step(0, 1.0, inprocess=True)) < 1e-12
 
 
+def test_a_bf16_tie_across_processes_meets_in_one_dtype_on_an_empty_batch():
+    """bf16-true: the owner starts the tied sum as the noise, in float32; the partner's copy, untouched by an empty
+    batch, must reach the tie's all-reduce in float32 too (gloo aborts on float32 against bf16). The copies stay
+    one tensor, and the run equals the in-process one to bf16's rounding (the parts are added in another order)."""
+    from workers import tied_llama_step
+
+    got = launch(tied_llama_step, 2, (1.0, False, True), timeout_s=300)[0]
+    assert torch.equal(got["model.embed_tokens.weight"], got["lm_head.weight"])
+    assert max_relative_error(got, tied_llama_step(0, 1.0, inprocess=True, bf16=True)) < 1e-2
+
+
 def test_a_tied_checkpoint_loaded_stage_by_stage_trains_tied(tmp_path):
     import transformers
     from workers import tied_llama_from_folder

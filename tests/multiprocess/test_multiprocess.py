@@ -88,14 +88,15 @@ def test_replicas_whose_share_of_a_batch_runs_out_still_run_every_pass():
 def test_bf16_replicas_sum_every_clipped_sum_in_one_dtype_whoever_drew_its_noise():
     """bf16-true over 2 replicas: replica 0 starts its sums as the noise, in float32 (sum_dtype), and replica 1 has
     none for a parameter no sample touched (an empty batch: none is touched). Each sum must reach the all-reduce in
-    the same dtype on both (gloo aborts the process on float32 against bf16), and the run equal one replica's."""
+    the same dtype on both (gloo aborts the process on float32 against bf16), and the run equals one replica's."""
     from workers import bf16_replicas
 
     sizes = [0, 4]
     options = {"stages": 1, "replicas": 2, "microbatches": 1}
     got = launch(bf16_replicas, 2, (options, sizes), timeout_s=120)[0]
     want = bf16_replicas(0, {"stages": 1, "microbatches": 1, "transport": "inprocess"}, sizes)
-    assert all(torch.equal(got[k], want[k]) for k in want)
+    # to bf16's rounding: the replicas' float32 parts are added in another order than one replica's rows
+    assert max_relative_error(got, want) < 1e-2
     assert max_relative_error(got, make_model().state_dict()) > 1e-3  # the noise moved the weights
 
 

@@ -71,7 +71,7 @@ def failed_step(rank, schedule, bad_stage, how="batch", first=False):
     """A bad batch at the second step (stage 0: a token id past the vocabulary; stage 1: a label past it), or
     (``how="noise"``) the bad stage's noise draw raising as out of memory, before its first receive (before its
     first W in the run's first, self-checked, step: ``first``), or (``how="start"``) its pass's start raising so,
-    before its first action; then the good steps; and the same good steps never failed. Returns (each call's
+    before its first action (``how="probe"``: in the self-check's probe, with ``first``); then the good steps; and the same good steps never failed. Returns (each call's
     error or None, seconds the failed step took, the failed run's and the straight run's state on rank 0)."""
     good = [make_batch(8, seed=1), make_batch(8, seed=2)]
     x, y = make_batch(8, seed=3)
@@ -99,6 +99,14 @@ def failed_step(rank, schedule, bad_stage, how="batch", first=False):
             raise RuntimeError("planted: out of memory while starting the pass")
 
         stage.watch_values = out_of_memory_starting
+    if how == "probe" and rank == bad_stage:  # the self-check's probe, made as the pass starts, once
+        probe_for = stage.check.probe_for
+
+        def out_of_memory_probing(*args):
+            stage.check.probe_for = probe_for
+            raise RuntimeError("planted: out of memory while probing")
+
+        stage.check.probe_for = out_of_memory_probing
     start = time.monotonic()
     try:
         trainer.step(x, y)
@@ -370,8 +378,9 @@ def llama_padded_step(rank, inprocess=False):
     return trainer.state_dict()
 
 
-def tied_llama_step(rank, noise, inprocess=False):
-    """One DP step of a tiny Llama whose embedding is tied to its head, on 2 stages."""
+def tied_llama_step(rank, noise, inprocess=False, bf16=False):
+    """Two DP steps of a tiny Llama whose embedding is tied to its head, on 2 stages; ``bf16``: bf16-true, the first
+    step on an empty batch (noise only: no sample touches the head's copy)."""
     import transformers
     from steps import tiny_llama_config  # here: some launches put only this folder on the path
 
@@ -381,6 +390,8 @@ def tied_llama_step(rank, noise, inprocess=False):
     g = torch.Generator().manual_seed(2)
     x, y = torch.randint(0, 40, (7, 8), generator=g), torch.randint(0, 40, (7, 8), generator=g)
     kw = {"transport": "inprocess"} if inprocess else {}
+    if bf16:
+        kw["precision"] = "bf16-true"
     trainer = PipelineDPTrainer(
         model,
         token_loss,
@@ -393,7 +404,7 @@ def tied_llama_step(rank, noise, inprocess=False):
         seed=0,  # a given seed: the runs compared draw the same noise
         **kw,
     )
-    trainer.step(x, y)
+    trainer.step(*((x[:0], y[:0]) if bf16 else (x, y)))
     trainer.step(x, y)  # a second step: the two copies must still be equal
     return trainer.state_dict()
 
