@@ -5,9 +5,10 @@ element-wise work around them, is not measured here.)
     python -m bench.compile_ceiling small 7          # preset, rounds (about 1 minute on 2 cores)
     python -m bench.compile_ceiling realistic 7      # about 3 minutes
 
-One process, one thread (on the CPU; ``bench.gpu_check`` runs it on a GPU); the same model, batch and SGD step eager and under ``torch.compile(model)`` (inductor's
-defaults), alternating, after the compiled side's first step (printed: the compile time) and one warm-up each.
-Prints the median step times and the eager / compiled ratio of each round (above 1: compiling is faster).
+One process, one thread (on the CPU; ``bench.gpu_check`` runs it on a GPU); the same model, batch and SGD step,
+eager and under ``torch.compile(model)`` (inductor's defaults), alternating, after the compiled side's first step
+(printed: the compile time) and one warm-up each. Prints the median step times and the eager / compiled ratio of
+each round (above 1: compiling is faster).
 """
 
 from __future__ import annotations

@@ -199,8 +199,8 @@ class Executor:
         pass in step and no message is left in flight. Each send is an abort header (PeerAborted at the
         receiver), each receive takes what the peer sends (a message, or its abort header), and each norm
         reduction is joined (NaN where this stage has no norms). The failed action itself is skipped, unless it had
-        not started (``unstarted``: the pass's start or the noise's draw raised before it); after ``received_abort`` only the rest of its
-        receive's action is run."""
+        not started (``unstarted``: the pass's start or the noise's draw raised before it); after ``received_abort``
+        only the rest of its receive's action is run."""
         state = self._pass
         position = self.position
         if received_abort:

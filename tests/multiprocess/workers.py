@@ -71,8 +71,9 @@ def failed_step(rank, schedule, bad_stage, how="batch", first=False):
     """A bad batch at the second step (stage 0: a token id past the vocabulary; stage 1: a label past it), or
     (``how="noise"``) the bad stage's noise draw raising as out of memory, before its first receive (before its
     first W in the run's first, self-checked, step: ``first``), or (``how="start"``) its pass's start raising so,
-    before its first action (``how="probe"``: in the self-check's probe, with ``first``); then the good steps; and the same good steps never failed. Returns (each call's
-    error or None, seconds the failed step took, the failed run's and the straight run's state on rank 0)."""
+    before its first action (``how="probe"``: in the self-check's probe, with ``first``); then the good steps; and
+    the same good steps never failed. Returns (each call's error or None, seconds the failed step took, the failed
+    run's and the straight run's state on rank 0)."""
     good = [make_batch(8, seed=1), make_batch(8, seed=2)]
     x, y = make_batch(8, seed=3)
     if how == "batch":
