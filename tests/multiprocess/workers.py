@@ -154,7 +154,8 @@ def failed_update(rank):
 
 def failed_pass_state(rank, bad_rank):
     """``bad_rank``'s pass fails before its state exists (planted: PassState raises once, at the second step): that pass
-    cannot be drained, so the run is refused on every rank, at once. Returns each call's error and the seconds."""
+    cannot be drained, so the run is refused on every rank (the peer by its timeout). Returns each call's error and
+    the seconds."""
     from pipedp.runtime import executor
 
     trainer = make_trainer(make_model(), stages=2, microbatches=2, timeout=10)
