@@ -6,38 +6,22 @@ element-wise work around them, is not measured here.)
     python -m bench.compile_ceiling realistic 7      # about 3 minutes
 
 One process, one thread (on the CPU; ``bench.gpu_check`` runs it on a GPU); the same model, batch and SGD step,
-eager and under ``torch.compile(model)`` (inductor's defaults), alternating, after the compiled side's first step
-(printed: the compile time) and one warm-up each. Prints the median step times and the eager / compiled ratio of
-each round (above 1: compiling is faster).
+eager (``steps.plain``) and under ``torch.compile(model)`` (inductor's defaults), interleaved in rounds as the
+harness does (``steps.interleave``), after the compiled side's first step (printed: the compile time) and one
+warm-up each. Prints the median step times and the eager / compiled ratio of each round (above 1: compiling is
+faster).
 """
 
 from __future__ import annotations
 
 import statistics
 import sys
-import time
-from typing import Callable, Dict, List, Union
+from typing import Dict, Union
 
 import torch
 
+from . import steps as S
 from .presets import PRESETS, Preset
-
-
-def _step(preset: Preset, compiled: bool, device: str) -> Callable[[], None]:
-    x, y = (t.to(device) for t in preset.make_batch(preset.batch, 0))
-    m = preset.microbatches
-    torch.manual_seed(0)
-    model = preset.build().to(device)
-    forward = torch.compile(model) if compiled else model
-    opt = torch.optim.SGD(model.parameters(), lr=0.01)
-
-    def step() -> None:
-        opt.zero_grad(set_to_none=True)
-        for xs, ys in zip(x.chunk(m), y.chunk(m)):
-            (preset.mean_loss(forward(xs), ys) / m).backward()
-        opt.step()
-
-    return step
 
 
 def measure(preset: Union[str, Preset] = "small", rounds: int = 7, device: str = "cpu") -> Dict:
@@ -47,23 +31,18 @@ def measure(preset: Union[str, Preset] = "small", rounds: int = 7, device: str =
     if device == "cpu":
         torch.set_num_threads(1)
 
-    def timed(step: Callable[[], None]) -> float:
+    def sync() -> None:
         if device.startswith("cuda"):
             torch.cuda.synchronize(device)
-        start = time.perf_counter()
-        step()
-        if device.startswith("cuda"):
-            torch.cuda.synchronize(device)
-        return time.perf_counter() - start
 
-    steps = {"eager": _step(preset, False, device), "compiled": _step(preset, True, device)}
-    compile_s = timed(steps["compiled"])
-    timed(steps["eager"])
-    timed(steps["compiled"])
-    times: Dict[str, List[float]] = {name: [] for name in steps}
-    for _ in range(rounds):
-        for name, step in steps.items():
-            times[name].append(timed(step))
+    eager, compiled = (
+        S.plain(preset, device=device, microbatches=preset.microbatches, compiled=c) for c in (False, True)
+    )
+    compile_s = S.timed(compiled.step, 0, 1, sync)[0]
+    for contender in (eager, compiled):
+        S.timed(contender.step, 1, 0)
+    times = S.interleave([eager, compiled], rounds, 1, sync)
+    times = {"eager": times[eager.name], "compiled": times[compiled.name]}
     ratios = [e / c for e, c in zip(times["eager"], times["compiled"])]
     return {"preset": preset.name, "compile_s": compile_s, "times": times, "ratios": ratios}
 

@@ -65,6 +65,12 @@ def row(check: str, device: str, dtype: str, result: str, measured: str = "", bo
     print(f"  {result:5s} {check} [{device}, {dtype}] {measured} {bound} ({seconds:.1f} s)", flush=True)
 
 
+def _failed(check: str, device: str, dtype: str, exc: BaseException, start: float) -> None:
+    """A FAIL row for a check that raised (its first 120 characters; the traceback printed)."""
+    row(check, device, dtype, "FAIL", f"{type(exc).__name__}: {str(exc)[:120]}", "", time.monotonic() - start)
+    traceback.print_exc()
+
+
 class Recorder(torch.optim.SGD):
     """An optimizer that only records the gradient pipedp hands it (a float64 copy), never updating."""
 
@@ -409,8 +415,7 @@ def tensor_parallel(device: str, backend: str, where: str, deadline: float) -> N
         err = relative_error(got, want)
         row(label, where, "float64", "pass" if err < 1e-9 else "FAIL", f"{err:.1e}", "< 1e-9", time.monotonic() - start)
     except Exception as exc:  # noqa: BLE001 - reported in the table
-        row(label, where, "float64", "FAIL", f"{type(exc).__name__}: {str(exc)[:120]}", "", time.monotonic() - start)
-        traceback.print_exc()
+        _failed(label, where, "float64", exc, start)
 
 
 def two_process_parity(what: str, device: str, where: str, backend: str, deadline: float) -> None:
@@ -435,8 +440,7 @@ def two_process_parity(what: str, device: str, where: str, backend: str, deadlin
         err = relative_error(got, want)
         row(label, where, "float64", "pass" if err < 1e-9 else "FAIL", f"{err:.1e}", "< 1e-9", time.monotonic() - start)
     except Exception as exc:  # noqa: BLE001 - reported in the table
-        row(label, where, "float64", "FAIL", f"{type(exc).__name__}: {str(exc)[:120]}", "", time.monotonic() - start)
-        traceback.print_exc()
+        _failed(label, where, "float64", exc, start)
 
 
 def processes(device: str, deadline: float, with_tensor_parallel: bool = False) -> None:
@@ -553,8 +557,7 @@ def memory_vs_planner(device: str, quick: bool, deadline: float) -> None:
                 0.0,
             )
     except Exception as exc:  # noqa: BLE001
-        row(label, device, "float32", "FAIL", f"{type(exc).__name__}: {str(exc)[:120]}", "", time.monotonic() - start)
-        traceback.print_exc()
+        _failed(label, device, "float32", exc, start)
 
 
 # ---- 7: the harness on one GPU ----------------------------------------------------------------------------
@@ -682,8 +685,7 @@ def compile_ceiling(device: str, quick: bool, deadline: float) -> None:
         measured = f"{statistics.median(r):.2f}x ({min(r):.2f}-{max(r):.2f}); compiling {got['compile_s']:.0f} s"
         row(label, device, "float32", "info", measured, "", time.monotonic() - start)
     except Exception as exc:  # noqa: BLE001
-        row(label, device, "float32", "FAIL", f"{type(exc).__name__}: {str(exc)[:120]}", "", time.monotonic() - start)
-        traceback.print_exc()
+        _failed(label, device, "float32", exc, start)
 
 
 def table() -> str:

@@ -258,18 +258,22 @@ def opacus(preset: Preset, mode: str = "ghost", batch: Optional[int] = None, dev
     return Contender(f"opacus-{mode}", step)
 
 
-def plain(preset: Preset, batch: Optional[int] = None, device: str = "cpu", microbatches: int = 1) -> Contender:
+def plain(
+    preset: Preset, batch: Optional[int] = None, device: str = "cpu", microbatches: int = 1, compiled: bool = False
+) -> Contender:
     """Non-private training of the whole model in one process (context for the one-process figures); with
-    ``microbatches``, the batch's gradients accumulated over that many equal parts."""
+    ``microbatches``, the batch's gradients accumulated over that many equal parts; ``compiled``: the model's
+    forward under ``torch.compile`` (bench.compile_ceiling)."""
     x, y = (t.to(device) for t in preset.make_batch(batch or preset.batch, 0))
     torch.manual_seed(0)
     model = preset.build().to(device)
+    forward = torch.compile(model) if compiled else model
     opt = torch.optim.SGD(model.parameters(), lr=LR)
 
     def step():
         opt.zero_grad(set_to_none=True)
         for xs, ys in zip(x.chunk(microbatches), y.chunk(microbatches)):
-            (preset.mean_loss(model(xs), ys) / microbatches).backward()
+            (preset.mean_loss(forward(xs), ys) / microbatches).backward()
         opt.step()
 
-    return Contender("plain", step)
+    return Contender("compiled" if compiled else "plain", step)

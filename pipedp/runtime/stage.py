@@ -592,8 +592,7 @@ class Stage:
             return
         noise, self.noise = self.noise, None
         for p in noise.parameters:
-            if p not in self.clipped_sum:
-                self.clipped_sum[p] = torch.zeros(p.shape, dtype=sum_dtype(p), device=p.device)
+            self.clipped_sum[p] = self._sum_of(p, self.clipped_sum.get(p))
         noise.add_to([self.clipped_sum[p] for p in noise.parameters])
 
     def take_clipped_sum(self) -> List[torch.Tensor]:

@@ -434,7 +434,7 @@ class PipelineDPTrainer:
             _check_finite(stage, list(stage.parameters), self.state.step + 1, "value after the optimizer step")
 
     def _noised(self, stage: Any, grads: List[torch.Tensor], std: float, keep: List[int]) -> None:
-        """Add the stage's noise to the clipped sums this rank noises (``keep``: _noised_here) in place; each
+        """Add the stage's noise to the clipped sums this rank noises (``keep``: Stage.noised_here) in place; each
         parameter's noise is drawn from its own (step, name) stream, so who draws it does not change it."""
         names = stage.parameter_names()
         slices = stage.tensor_parallel.shards  # a split parameter: its slice of the whole one's noise

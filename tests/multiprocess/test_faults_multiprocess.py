@@ -170,21 +170,23 @@ def test_a_failed_step_ends_with_one_named_error_on_every_rank_fast_and_the_run_
     from workers import failed_step
 
     results = launch(failed_step, 2, (schedule, bad_stage), timeout_s=300)
-    errors = [r[0] for r in results]
-    assert errors[0] is not None and errors == [errors[0]] * 2, errors  # one error, the same on every rank
-    assert errors[0].startswith(f"StepFailedError: rank {bad_stage} (stage {bad_stage}) failed in a step: Index")
-    _dropped_and_recovered(results)
+    _dropped_and_recovered(results, bad_stage, "IndexError")
 
 
-def _dropped_and_recovered(results):
+def _dropped_and_recovered(results, bad_stage, error):
+    """One StepFailedError, the same on every rank, naming ``bad_stage`` and its ``error`` type, every rank fast;
+    the next step equal to a run that never failed. Returns the error's text."""
     import torch
 
     errors = [r[0] for r in results]
+    assert errors[0] is not None and errors == [errors[0]] * 2, errors  # one error, the same on every rank
+    assert errors[0].startswith(f"StepFailedError: rank {bad_stage} (stage {bad_stage}) failed in a step: {error}")
     assert "every rank dropped the step" in errors[0]
     assert all(r[1] < 15 for r in results), [r[1] for r in results]  # the timeout is 30 s
     recovered, straight = results[0][2], results[0][3]
     assert recovered.keys() == straight.keys()
     assert all(torch.equal(recovered[k], straight[k]) for k in straight)
+    return errors[0]
 
 
 @pytest.mark.parametrize(
@@ -203,11 +205,8 @@ def test_a_failure_before_an_action_starts_drops_the_step_not_the_run(bad_stage,
 
     what = {"noise": "drawing the noise", "start": "starting the pass", "probe": "probing"}[how]
     results = launch(failed_step, 2, ("1f1b", bad_stage, how, first), timeout_s=300)
-    errors = [r[0] for r in results]
-    assert errors[0] is not None and errors == [errors[0]] * 2, errors
-    assert errors[0].startswith(f"StepFailedError: rank {bad_stage} (stage {bad_stage}) failed in a step: Runtime")
-    assert f"planted: out of memory while {what}" in errors[0]
-    _dropped_and_recovered(results)
+    error = _dropped_and_recovered(results, bad_stage, "RuntimeError")
+    assert f"planted: out of memory while {what}" in error
 
 
 @pytest.mark.parametrize("bad_rank", [0, 1])

@@ -67,6 +67,20 @@ def failing(rank, fail_rank, at_call):
     return "finished"
 
 
+def _fails_once(owner, name, what, when=lambda: True):
+    """``owner.name`` raises RuntimeError("planted: " + ``what``) at its first call where ``when()`` holds, and is
+    the real one again from then on (before: the real one)."""
+    real = getattr(owner, name)
+
+    def planted(*args, **kwargs):
+        if not when():
+            return real(*args, **kwargs)
+        setattr(owner, name, real)
+        raise RuntimeError(f"planted: {what}")
+
+    setattr(owner, name, planted)
+
+
 def failed_step(rank, schedule, bad_stage, how="batch", first=False):
     """A bad batch at the second step (stage 0: a token id past the vocabulary; stage 1: a label past it), or
     (``how="noise"``) the bad stage's noise draw raising as out of memory, before its first receive (before its
@@ -83,31 +97,12 @@ def failed_step(rank, schedule, bad_stage, how="batch", first=False):
     if not first:
         trainer.step(*good[0])
     stage = trainer.runtime.local_stages[0]
-    if how == "noise" and rank == bad_stage:  # once: the next step's draw is the real one
-        draw = stage.draw_noise
-
-        def out_of_memory():
-            if stage.noise is not None:
-                stage.draw_noise = draw
-                raise RuntimeError("planted: out of memory while drawing the noise")
-
-        stage.draw_noise = out_of_memory
-    if how == "start" and rank == bad_stage:  # the last thing Executor.start_pass does, once
-        watch = stage.watch_values
-
-        def out_of_memory_starting(with_parameters):
-            stage.watch_values = watch
-            raise RuntimeError("planted: out of memory while starting the pass")
-
-        stage.watch_values = out_of_memory_starting
-    if how == "probe" and rank == bad_stage:  # the self-check's probe, made as the pass starts, once
-        probe_for = stage.check.probe_for
-
-        def out_of_memory_probing(*args):
-            stage.check.probe_for = probe_for
-            raise RuntimeError("planted: out of memory while probing")
-
-        stage.check.probe_for = out_of_memory_probing
+    if rank == bad_stage and how == "noise":  # (a call with no noise set draws nothing: the next one raises)
+        _fails_once(stage, "draw_noise", "out of memory while drawing the noise", when=lambda: stage.noise is not None)
+    if rank == bad_stage and how == "start":  # the last thing Executor.start_pass does
+        _fails_once(stage, "watch_values", "out of memory while starting the pass")
+    if rank == bad_stage and how == "probe":  # the self-check's probe, made as the pass starts
+        _fails_once(stage.check, "probe_for", "out of memory while probing")
     start = time.monotonic()
     try:
         trainer.step(x, y)
@@ -161,13 +156,7 @@ def failed_pass_state(rank, bad_rank):
     trainer = make_trainer(make_model(), stages=2, microbatches=2, timeout=10)
     trainer.step(*make_batch(8, seed=1))
     if rank == bad_rank:
-        made = executor.PassState
-
-        def planted(*args, **kwargs):
-            executor.PassState = made
-            raise RuntimeError("planted: the pass's state could not be made")
-
-        executor.PassState = planted
+        _fails_once(executor, "PassState", "the pass's state could not be made")
     out = {}
     start = time.monotonic()
     for what, batch in [("step", make_batch(8, seed=2)), ("next step", make_batch(8, seed=3))]:
