@@ -166,3 +166,19 @@ def test_the_flop_bound_of_a_hugging_face_preset():
     x, _ = PRESETS["tiny-mixtral"].make_batch(PRESETS["tiny-mixtral"].batch, 0)
     banks = 6 * x.numel() * cfg.num_experts_per_tok * 3 * cfg.hidden_size * cfg.intermediate_size
     assert got["plain_flops"] > banks * cfg.num_hidden_layers
+
+
+def test_gram_rate_times_each_product():
+    from bench.gram_rate import rates
+
+    row = rates(2, 4, 8)
+    assert set(row) == {"width", "gram", "gram from [width, T]", "the same with its copy", "weight product"}
+    assert row["width"] == 8 and all(v > 0 for k, v in row.items() if k != "width")
+
+
+def test_rule_shares_finds_each_piece_inside_a_dp_step():
+    from bench.rule_shares import measure
+
+    got = measure("tiny", reps=1)
+    pieces = {"LayerNorm rule in I", "its layer_norm recompute", "Linear sum(1) in I", "Linear sum(1) in W"}
+    assert pieces <= set(got["shares"]) and all(0 < got["shares"][k] < 1 for k in pieces)

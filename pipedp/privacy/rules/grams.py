@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Dict
+from typing import Dict, Tuple
 
 import torch
 
@@ -17,20 +17,25 @@ def gram_norms(a3: torch.Tensor, g3: torch.Tensor) -> torch.Tensor:
 
 
 class GramCache:
-    """Input Gram matrices a a^T, each computed once: projections that read the same hidden state
-    (q/k/v, gate/up) share it. Keyed by the tensor's storage and layout; live for one micro-batch's
-    norms, while every captured input is still held (so no address can be reused)."""
+    """Gram matrices x x^T of captured tensors, each computed once: projections that read the same hidden
+    state (q/k/v, gate/up) share their input's, and layers whose outputs are summed into one tensor (a
+    parallel residual's attention and MLP outputs: GPT-J, GPT-NeoX, Falcon, Phi) share their output-gradient's,
+    which autograd hands to both as one tensor. Lives for one micro-batch's norms, keyed by the tensor's storage
+    and layout; each entry holds its tensor, so no address is reused while the cache lives (a privacy unit's
+    folding copies a non-contiguous tensor, which would otherwise be freed after its layer and its address taken
+    by a later layer's copy of the same shape)."""
 
     def __init__(self) -> None:
-        self._grams: Dict[tuple, torch.Tensor] = {}
+        self._grams: Dict[tuple, Tuple[torch.Tensor, torch.Tensor]] = {}
 
     def gram(self, captured: torch.Tensor, a3: torch.Tensor) -> torch.Tensor:
-        """The Gram matrix of ``a3``, the captured input ``captured`` as [n, T, in] in the arithmetic's
-        dtype (keyed by the captured tensor: a bf16 capture is converted anew by every layer reading it)."""
+        """The Gram matrix of ``a3``, the captured tensor ``captured`` (an input or an output-gradient) as
+        [n, T, features] in the arithmetic's dtype (keyed by the captured tensor: a bf16 capture is converted
+        anew by every layer reading it)."""
         # the storage itself, not data_ptr(): fake tensors (the planner's simulation) all read pointer 0
         storage = captured.untyped_storage()._cdata
         layout = (captured.storage_offset(), tuple(captured.shape), tuple(captured.stride()))
         key = (storage, *layout, captured.dtype, a3.dtype)
         if key not in self._grams:
-            self._grams[key] = gram(a3)
-        return self._grams[key]
+            self._grams[key] = (captured, gram(a3))
+        return self._grams[key][1]

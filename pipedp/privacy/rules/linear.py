@@ -12,7 +12,7 @@ from typing import Dict, Optional, Sequence
 import torch
 import torch.nn as nn
 
-from .grams import GramCache, gram
+from .grams import GramCache
 from .registry import MACS_PER_BYTE, Grads, LayerRule, per_row, register
 
 
@@ -98,7 +98,8 @@ def norms(
         if tokens == 1:
             out[layer.weight] = g3[:, 0].pow(2).sum(1) * a3[:, 0].pow(2).sum(1)
         else:
-            out[layer.weight] = (gram(g3) * (grams or GramCache()).gram(inputs[0], a3)).sum((1, 2))
+            grams = grams or GramCache()
+            out[layer.weight] = (grams.gram(backprops, g3) * grams.gram(inputs[0], a3)).sum((1, 2))
     if layer.bias is not None and layer.bias.requires_grad:
         out[layer.bias] = g3.sum(1).pow(2).sum(1)
     return out
