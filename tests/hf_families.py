@@ -30,7 +30,6 @@ class Family:
     # a step takes over 5 s here (a linear attention's chunked scan replayed per sample): the default tier runs two
     # of its causal runs (the rest, its classifier and its LoRA on the experts in the exhaustive tier)
     slow: bool = False
-    exhaustive: bool = False  # a step takes over 30 s here: every run of it in the exhaustive tier only
     # its routers (this class) sample the experts in training: the tests key each token's draws to its own values
     # (tests/keyed_draws.py), so the loop oracle, running each sample alone, draws what the micro-batch drew
     sampled: str = ""
@@ -69,6 +68,17 @@ GROUPED = {**LOW_RANK, "n_group": 1, "topk_group": 1, "first_k_dense_replace": 1
 # (a linear-attention cache in a training forward: transformers' own forward fails on it; pipedp's drive makes none)
 NO_CACHE = {"use_cache": False}
 ALTERNATING = {"layer_types": ["sliding_attention", "full_attention", "sliding_attention"]}  # both masks
+# gated delta-rule layers, narrow (their defaults, 16-32 heads of 128, made a "tiny" model 8 s a step), with a full
+# attention layer between two of them (the default pattern's first comes fourth)
+DELTA_RULE = {
+    "linear_key_head_dim": 8,
+    "linear_value_head_dim": 8,
+    "linear_num_key_heads": 2,
+    "linear_num_value_heads": 4,
+    "head_dim": 8,
+    **NO_CACHE,
+}
+DELTA_AND_ATTENTION = {**DELTA_RULE, "layer_types": ["linear_attention", "full_attention", "linear_attention"]}
 
 FAMILIES = [
     # the families pipedp split before (by name)
@@ -227,7 +237,7 @@ FAMILIES = [
     Family(
         "mamba2",
         "Mamba-2 layers",
-        {"head_dim": 8, "num_heads": 4, "n_groups": 1},
+        {"head_dim": 8, "num_heads": 4, "n_groups": 1, "state_size": 8, "chunk_size": 4},  # 2 chunks of the 8 tokens
         attention=("eager",),
         classification=False,
         float32_inside=True,
@@ -235,42 +245,51 @@ FAMILIES = [
     Family("falcon_mamba", "Mamba layers", attention=("eager",), classification=False, float32_inside=True),
     Family("jamba", "Mamba, attention and experts", NO_CACHE, experts=True, float32_inside=True),
     Family("lfm3", "convolution and attention layers", classification=False, float32_inside=True),
-    Family("qwen3_next", "gated delta-rule layers and experts", NO_CACHE, experts=True, float32_inside=True, slow=True),
-    Family("qwen3_5_text", "gated delta-rule layers", NO_CACHE, float32_inside=True, slow=True),
+    Family("qwen3_next", "gated delta-rule layers and experts", DELTA_AND_ATTENTION, experts=True, float32_inside=True),
+    Family("qwen3_5_text", "gated delta-rule layers", DELTA_AND_ATTENTION, float32_inside=True),
     Family(
         "qwen3_5_moe_text",
         "gated delta-rule layers and experts",
-        NO_CACHE,
+        DELTA_AND_ATTENTION,
         classification=False,
         experts=True,
         float32_inside=True,
-        slow=True,
     ),
     Family(
         "nemotron_h",
         "Mamba-2, attention, experts and MLP layers",
+        {"mamba_num_heads": 4, "mamba_head_dim": 8, "ssm_state_size": 8, "n_groups": 1, "head_dim": 8},
         classification=False,
         experts=True,
         float32_inside=True,
-        slow=True,
         ties=False,
     ),
     Family(
         "kimi_linear",
         "delta-rule attention and experts",
-        NO_CACHE,
+        {
+            **NO_CACHE,
+            # narrow (its defaults, 32 heads of 128 and a rank of 512, made a step take over 30 s)
+            "linear_head_dim": 8,
+            "linear_num_heads": 2,
+            "kv_lora_rank": 8,
+            "qk_nope_head_dim": 4,
+            "qk_rope_head_dim": 4,
+            "v_head_dim": 8,
+            "head_dim": 8,
+            "num_key_value_heads": 2,
+            "layer_types": ["linear_attention", "full_attention", "linear_attention"],
+        },
         classification=False,
         experts=True,
         float32_inside=True,
-        slow=True,
         ties=False,
-        exhaustive=True,
     ),
     Family("olmo_hybrid", "gated delta-rule layers", NO_CACHE, classification=False, float32_inside=True),
     Family(
         "lara_mini",
         "linear-attention layers and experts",
-        NO_CACHE,
+        DELTA_RULE,
         classification=False,
         experts=True,
         float32_inside=True,
@@ -304,12 +323,19 @@ FAMILIES = [
             "compress_rates": {"compressed_sparse_attention": 2, "heavily_compressed_attention": 4},
             "index_topk": 2,
             **SLIDING,
+            # narrow (the defaults: heads of 512, ranks of 1024)
+            "head_dim": 16,
+            "q_lora_rank": 8,
+            "o_lora_rank": 8,
+            "o_groups": 2,
+            "index_n_heads": 2,
+            "index_head_dim": 8,
+            "qk_rope_head_dim": 8,
         },
         attention=("eager",),
         classification=False,
         experts=True,
         float32_inside=True,
-        slow=True,
         hashed=True,
     ),
     # experts called on the tokens sorted by expert, and an attention that is itself a mixture of experts (its query

@@ -85,9 +85,7 @@ def pipelined(model, inputs, stages):
     return out
 
 
-@pytest.mark.parametrize(
-    "family", [pytest.param(f, id=f.name, marks=[pytest.mark.exhaustive] * f.exhaustive) for f in EXACT]
-)
+@pytest.mark.parametrize("family", EXACT, ids=lambda f: f.name)
 def test_pipelined_forward_equals_the_models_own_forward(family):
     for attention in family.attention:
         for kind in ("causal", "classification") if family.classification else ("causal",):
@@ -121,13 +119,13 @@ def check_causal_step(family, stages, mode, tied, side):
 
 def tiered(families, runs, default: int):
     """(family, *run) for each family and run; a slow family's runs after the first ``default`` in the exhaustive
-    tier only (an exhaustive family's all)."""
+    tier only."""
     return [
         pytest.param(
             f,
             *run,
             id=f"{f.name}-{'-'.join(map(str, run))}",
-            marks=[pytest.mark.exhaustive] * ((f.slow and k >= default) or f.exhaustive),
+            marks=[pytest.mark.exhaustive] * (f.slow and k >= default),
         )
         for f in families
         for k, run in enumerate(runs)
