@@ -10,7 +10,8 @@ plain micro-batched training's step alternating beside it:
 - the LayerNorm rule in I (privacy/rules/layer_norm.py: normalised input, product, sums);
 - torch.nn.functional.layer_norm inside that rule (the recomputed normalised input);
 - the Linear rule's per-sample sums over positions, ``g.sum(1)``, in I and in W, and W's ``sum((0, 1))`` of the
-  clip-scaled output-gradients (the bias's part of a wide-input layer's clipped sum).
+  clip-scaled output-gradients (the bias's part of a wide-input layer's clipped sum): every such sum of a 3-D
+  tensor in I and W outside the LayerNorm rule (the GPT presets' only other layers, the embeddings, sum none).
 """
 
 from __future__ import annotations
@@ -76,7 +77,8 @@ class _Timers:
             return wrapped
 
         def timed_sum(t, *args, **kwargs):
-            if timers.phase and args and args[0] in (1, (0, 1)) and not timers.in_rule:
+            # a Linear's [n, T, out] output-gradient summed over positions (3-D: not the norms' [n, out] sums)
+            if timers.phase and t.dim() == 3 and args and args[0] in (1, (0, 1)) and not timers.in_rule:
                 with timers.timing(f"Linear sum({args[0]}) in {timers.phase}"):
                     return tensor_sum(t, *args, **kwargs)
             return tensor_sum(t, *args, **kwargs)

@@ -16,7 +16,7 @@ import torch.nn as nn
 from opacus.grad_sample import GradSampleModuleFastGradientClipping
 
 from .rules import Grads, layer_parameters, rule_for
-from .rules.grams import GramCache, gram_norms
+from .rules.grams import GramCache, gram_norms, shared_storages
 from .rules.registry import per_row
 
 NORM_SAMPLERS = GradSampleModuleFastGradientClipping.NORM_SAMPLERS  # Opacus's ghost norms (benchmarked against)
@@ -35,6 +35,7 @@ __all__ = [
     "KEEP_MEMORY_RATIO",
     "NORM_SAMPLERS",
     "full_precision",
+    "shared_storages",
 ]
 
 

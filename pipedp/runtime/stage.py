@@ -34,6 +34,7 @@ from ..privacy.per_sample import (
     ghost_squared_norms,
     per_sample_grads,
     pools_positions,
+    shared_storages,
     squared_norms,
 )
 from ..privacy.rules import layer_parameters
@@ -402,8 +403,14 @@ class Stage:
         message = None
         if not self.is_first:  # one gradient per floating-point input, zeros for an unused one
             message = self._message(state, input_grads)
+        widened: Dict[int, torch.Tensor] = {}  # one float32 copy of a gradient autograd hands several layers
         for (name, call), g in zip(pairs, grads[: len(pairs)]):
-            first = _widened(g.detach()) if g is not None else _widened(torch.zeros_like(call.output))
+            if g is None:
+                first = _widened(torch.zeros_like(call.output))
+            else:
+                if id(g) not in widened:
+                    widened[id(g)] = _widened(g.detach())
+                first = widened[id(g)]
             state.backprops.setdefault(name, []).append(call.backprop(first, more.get(id(call), ())))
             call.output, call.guards = None, ()  # frees the graph once state.output goes too
         # which floating tensors sent on carry gradients (a probe message holds one per floating tensor)
@@ -441,7 +448,9 @@ class Stage:
         the memory rule choose)."""
         per_param: Dict[nn.Parameter, torch.Tensor] = {}
         materialized: Grads = {}
-        grams = GramCache()  # layers reading one input share its Gram matrix
+        # layers reading one tensor (an input; an output-gradient, under a parallel residual) share its Gram matrix
+        reads = [t for name, calls in state.calls.items() for t in (*calls[0].inputs[:1], *state.backprops[name][:1])]
+        grams = GramCache(shared_storages(reads))
         for name, calls in state.calls.items():
             layer, backprops = self.layers[name], state.backprops[name]
             alone = len(calls) == 1 and name not in self._shares_params

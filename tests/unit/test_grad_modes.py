@@ -41,8 +41,9 @@ def test_auto_is_the_default_and_the_report_shows_its_choice():
 
 @pytest.mark.parametrize("d, tokens, rows", [(256, 64, 8), (1024, 128, 4)], ids=["small", "realistic"])
 def test_auto_takes_ghosts_ways_at_the_benchmark_presets(d, tokens, rows):
-    # bench's small and realistic presets (GPT, d, T, rows per micro-batch): there ghost was the fastest way
-    # measured (bench/RESULTS.md 2026-12-07 07:23), so the default computes exactly what the ghost variant does
+    # bench's small and realistic presets (bench/presets.py: GPT, d, T, rows per micro-batch): there ghost was the
+    # fastest way measured (bench/RESULTS.md 2026-12-07 07:23), so the default computes exactly what the ghost
+    # variant does. Both modes allow the same ways: auto's cheapest must be the one ghost prefers
     model = tiny_gpt(GPTConfig(vocab_size=256, seq_len=tokens, d_model=d, n_heads=4, n_layers=1))
     for name, layer in model.named_modules():
         if isinstance(layer, nn.Linear):

@@ -1,9 +1,11 @@
-"""GramCache: one Gram matrix per captured input, never one shared by two different inputs."""
+"""GramCache: one Gram matrix per captured tensor several layers read (an input, an output-gradient), never one
+shared by two different tensors."""
 
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from pipedp.privacy.rules.grams import GramCache, gram
+from pipedp.privacy.rules.grams import GramCache, gram, shared_storages
+from pipedp.privacy.rules.linear import LINEAR
 
 
 def test_one_input_read_twice_is_computed_once():
@@ -41,12 +43,25 @@ def test_an_entry_holds_its_tensor_so_no_later_tensor_takes_its_address():
         del temporary
 
 
-def test_an_output_gradient_two_layers_share_is_one_matrix():
-    # a parallel residual (attention + MLP summed): autograd hands both layers one gradient tensor
-    x = torch.randn(2, 3, 4, requires_grad=True)
-    attention, mlp = torch.nn.Linear(4, 5), torch.nn.Linear(4, 5)
+def test_a_parallel_residuals_two_projections_compute_one_output_gradient_gram():
+    # attention and MLP outputs summed: autograd hands both projections one gradient tensor; the Linear rule reads
+    # its Gram from the cache (and its input's: both read x), and each norm is still the per-sample gradient's
+    x = torch.randn(2, 6, 8, dtype=torch.float64, requires_grad=True)  # (T^2 <= 8 x 8: ghost norms)
+    attention, mlp = torch.nn.Linear(8, 8).double(), torch.nn.Linear(8, 8).double()
     outputs = [attention(x), mlp(x)]
     grads = torch.autograd.grad((outputs[0] + outputs[1]).square().sum(), outputs)
-    assert grads[0].untyped_storage()._cdata == grads[1].untyped_storage()._cdata
-    cache = GramCache()
-    assert cache.gram(grads[0], grads[0]) is cache.gram(grads[1], grads[1])
+    a = x.detach()
+    cache = GramCache(shared_storages([a, grads[0], a, grads[1]]))
+    norms = [LINEAR.norms(layer, [a], g, cache) for layer, g in zip((attention, mlp), grads)]
+    assert len(cache._grams) == 2  # one input Gram, one output-gradient Gram
+    for layer, g, got in zip((attention, mlp), grads, norms):
+        per_sample = torch.einsum("nto,nti->noi", g, a)  # sum_t g_t a_t^T of each sample
+        torch.testing.assert_close(got[layer.weight], per_sample.pow(2).sum((1, 2)))
+
+
+def test_only_tensors_several_layers_read_keep_their_gram():
+    a, b = torch.randn(2, 3, 4), torch.randn(2, 3, 4)
+    cache = GramCache(shared_storages([a, b, b]))
+    assert cache.gram(a, a) is not cache.gram(a, a)  # read by one layer: computed, not held
+    assert cache.gram(b, b) is cache.gram(b, b)
+    assert len(cache._grams) == 1
