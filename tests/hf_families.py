@@ -140,7 +140,6 @@ FAMILIES = [
         classification=False,
         experts=True,
         float32_inside=True,
-        slow=True,
     ),
     Family("minimax", config=HEAD_DIM_8, experts=True),
     Family("flex_olmo", classification=False, experts=True),
