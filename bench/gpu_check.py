@@ -65,6 +65,14 @@ def row(check: str, device: str, dtype: str, result: str, measured: str = "", bo
     print(f"  {result:5s} {check} [{device}, {dtype}] {measured} {bound} ({seconds:.1f} s)", flush=True)
 
 
+def _budget_spent(deadline: float, check: str, device: str, dtype: str) -> bool:
+    """Past the time budget: a skip row for the check, which the caller then leaves out."""
+    if time.monotonic() <= deadline:
+        return False
+    row(check, device, dtype, "skip", "time budget spent")
+    return True
+
+
 def _failed(check: str, device: str, dtype: str, exc: BaseException, start: float) -> None:
     """A FAIL row for a check that raised (its first 120 characters; the traceback printed)."""
     row(check, device, dtype, "FAIL", f"{type(exc).__name__}: {str(exc)[:120]}", "", time.monotonic() - start)
@@ -200,8 +208,7 @@ def parity(device: str, quick: bool, deadline: float) -> None:
         want = loop_clipped_sum(copy.deepcopy(base), token_loss, x, y, clip)
         for stages, mode, schedule in combos:
             label = f"parity {name}: {stages} stage(s), {mode}, {schedule}, m=3"
-            if time.monotonic() > deadline:
-                row(label, device, "float64", "skip", "time budget spent")
+            if _budget_spent(deadline, label, device, "float64"):
                 continue
             start = time.monotonic()
             try:
@@ -233,8 +240,7 @@ def parity(device: str, quick: bool, deadline: float) -> None:
     for precision, bound in (("bf16-mixed", 3e-2), ("bf16-true", 6e-2)):
         for name, make in models.items():
             label = f"parity {name}: 2 stages, ghost, {precision}"
-            if time.monotonic() > deadline:
-                row(label, device, "bf16", "skip", "time budget spent")
+            if _budget_spent(deadline, label, device, "bf16"):
                 continue
             start = time.monotonic()
             try:
@@ -278,8 +284,7 @@ def two_devices(devices: List[str], deadline: float) -> None:
     if "devices" not in fields:
         row(label, "+".join(devices), "float64", "skip", "PipelineConfig has no 'devices' field")
         return
-    if time.monotonic() > deadline:
-        row(label, "+".join(devices), "float64", "skip", "time budget spent")
+    if _budget_spent(deadline, label, "+".join(devices), "float64"):
         return
     for name, make in (("gpt", small_gpt), ("llama", small_llama)):
         start = time.monotonic()
@@ -401,8 +406,7 @@ def tensor_parallel(device: str, backend: str, where: str, deadline: float) -> N
     from pipedp.runtime.launch import launch
 
     label = f"tensor parallel llama: 2 ranks over {backend}, 1 stage"
-    if time.monotonic() > deadline:
-        row(label, where, "float64", "skip", "time budget spent")
+    if _budget_spent(deadline, label, where, "float64"):
         return
     start, clip, lr = time.monotonic(), 0.05, 0.5
     try:
@@ -426,8 +430,7 @@ def two_process_parity(what: str, device: str, where: str, backend: str, deadlin
     from pipedp.runtime.launch import launch
 
     label = f"parity gpt: {what}, ghost, 1f1b, m=3"
-    if time.monotonic() > deadline:
-        row(label, where, "float64", "skip", "time budget spent")
+    if _budget_spent(deadline, label, where, "float64"):
         return
     start = time.monotonic()
     try:
@@ -461,8 +464,7 @@ def processes(device: str, deadline: float, with_tensor_parallel: bool = False) 
     else:
         row("tensor parallel llama: 2 ranks", where, "float64", "skip", "on 2 GPUs, or --tensor-parallel on the CPU")
     label, timeout_s = f"stalled rank over {backend}: named error within the timeout", 10.0
-    if time.monotonic() > deadline:
-        row(label, where, "float32", "skip", "time budget spent")
+    if _budget_spent(deadline, label, where, "float32"):
         return
     start = time.monotonic()
     try:
@@ -500,8 +502,7 @@ def memory_vs_planner(device: str, quick: bool, deadline: float) -> None:
     except ImportError:
         row(label, device, "float32", "skip", "transformers not installed")
         return
-    if time.monotonic() > deadline:
-        row(label, device, "float32", "skip", "time budget spent")
+    if _budget_spent(deadline, label, device, "float32"):
         return
     start = time.monotonic()
     width, layers, seq, rows_ = (64, 2, 32, 2) if quick else (1024, 4, 512, 4)
@@ -587,8 +588,7 @@ def harness(device: str, quick: bool, deadline: float) -> None:
             torch.cuda.synchronize()
 
     for preset in presets:
-        if time.monotonic() > deadline:
-            row(f"harness {preset.name}", device, "float32", "skip", "time budget spent")
+        if _budget_spent(deadline, f"harness {preset.name}", device, "float32"):
             continue
         start = time.monotonic()
         try:
@@ -673,8 +673,7 @@ def compile_ceiling(device: str, quick: bool, deadline: float) -> None:
     if quick or not device.startswith("cuda"):
         row(label, device, "float32", "skip", "on a GPU only, not with --quick (the CPU's: bench/RESULTS.md)")
         return
-    if time.monotonic() > deadline:
-        row(label, device, "float32", "skip", "time budget spent")
+    if _budget_spent(deadline, label, device, "float32"):
         return
     from . import compile_ceiling as ceiling
 
